@@ -1,0 +1,3 @@
+from convcheck.cli import main
+
+raise SystemExit(main())

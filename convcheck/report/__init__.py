@@ -1,0 +1,1 @@
+"""Renderers: terminal, JSON/CSV, plots, HTML."""
