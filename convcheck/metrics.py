@@ -1,0 +1,141 @@
+"""Error measures and precision bounds; the tolerances that turn them into flags.
+
+Every measure is computed in float64 on the CPU against the judge's tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+_TINY = 1e-30
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """When a layer's local error counts as introduced by that layer.
+
+    A layer is flagged when its local error (judge input -> target layer vs the
+    judge's output) is above ``bound_factor`` times its expected bound *and*
+    above ``min_error``, the size that matters (an ill-conditioned layer that
+    loses 1e-4 in float32 is a note, not a culprit).
+
+    The expected bound for a reduction of length K in a format with unit
+    roundoff u is u*sqrt(K) (typical growth; u*K is the worst case), see
+    ARCHITECTURE.md "Local vs propagated error". The same object serves the
+    CLI, the pytest plugin and the Python API.
+    """
+
+    bound_factor: float = 8.0
+    min_error: float = 1e-3
+    # Training: a target has converged when its final loss is below this
+    # fraction of its first loss and finite (see convcheck.train.converged).
+    converged_loss_ratio: float = 0.9
+
+    def is_flagged(self, local_error: float, bound: float) -> bool:
+        if not math.isfinite(local_error):
+            return True
+        return local_error > max(self.bound_factor * bound, self.min_error)
+
+    def needed(self, local_error: float, bound: float) -> float:
+        """The ``bound_factor`` that would have let this error pass."""
+        if bound <= 0:
+            return math.inf
+        return local_error / bound
+
+
+DEFAULT_TOLERANCES = Tolerances()
+
+
+def _as_f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float64)
+
+
+def nonfinite_count(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count)."""
+    t = t.detach()
+    if not t.is_floating_point():
+        return 0, 0
+    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64; inf when x holds a non-finite value and ref does not."""
+    a, e = _as_f64(x), _as_f64(ref)
+    if a.shape != e.shape:
+        raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
+    finite_ref = torch.isfinite(e)
+    if not bool(torch.isfinite(a)[finite_ref].all()):
+        return math.inf
+    a, e = a[finite_ref], e[finite_ref]
+    den = float(torch.linalg.vector_norm(e))
+    num = float(torch.linalg.vector_norm(a - e))
+    if den < _TINY:
+        return 0.0 if num < _TINY else math.inf
+    return num / den
+
+
+def max_abs(x: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (_as_f64(x) - _as_f64(ref)).abs()
+    return float(d.max()) if d.numel() else 0.0
+
+
+def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
+    a, e = _as_f64(x).flatten(), _as_f64(ref).flatten()
+    den = float(a.norm() * e.norm())
+    return float(a @ e) / den if den > _TINY else 1.0
+
+
+def ulp_distance(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Median distance in ulps of ``dtype`` at the reference's magnitude."""
+    e = _as_f64(ref)
+    eps = torch.finfo(dtype).eps
+    tiny = torch.finfo(dtype).tiny
+    spacing = torch.clamp(e.abs(), min=tiny) * eps
+    d = (_as_f64(x) - e).abs() / spacing
+    d = d[torch.isfinite(d)]
+    return float(d.median()) if d.numel() else math.inf
+
+
+def expected_bound(unit_roundoff: float, reduction_length: int) -> float:
+    """Typical relative error of a length-K reduction: u*sqrt(K), and at least u."""
+    return unit_roundoff * max(1.0, math.sqrt(max(1, reduction_length)))
+
+
+def reduction_length(module: nn.Module, inputs: tuple, output: torch.Tensor) -> int:
+    """K, the length of the longest sum behind one output element of ``module``."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return (module.in_channels // module.groups) * math.prod(module.kernel_size)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        x = inputs[0]
+        return max(1, x.numel() // x.shape[1]) if module.training else 1
+    if isinstance(module, (nn.LayerNorm,)):
+        return math.prod(module.normalized_shape)
+    if isinstance(module, nn.GroupNorm):
+        x = inputs[0]
+        return max(1, x[0].numel() // module.num_groups)
+    if isinstance(module, (nn.AvgPool2d, nn.AvgPool1d, nn.AvgPool3d)):
+        k = module.kernel_size
+        return math.prod(k) if isinstance(k, tuple) else k ** (inputs[0].dim() - 2)
+    if isinstance(module, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool3d)):
+        return max(1, inputs[0][0, 0].numel() // max(1, output[0, 0].numel()))
+    if isinstance(module, (nn.ReLU, nn.MaxPool2d, nn.MaxPool1d, nn.Identity, nn.Flatten, nn.Dropout)):
+        return 1
+    # An unknown module: assume it may reduce over everything one sample holds.
+    x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if x is None or x.dim() == 0:
+        return 1
+    return max(1, x[0].numel() if x.dim() > 1 else x.numel())
+
+
+def grad_reduction_length(param: torch.Tensor, batch_size: int, output: torch.Tensor | None) -> int:
+    """K for a parameter's gradient: it sums over the batch and every output position."""
+    if output is None or output.dim() < 2:
+        return max(1, batch_size)
+    spatial = output[0, 0].numel() if output.dim() > 2 else 1
+    return max(1, batch_size * spatial)

@@ -1,0 +1,244 @@
+"""One-step parity: per-layer forward and per-parameter gradient errors against the judge.
+
+For every leaf-module call the table holds the *propagated* error (the
+target's own forward vs the judge) and the *local* error (the judge's input,
+cast to the target, through the target's copy of the layer, vs the judge's
+output), the expected bound for that layer's precision and reduction length,
+NaN/Inf counts, and whether the layer is flagged. The same for every
+parameter's gradient: the target's own gradient vs the judge's, and the
+gradient the target's copy of the layer computes from the judge's input and
+output gradient.
+
+Memory: only the judge's per-layer tensors are held in full; each target is
+compared layer by layer while it runs and keeps scalars only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pandas as pd
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from convcheck.capture import LeafCalls, cast_like, module_copy, tensors_in
+from convcheck.metrics import (
+    DEFAULT_TOLERANCES,
+    Tolerances,
+    expected_bound,
+    grad_reduction_length,
+    nonfinite_count,
+    reduction_length,
+    rel_l2,
+)
+from convcheck.targets import JUDGE, Target
+
+COLUMNS = [
+    "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "bound",
+    "propagated", "local", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite", "flagged",
+]
+
+ModelBuilder = Callable[[Target], nn.Module]
+
+
+@dataclass
+class _JudgeCall:
+    name: str
+    module: str
+    inputs: tuple
+    output: torch.Tensor
+    grad_output: torch.Tensor | None = None
+
+
+@dataclass
+class ParityResult:
+    """Per-layer parity of every target against the judge. Truthy when nothing is flagged."""
+
+    layers: pd.DataFrame
+    first_flagged: dict[str, str | None]
+    tolerances: Tolerances
+    judge_loss: float
+    losses: dict[str, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return not bool(self.layers["flagged"].any()) if len(self.layers) else True
+
+    def flagged(self, target: str | None = None) -> pd.DataFrame:
+        t = self.layers[self.layers["flagged"]]
+        return t if target is None else t[t["target"] == target]
+
+    def needed_bound_factor(self) -> float:
+        """The smallest ``bound_factor`` under which no layer above ``min_error`` would be flagged."""
+        t = self.layers
+        t = t[t["local"] > self.tolerances.min_error]
+        return float(t["needed"].max()) if len(t) else 0.0
+
+
+def _loss(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.float() if output.dtype in (torch.float16, torch.bfloat16) else output, y)
+
+
+def _no_hooks(m: nn.Module) -> nn.Module:
+    for sub in m.modules():
+        sub._forward_hooks.clear()
+        sub._forward_pre_hooks.clear()
+        sub._backward_hooks.clear()
+    return m
+
+
+def _run_judge(build: ModelBuilder, x, y, judge: Target):
+    model = build(judge)
+    calls: dict[str, _JudgeCall] = {}
+
+    def on_call(key, name, module, inputs, out):
+        rec = _JudgeCall(name, type(module).__name__, tuple(
+            t.detach() if isinstance(t, torch.Tensor) else t for t in inputs), out.detach())
+        calls[key] = rec
+        if out.requires_grad:
+            out.register_hook(lambda g, rec=rec: setattr(rec, "grad_output", g.detach()))
+
+    with judge.applied():
+        with LeafCalls(model, on_call) as lc:
+            out = model(judge.cast_input(x))
+            loss = _loss(out, judge.cast_input(y))
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return calls, lc.order, grads, float(loss)
+
+
+def run_parity(
+    build: ModelBuilder,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    targets: list[Target],
+    *,
+    tolerances: Tolerances = DEFAULT_TOLERANCES,
+    judge: Target = JUDGE,
+    seed: int = 0,
+) -> ParityResult:
+    """One forward/backward step of every target against the judge.
+
+    ``build(target)`` returns the model with the shared initial weights, cast
+    and moved to ``target``, in training mode.
+    """
+    x, y = batch
+    torch.manual_seed(seed)
+    calls, order, judge_grads, judge_loss = _run_judge(build, x, y, judge)
+    rows: list[dict] = []
+    first: dict[str, str | None] = {}
+    losses: dict[str, float] = {}
+    for target in targets:
+        if target == judge:
+            continue
+        torch.manual_seed(seed)
+        t_rows, loss = _run_target(build, target, x, y, calls, judge_grads, tolerances)
+        rows.extend(t_rows)
+        losses[str(target)] = loss
+        first[str(target)] = _first_flagged(t_rows)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return ParityResult(table, first, tolerances, judge_loss, losses)
+
+
+def _first_flagged(rows: list[dict]) -> str | None:
+    fwd = [r for r in rows if r["kind"] == "forward" and r["flagged"]]
+    if fwd:
+        return min(fwd, key=lambda r: r["order"])["layer"]
+    grad = [r for r in rows if r["kind"] == "grad" and r["flagged"]]
+    if grad:  # backward runs output -> input: the last layer in forward order comes first
+        return max(grad, key=lambda r: r["order"])["layer"]
+    return None
+
+
+def _run_target(build, target, x, y, calls, judge_grads, tol):
+    model = build(target)
+    device = target.torch_device
+    u = target.unit_roundoff
+    rows: list[dict] = []
+    by_key: dict[str, dict] = {}
+    first_call: dict[str, tuple[int, nn.Module, tuple]] = {}
+    scale = 2.0**16 if target.uses_grad_scaler else 1.0
+
+    def on_call(key, name, module, inputs, out):
+        jc = calls.get(key)
+        order = len(by_key)
+        nan, inf = nonfinite_count(out)
+        in_bad = sum(sum(nonfinite_count(t)) for t in tensors_in(inputs))
+        row = dict(
+            target=str(target), order=order, kind="forward", layer=key, module=type(module).__name__,
+            param="", shape="x".join(map(str, out.shape)), K=0, u=u, bound=math.nan,
+            propagated=math.nan, local=math.nan, needed=math.nan, nan=nan, inf=inf,
+            input_nonfinite=in_bad, grad_out_nonfinite=0, flagged=False,
+        )
+        if jc is not None and tuple(jc.output.shape) == tuple(out.shape):
+            k = reduction_length(module, jc.inputs, jc.output)
+            bound = expected_bound(u, k)
+            local = _local_forward(module, jc, inputs, device)
+            row.update(K=k, bound=bound, propagated=rel_l2(out, jc.output), local=local,
+                       needed=tol.needed(local, bound), flagged=tol.is_flagged(local, bound))
+        rows.append(row)
+        by_key[key] = row
+        if name not in first_call and jc is not None:
+            first_call[name] = (order, module, key)
+        if out.requires_grad:
+            out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
+
+    with target.applied():
+        with LeafCalls(model, on_call):
+            with target.autocast():
+                out = model(target.cast_input(x))
+                loss = _loss(out, target.cast_input(y))
+        (loss * scale).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        modules = dict(model.named_modules())
+        for name, (order, module, key) in first_call.items():
+            params = dict(module.named_parameters(recurse=False))
+            jc = calls[key]
+            if not params or jc.grad_output is None:
+                continue
+            local_grads = _local_grads(module, jc, target, device, scale)
+            for pname, p in params.items():
+                full = f"{name}.{pname}" if name in modules else pname
+                g, jg = grads.get(full), judge_grads.get(full)
+                if g is None or jg is None:
+                    continue
+                g = g.detach().double() / scale
+                k = grad_reduction_length(p, x.shape[0], jc.output)
+                bound = expected_bound(u, k)
+                lg = local_grads.get(pname)
+                local = rel_l2(lg, jg) if lg is not None else math.nan
+                nan, inf = nonfinite_count(g)
+                rows.append(dict(
+                    target=str(target), order=order, kind="grad", layer=name, module=jc.module,
+                    param=full, shape="x".join(map(str, p.shape)), K=k, u=u, bound=bound,
+                    propagated=rel_l2(g, jg), local=local, needed=tol.needed(local, bound),
+                    nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0,
+                    flagged=tol.is_flagged(local, bound) if not math.isnan(local) else False,
+                ))
+    return rows, float(loss)
+
+
+def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device) -> float:
+    """The judge's input through the target's copy of this layer, vs the judge's output."""
+    copy = _no_hooks(module_copy(module))
+    args = tuple(cast_like(j, a if isinstance(a, torch.Tensor) else None, device)
+                 for j, a in zip(jc.inputs, actual_inputs))
+    with torch.no_grad():
+        out = copy(*args)
+    got = tensors_in(out)
+    return rel_l2(got[0], jc.output) if got else math.nan
+
+
+def _local_grads(module: nn.Module, jc: _JudgeCall, target: Target, device, scale: float) -> dict:
+    """Parameter gradients of the target's copy of this layer, fed the judge's input and output gradient."""
+    copy = _no_hooks(module_copy(module))
+    for p in copy.parameters():
+        p.grad = None
+    args = tuple(cast_like(j, j if isinstance(j, torch.Tensor) else None, device) for j in jc.inputs)
+    args = tuple(a.to(target.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+    with torch.enable_grad(), target.autocast():
+        out = tensors_in(copy(*args))[0]
+    out.backward(jc.grad_output.to(device=device, dtype=out.dtype) * scale)
+    return {n: p.grad.detach().double() / scale for n, p in copy.named_parameters() if p.grad is not None}
