@@ -33,12 +33,51 @@ def _run_models(args) -> int:
 # --- convcheck env (section owned by the env work) --------------------------
 
 def _add_env_parser(sub) -> None:
-    p = sub.add_parser("env", help="fingerprint and audit the driver/CUDA/cuDNN/GPU stack")
+    p = sub.add_parser(
+        "env",
+        help="fingerprint and audit the driver/CUDA/cuDNN/GPU stack",
+        description="Fingerprint the numeric stack (driver, CUDA, cuDNN, GPU, math flags) and audit it. "
+        "Exit 1 when a critical finding exists.",
+    )
+    p.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="audit a saved fingerprint JSON or `python -m torch.utils.collect_env` text "
+                        "instead of this machine")
+    p.add_argument("--against", metavar="OTHER",
+                   help="also show the differences that matter for numerics against OTHER "
+                        "(fingerprint JSON or collect_env text)")
+    p.add_argument("--json", action="store_true", help="write fingerprint(s) and findings as JSON")
+    p.add_argument("--save", metavar="FILE", help="write the fingerprint JSON to FILE")
     p.set_defaults(func=_run_env)
 
 
 def _run_env(args) -> int:
-    raise ConvcheckError("convcheck env is not built yet")
+    import json
+
+    from convcheck import env
+    from convcheck.report.env_text import print_env, render_env
+
+    fp = env.load(args.from_file) if args.from_file else env.collect()
+    other = env.load(args.against) if args.against else None
+    findings = env.audit(fp)
+    other_findings = env.audit(other) if other is not None else []
+    differences = env.diff(fp, other) if other is not None else []
+    if args.save:
+        env.save(fp, args.save)
+    if args.json:
+        out = {"schema": "convcheck.env/1", "fingerprint": fp.to_dict(),
+               "findings": [f.to_dict() for f in findings]}
+        if other is not None:
+            out["against"] = {"fingerprint": other.to_dict(),
+                              "findings": [f.to_dict() for f in other_findings],
+                              "differences": [d.to_dict() for d in differences]}
+        print(json.dumps(out, indent=2))
+    else:
+        print_env(render_env(fp, findings, other=other, other_findings=other_findings,
+                             differences=differences))
+        if args.save:
+            print(f"fingerprint saved to {args.save}")
+    critical = any(f.severity == "critical" for f in [*findings, *other_findings])
+    return 1 if critical else 0
 
 
 # --- convcheck compare -----------------------------------------------------
