@@ -83,12 +83,61 @@ def _run_env(args) -> int:
 # --- convcheck compare -----------------------------------------------------
 
 def _add_compare_parser(sub) -> None:
+    from convcheck.options import declare_compare_options
+
     p = sub.add_parser("compare", help="run one model on two targets against a float64 judge")
+    p.add_argument("--model", default="lenet",
+                   help="zoo name (see 'convcheck models'), package.module:factory or path/file.py:factory "
+                        "(default %(default)s)")
+    p.add_argument("--input-shape", default=None, metavar="C,H,W", help="input shape, where the model cannot tell")
+    p.add_argument("--classes", type=int, default=None, metavar="N", help="number of classes, where the model cannot tell")
+    declare_compare_options(p.add_argument)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write summary.json, layers.csv, curves.csv, env.json there "
+                        "(default reports/<UTC time>-<model>/)")
+    p.add_argument("--no-save", action="store_true", help="write no files")
     p.set_defaults(func=_run_compare)
 
 
 def _run_compare(args) -> int:
-    raise ConvcheckError("convcheck compare is not built yet")
+    import json
+    from datetime import datetime, timezone
+
+    from convcheck.compare import compare
+    from convcheck.models import parse_input_shape
+    from convcheck.options import tolerances_from
+    from convcheck.report.export import prepare_out_dir, summary_dict, write_run
+    from convcheck.report.progress import progress_reporter
+    from convcheck.report.text import make_console, render_compare
+
+    shape = parse_input_shape(args.input_shape) if args.input_shape else None
+    out = None
+    if not args.no_save:
+        out = args.out or f"reports/{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{_safe(args.model)}"
+        if args.out:
+            prepare_out_dir(out)  # a bad --out fails before the run, not after it
+    with progress_reporter() as progress:
+        result = compare(
+            args.model, args.targets, steps=args.steps, batch_size=args.batch_size,
+            optimizer=args.optimizer, lr=args.lr, seed=args.seed, envelope=args.envelope,
+            data=args.data, input_shape=shape, num_classes=args.classes,
+            tolerances=tolerances_from(vars(args)), progress=progress,
+        )
+    if args.json:
+        print(json.dumps(summary_dict(result), indent=2))
+    else:
+        render_compare(result, make_console())
+    if out:
+        write_run(result, out)
+        print(f"wrote {out}/summary.json, layers.csv, curves.csv, env.json", file=sys.stderr)
+    return 0 if result else 1
+
+
+def _safe(text: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text.rsplit("/", 1)[-1])[:40]
 
 
 # --- entry point -------------------------------------------------------------

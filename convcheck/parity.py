@@ -106,7 +106,7 @@ def _run_judge(build: ModelBuilder, x, y, judge: Target):
             loss = _loss(out, judge.cast_input(y))
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return calls, lc.order, grads, float(loss)
+    return calls, lc.order, grads, float(loss.detach())
 
 
 def run_parity(
@@ -216,7 +216,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
                     nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0,
                     flagged=tol.is_flagged(local, bound) if not math.isnan(local) else False,
                 ))
-    return rows, float(loss)
+    return rows, float(loss.detach())
 
 
 def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device) -> float:

@@ -101,18 +101,19 @@ def _cpu_name() -> str | None:
 def probe_torch(torch) -> TorchBuild:
     if torch is None:
         return TorchBuild()
-    cuda = _safe(lambda: torch.version.cuda)
-    hip = _safe(lambda: getattr(torch.version, "hip", None))
-    available = _safe(torch.cuda.is_available) if cuda or hip else False
-    arch = _safe(torch.cuda.get_arch_list) if cuda else None
+    cuda = _str_or_none(_safe(lambda: torch.version.cuda))
+    hip = _str_or_none(_safe(lambda: getattr(torch.version, "hip", None)))
+    available = _safe(lambda: bool(torch.cuda.is_available())) if cuda or hip else False
+    arch = _safe(lambda: list(torch.cuda.get_arch_list())) if cuda else None
     runtime, compiled = _cudnn_versions(torch) if cuda else (None, None)
+    count = _safe(lambda: int(torch.cuda.device_count())) if available else None
     return TorchBuild(
         version=_safe(lambda: str(torch.__version__)),
         cuda=cuda,
         hip=hip,
         debug=_safe(lambda: bool(torch.version.debug)),
         cuda_available=available,
-        device_count=_safe(torch.cuda.device_count) if available else 0 if cuda is not None else None,
+        device_count=count,
         arch_list=tuple(arch) if arch else None,
         arch_list_source="torch.cuda.get_arch_list()" if arch else None,
         cudnn_version=runtime,
@@ -120,14 +121,14 @@ def probe_torch(torch) -> TorchBuild:
         cudnn_source="torch.backends.cudnn.version() (the library torch loaded)" if runtime else None,
         cudnn_library=_loaded_library("libcudnn") if runtime else None,
         cublas_version=_library_version(_loaded_library("libcublas.")) if cuda else None,
-        cpu_capability=_safe(lambda: torch.backends.cpu.get_cpu_capability()),
+        cpu_capability=_str_or_none(_safe(lambda: torch.backends.cpu.get_cpu_capability())),
     )
 
 
 def _cudnn_versions(torch) -> tuple[int | None, int | None]:
     """(runtime, compile-time) cuDNN as integers. ``torch.backends.cudnn.version()``
     raises when they are incompatible, so read both from ``torch._C._cudnn`` too."""
-    runtime = _safe(torch.backends.cudnn.version)
+    runtime = _safe(lambda: torch.backends.cudnn.version())
     raw = _attr(torch, "_C._cudnn")
     compiled = _safe(lambda: _version_int(raw.getCompileVersion())) if raw is not None else None
     if runtime is None and raw is not None:
@@ -166,12 +167,11 @@ def _fill_capabilities(gpus: tuple[GPU, ...], torch, build: TorchBuild) -> tuple
     import dataclasses
 
     if not gpus and build.cuda_available and torch is not None:
-        count = _safe(torch.cuda.device_count) or 0
         gpus = tuple(
-            GPU(index=i, name=_safe(torch.cuda.get_device_name, i),
-                capability=_safe(lambda i=i: tuple(torch.cuda.get_device_capability(i))),
+            GPU(index=i, name=_safe(lambda i=i: str(torch.cuda.get_device_name(i))),
+                capability=_safe(lambda i=i: tuple(int(x) for x in torch.cuda.get_device_capability(i))),
                 capability_source="torch")
-            for i in range(count)
+            for i in range(build.device_count or 0)
         )
     out = []
     for g in gpus:
@@ -195,21 +195,27 @@ def probe_math(torch, environ) -> MathFlags:
         matmul_fp32_precision=_str(torch, "backends.cuda.matmul.fp32_precision"),
         cudnn_allow_tf32=_flag(torch, "backends.cudnn.allow_tf32"),
         conv_fp32_precision=_str(torch, "backends.cudnn.conv.fp32_precision"),
-        float32_matmul_precision=_safe(torch.get_float32_matmul_precision)
-        if hasattr(torch, "get_float32_matmul_precision") else None,
+        float32_matmul_precision=_str_or_none(_safe(lambda: torch.get_float32_matmul_precision())),
         fp16_reduced_precision_reduction=_flag(torch, "backends.cuda.matmul.allow_fp16_reduced_precision_reduction"),
         bf16_reduced_precision_reduction=_flag(torch, "backends.cuda.matmul.allow_bf16_reduced_precision_reduction"),
         fp16_accumulation=_flag(torch, "backends.cuda.matmul.allow_fp16_accumulation"),
         cudnn_enabled=_flag(torch, "backends.cudnn.enabled"),
         cudnn_benchmark=_flag(torch, "backends.cudnn.benchmark"),
         cudnn_deterministic=_flag(torch, "backends.cudnn.deterministic"),
-        deterministic_algorithms=_safe(torch.are_deterministic_algorithms_enabled)
-        if hasattr(torch, "are_deterministic_algorithms_enabled") else None,
-        deterministic_warn_only=_safe(torch.is_deterministic_algorithms_warn_only_enabled)
-        if hasattr(torch, "is_deterministic_algorithms_warn_only_enabled") else None,
+        deterministic_algorithms=_bool_or_none(_safe(lambda: torch.are_deterministic_algorithms_enabled())),
+        deterministic_warn_only=_bool_or_none(
+            _safe(lambda: torch.is_deterministic_algorithms_warn_only_enabled())),
         cublas_workspace_config=env.get("CUBLAS_WORKSPACE_CONFIG"),
         nvidia_tf32_override=env.get("NVIDIA_TF32_OVERRIDE"),
     )
+
+
+def _str_or_none(v) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _bool_or_none(v) -> bool | None:
+    return v if isinstance(v, bool) else None
 
 
 def _flag(torch, dotted: str) -> bool | None:

@@ -82,7 +82,7 @@ def parse_collect_env(text: str, source: str = "collect_env text") -> Fingerprin
             arch, why = found
             arch_source = f"inferred: official cu{cuda.replace('.', '')} wheel ({why})"
 
-    notes = ["math-mode flags are not part of collect_env output; torch defaults are assumed"]
+    notes = []
     if cudnn_source and "system" in cudnn_source:
         notes.append("collect_env lists the system's cuDNN files, not the one torch loads (pytorch/pytorch#78489)")
 

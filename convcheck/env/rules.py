@@ -95,6 +95,8 @@ def driver_vs_cuda(fp: Fingerprint):
     driver = t.parse_version(fp.driver.version)
     need = t.min_driver(cuda, windows)
     floor = (t.major_floor(cuda[0], windows) if cuda[0] >= 11 else need) or need
+    if floor and need and t.parse_version(need) < t.parse_version(floor):
+        floor = need  # CUDA 11.0's own minimum sits below the later 11.x compatibility floor
     cuda_txt = _fmt(cuda[:2])
     newest = t.newest_cuda_for_driver(driver, windows) if driver else None
     fix_other = f", or install a torch wheel built for CUDA {newest[0]}.{newest[1]} or older" if newest else ""
@@ -376,17 +378,17 @@ def tf32_active(fp: Fingerprint):
     if not (matmul or conv):
         return
     what = " and ".join(w for w, on in (("matmul", matmul), ("convolution", conv)) if on)
-    assumed = "" if fp.math.recorded else " (flags not recorded: torch defaults assumed)"
+    assumed = "" if fp.math.recorded else " (math flags not recorded: torch defaults assumed)"
     size = (
         f"float32 inputs are rounded to a 10-bit mantissa (unit roundoff 2^-11 = 4.9e-4 vs 6e-8); "
-        f"PyTorch measured max error / mean |result| of {t.TF32_REL_ERROR} with TF32 vs {t.FP32_REL_ERROR} "
-        "without on a 10240x10240 matmul"
+        f"PyTorch measured max error / mean |result| of {t.TF32_REL_ERROR:.4f} with TF32 vs "
+        f"{t.FP32_REL_ERROR:.6f} without on a 10240x10240 matmul"
     )
     if bf16:
         size += "; float32_matmul_precision('medium') also allows bfloat16 (unit roundoff 2^-8 = 3.9e-3)"
     yield _finding(
         "MATH001", "warn" if matmul else "info",
-        f"TF32 is active for {what} on {_gpu_label(ampere[0])}{assumed}: {size}",
+        f"TF32 is active for {what} on {_gpu_label(ampere[0])}: {size}{assumed}",
         "To match the CPU: torch.backends.cuda.matmul.allow_tf32 = False and torch.backends.cudnn.allow_tf32 = "
         "False (or NVIDIA_TF32_OVERRIDE=0); compare with the cuda:no-tf32 target, or predict on a CPU with "
         "cpu:emulate-tf32.",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from collections import Counter
 
 from convcheck.env.diff import Difference
 from convcheck.env.fingerprint import GPU, Fingerprint
@@ -75,7 +76,8 @@ def _section(fp: Fingerprint, findings: list[Finding]) -> list[str]:
 def _headline(fp: Fingerprint) -> list[str]:
     out = []
     if fp.gpus:
-        names = ", ".join(f"GPU {g.index} {g.name or 'unknown'}" for g in fp.gpus)
+        counts = Counter(g.name or "unknown" for g in fp.gpus)
+        names = ", ".join(name if n == 1 else f"{n} x {name}" for name, n in counts.items())
         out.append(f"{len(fp.gpus)} NVIDIA GPU{'s' if len(fp.gpus) > 1 else ''}: {names}.")
     else:
         why = f" ({fp.driver.nvml_error})" if fp.driver.nvml_error else ""
@@ -123,6 +125,8 @@ def _stack(fp: Fingerprint) -> list[str]:
     lines = ["Stack"] + [_row(k, v) for k, v in rows]
     for g in fp.gpus:
         lines += _gpu_rows(g)
+    if fp.gpus and all(len(_gpu_rows(g)) == 1 for g in fp.gpus):
+        lines.append(_row("GPU health", f"{NA} (no NVML data in this source)"))
     lines += [_row("math mode", _math_line(fp)),
               _row("env", f"CUBLAS_WORKSPACE_CONFIG={m.cublas_workspace_config or 'unset'}, "
                           f"NVIDIA_TF32_OVERRIDE={m.nvidia_tf32_override or 'unset'}"
@@ -216,7 +220,8 @@ def _gpu_rows(g: GPU) -> list[str]:
         health.append(f"MIG {'on' if g.mig_enabled else 'off'}")
     if g.persistence_enabled is not None:
         health.append(f"persistence {'on' if g.persistence_enabled else 'off'}")
-    rows.append(_row("", "; ".join(health) if health else f"health counters {NA}"))
+    if health:
+        rows.append(_row("", "; ".join(health)))
     return rows
 
 

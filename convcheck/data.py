@@ -1,0 +1,372 @@
+"""Seeded input batches, made once on the CPU in float64 and hashed.
+
+Sources (the ``source`` string of :func:`load_batches`):
+
+* ``None`` or ``"synthetic"``: learnable synthetic data. Each class has a smooth
+  random prototype (low-resolution noise upsampled bilinearly, seeded from
+  ``(seed, class)``); a sample is its prototype plus white Gaussian noise,
+  scaled to roughly zero mean and unit std. Prototypes are made lazily, only
+  for the classes that occur. When the model has more than
+  ``SYNTHETIC_MAX_CLASSES`` classes (ImageNet's 1000), labels are drawn from a
+  seeded subset of that many classes, so that a few dozen steps can learn them.
+* ``"mnist:DIR"``: MNIST IDX files (raw or gzipped) in DIR, normalised with the
+  usual mean 0.1307 / std 0.3081.
+* ``"npz:PATH"``: arrays ``x`` (N,C,H,W or N,H,W) and ``y`` (N,) used as given.
+
+Every batch is a float64 ``x`` and an int64 ``y`` on the CPU; targets cast and
+move them. ``Batches.hashes`` holds a SHA-256 per batch for the run record.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from convcheck.errors import UsageError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+SYNTHETIC_MAX_CLASSES = 10
+SYNTHETIC_NOISE_STD = 1.0  # white noise, relative to a unit-std prototype
+MNIST_MEAN = 0.1307
+MNIST_STD = 0.3081
+_IMAGES_MAGIC = 2051
+_LABELS_MAGIC = 2049
+
+
+@dataclass(frozen=True)
+class Batches:
+    """The batches every arm trains on, with one hash per batch."""
+
+    source: str
+    batches: tuple[Batch, ...]
+    hashes: tuple[str, ...]
+    note: Optional[str] = None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __getitem__(self, i: int) -> Batch:
+        return self.batches[i]
+
+    def stats(self) -> dict:
+        """Summary of all inputs and labels (to spot e.g. raw 0..255 pixels)."""
+        n = 0
+        total = 0.0
+        total_sq = 0.0
+        x_min, x_max = float("inf"), float("-inf")
+        labels = []
+        for x, y in self.batches:
+            n += x.numel()
+            total += float(x.sum())
+            total_sq += float((x * x).sum())
+            x_min = min(x_min, float(x.min()))
+            x_max = max(x_max, float(x.max()))
+            labels.append(y)
+        y_all = torch.cat(labels)
+        mean = total / n
+        var = max(total_sq / n - mean * mean, 0.0)
+        return {
+            "samples": int(y_all.numel()),
+            "x_min": x_min,
+            "x_max": x_max,
+            "x_mean": mean,
+            "x_std": var**0.5,
+            "y_min": int(y_all.min()),
+            "y_max": int(y_all.max()),
+            "y_distinct": int(torch.unique(y_all).numel()),
+        }
+
+
+def load_batches(
+    source: Optional[str],
+    *,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    batch_size: int,
+    num_batches: int,
+    seed: int,
+) -> Batches:
+    """Make ``num_batches`` batches of ``batch_size`` samples from ``source``."""
+    input_shape = _check_args(input_shape, num_classes, batch_size, num_batches)
+    spec = "synthetic" if source is None else source.strip()
+    kind, sep, arg = spec.partition(":")
+    if kind == "synthetic" and not sep:
+        return _synthetic(input_shape, num_classes, batch_size, num_batches, seed)
+    if kind not in ("mnist", "npz"):
+        raise UsageError(
+            f"unknown data source {source!r}: use 'synthetic', 'mnist:DIR' or 'npz:PATH'"
+        )
+    if not arg:
+        raise UsageError(f"data source {source!r} needs a path after '{kind}:'")
+    path = os.path.abspath(os.path.expanduser(arg))
+    if kind == "mnist":
+        x, y, origin = _read_mnist(path, input_shape)
+    else:
+        x, y, origin = _read_npz(path, input_shape)
+    _check_labels(y, num_classes, origin)
+    return _sample(f"{kind}:{path}", x, y, origin, batch_size, num_batches, seed, kind == "mnist")
+
+
+def hash_state_dict(module_or_state_dict: Union[torch.nn.Module, Mapping]) -> str:
+    """SHA-256 over names, shapes and float64 bytes of every tensor, in sorted key order."""
+    if isinstance(module_or_state_dict, torch.nn.Module):
+        state = module_or_state_dict.state_dict()
+    else:
+        state = module_or_state_dict
+    h = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name]
+        if not isinstance(value, torch.Tensor):
+            continue  # e.g. a module's extra state: not a number we train
+        t = value.detach().to(device="cpu", dtype=torch.float64).contiguous()
+        h.update(name.encode() + b"\0" + repr(tuple(t.shape)).encode() + b"\0")
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def batch_hash(x: torch.Tensor, y: torch.Tensor) -> str:
+    """SHA-256 of one batch: the bytes of ``x`` then of ``y`` (contiguous, on the CPU)."""
+    h = hashlib.sha256()
+    h.update(x.detach().cpu().contiguous().numpy().tobytes())
+    h.update(y.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _check_args(input_shape, num_classes, batch_size, num_batches) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise UsageError(f"input shape {input_shape!r} must be three integers (C, H, W)") from None
+    if len(shape) != 3 or min(shape) < 1:
+        raise UsageError(f"input shape {tuple(input_shape)} must be three positive sizes (C, H, W)")
+    for name, value in (("num_classes", num_classes), ("batch_size", batch_size),
+                        ("num_batches", num_batches)):
+        if int(value) < 1:
+            raise UsageError(f"{name} must be at least 1, got {value}")
+    return shape
+
+
+def _finish(source: str, batches: list[Batch], note: Optional[str]) -> Batches:
+    batches = [(x.contiguous(), y.contiguous()) for x, y in batches]
+    return Batches(
+        source=source,
+        batches=tuple(batches),
+        hashes=tuple(batch_hash(x, y) for x, y in batches),
+        note=note,
+    )
+
+
+def _generator(seed: int, *salt) -> torch.Generator:
+    """A CPU generator seeded from ``seed`` and ``salt`` (stable across runs and platforms)."""
+    key = ":".join(str(s) for s in ("convcheck", seed) + salt).encode()
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1)
+    return g
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def _coarse(side: int) -> int:
+    """Side of the coarse noise grid: features ~7 px wide, at most 16 cells a side."""
+    return max(2, min(16, round(side / 7)))
+
+
+def _prototype(shape: tuple[int, int, int], seed: int, label: int) -> torch.Tensor:
+    """Smooth zero-mean unit-std pattern for one class: coarse noise, upsampled."""
+    c, h, w = shape
+    g = _generator(seed, "prototype", label)
+    coarse = torch.randn(1, c, _coarse(h), _coarse(w), generator=g, dtype=torch.float64)
+    p = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
+    return (p - p.mean()) / p.std().clamp_min(1e-12)
+
+
+def _synthetic(shape, num_classes, batch_size, num_batches, seed) -> Batches:
+    g = _generator(seed, "samples")
+    note = None
+    if num_classes > SYNTHETIC_MAX_CLASSES:
+        pool = torch.randperm(num_classes, generator=g)[:SYNTHETIC_MAX_CLASSES].sort().values
+        note = (
+            f"synthetic labels use {SYNTHETIC_MAX_CLASSES} of the {num_classes} classes "
+            f"({', '.join(str(int(c)) for c in pool)}) so that a short run can learn them"
+        )
+    else:
+        pool = torch.arange(num_classes)
+    prototypes: dict[int, torch.Tensor] = {}  # made lazily: only classes that occur
+    scale = (1.0 + SYNTHETIC_NOISE_STD**2) ** -0.5
+    batches = []
+    for _ in range(num_batches):
+        y = pool[torch.randint(len(pool), (batch_size,), generator=g)].to(torch.int64)
+        noise = torch.randn((batch_size, *shape), generator=g, dtype=torch.float64)
+        for label in y.tolist():
+            if label not in prototypes:
+                prototypes[label] = _prototype(shape, seed, label)
+        x = torch.stack([prototypes[label] for label in y.tolist()])
+        x.add_(noise, alpha=SYNTHETIC_NOISE_STD).mul_(scale)
+        batches.append((x, y))
+    return _finish("synthetic", batches, note)
+
+
+# ---------------------------------------------------------------- files
+
+
+def _sample(source, x, y, origin, batch_size, num_batches, seed, is_mnist) -> Batches:
+    """Take the first batch_size*num_batches samples of a seeded shuffle, cycling if short."""
+    n = len(y)
+    need = batch_size * num_batches
+    g = _generator(seed, "order")
+    order = torch.randperm(n, generator=g)
+    note = None
+    if need > n:
+        order = order.repeat((need + n - 1) // n)
+        note = f"{origin} has only {n} samples; cycled through them to fill {need}"
+    order = order[:need].numpy()
+    x_sel = torch.from_numpy(np.ascontiguousarray(x[order])).to(torch.float64)
+    if is_mnist:
+        x_sel = (x_sel / 255.0 - MNIST_MEAN) / MNIST_STD
+    y_sel = torch.from_numpy(np.ascontiguousarray(y[order])).to(torch.int64)
+    batches = [
+        (x_sel[i * batch_size:(i + 1) * batch_size], y_sel[i * batch_size:(i + 1) * batch_size])
+        for i in range(num_batches)
+    ]
+    return _finish(source, batches, note)
+
+
+def _check_labels(y: np.ndarray, num_classes: int, origin: str) -> None:
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or hi >= num_classes:
+        raise UsageError(
+            f"{origin}: labels span {lo}..{hi}, outside 0..{num_classes - 1} for a "
+            f"{num_classes}-class model"
+        )
+
+
+def _find(directory: str, kind: str, what: str, magic_dims: str) -> Optional[str]:
+    for sep in ("-", "."):
+        for ext in ("", ".gz"):
+            path = os.path.join(directory, f"{kind}-{what}{sep}{magic_dims}-ubyte{ext}")
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _read_mnist(directory: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
+    if input_shape != (1, 28, 28):
+        raise UsageError(
+            f"MNIST images are 1x28x28 but the model expects {'x'.join(map(str, input_shape))}"
+        )
+    if not os.path.isdir(directory):
+        raise UsageError(f"MNIST directory {directory} does not exist")
+    for kind in ("train", "t10k"):
+        images = _find(directory, kind, "images", "idx3")
+        labels = _find(directory, kind, "labels", "idx1")
+        if images and not labels:
+            raise UsageError(f"{images} has no labels file: expected {kind}-labels-idx1-ubyte[.gz] beside it")
+        if labels and not images:
+            raise UsageError(f"{labels} has no images file: expected {kind}-images-idx3-ubyte[.gz] beside it")
+        if images and labels:
+            x = _read_idx(images, _IMAGES_MAGIC)
+            y = _read_idx(labels, _LABELS_MAGIC)
+            if x.shape[1:] != (28, 28):
+                raise UsageError(f"{images}: images are {x.shape[1]}x{x.shape[2]}, MNIST needs 28x28")
+            if len(x) != len(y):
+                raise UsageError(
+                    f"{images} holds {len(x)} images but {labels} holds {len(y)} labels"
+                )
+            if len(x) == 0:
+                raise UsageError(f"{images} holds no images")
+            return x[:, None], y, images
+    raise UsageError(
+        f"no MNIST files in {directory}: expected train-images-idx3-ubyte and "
+        "train-labels-idx1-ubyte (or t10k-*, optionally .gz)"
+    )
+
+
+def _read_idx(path: str, magic: int) -> np.ndarray:
+    """Read an unsigned-byte IDX file (images: magic 2051, 3 dims; labels: 2049, 1 dim)."""
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except (OSError, EOFError) as e:
+        raise UsageError(f"{path}: cannot read ({e})") from None
+    ndim = magic - 2048
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise UsageError(f"{path}: truncated, only {len(data)} bytes (header needs {header})")
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        raise UsageError(
+            f"{path}: bad magic number {found}, expected {magic} "
+            f"({'images' if magic == _IMAGES_MAGIC else 'labels'} IDX file)"
+        )
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    expected = header + int(np.prod(dims))
+    if len(data) < expected:
+        raise UsageError(
+            f"{path}: truncated, {len(data)} bytes but its header ({'x'.join(map(str, dims))}) "
+            f"needs {expected}"
+        )
+    if len(data) > expected:
+        raise UsageError(
+            f"{path}: {len(data) - expected} bytes beyond what its header "
+            f"({'x'.join(map(str, dims))}) describes"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
+    if not os.path.isfile(path):
+        raise UsageError(f"npz file {path} does not exist")
+    try:
+        f = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise UsageError(f"{path}: cannot read as .npz ({e})") from None
+    if not isinstance(f, np.lib.npyio.NpzFile):
+        raise UsageError(f"{path}: a single array, not an .npz archive with arrays 'x' and 'y'")
+    with f:
+        missing = [k for k in ("x", "y") if k not in f.files]
+        if missing:
+            raise UsageError(
+                f"{path}: no array {' or '.join(repr(m) for m in missing)} "
+                f"(found: {', '.join(f.files) or 'none'})"
+            )
+        try:
+            x, y = f["x"], f["y"]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise UsageError(f"{path}: cannot read arrays x and y ({e})") from None
+    if x.dtype.kind not in "fiub":
+        raise UsageError(f"{path}: x has dtype {x.dtype}, expected numbers")
+    if x.ndim == 3 and input_shape[0] == 1:
+        x = x[:, None]
+    if x.ndim != 4 or tuple(x.shape[1:]) != input_shape:
+        raise UsageError(
+            f"{path}: x has shape {x.shape}, expected (N, {', '.join(map(str, input_shape))})"
+        )
+    if len(x) == 0:
+        raise UsageError(f"{path}: x holds no samples")
+    if not np.isfinite(x).all():
+        raise UsageError(f"{path}: x contains NaN or infinite values")
+    if y.ndim != 1 or len(y) != len(x):
+        raise UsageError(f"{path}: y has shape {y.shape}, expected ({len(x)},) to match x")
+    if y.dtype.kind not in "iu":
+        raise UsageError(f"{path}: y has dtype {y.dtype}, expected integer class labels")
+    return x, y, path

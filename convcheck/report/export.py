@@ -1,0 +1,129 @@
+"""Machine-readable output: ``summary.json`` (schema ``convcheck.summary/1``), ``layers.csv``,
+``curves.csv``; every file written to a temporary name and renamed into place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from convcheck.errors import UsageError
+
+SUMMARY_SCHEMA = "convcheck.summary/1"
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf -> None, numpy/torch scalars -> Python, dataclasses -> dicts."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _clean(dataclasses.asdict(value))
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def summary_dict(result) -> dict:
+    """The whole comparison as a JSON-safe dict."""
+    cfg = result.config
+    parity = result.parity
+    training = result.training
+    verdict = result.verdict
+    fp = result.fingerprint
+    return _clean({
+        "schema": SUMMARY_SCHEMA,
+        "model": {
+            "name": result.model.name, "source": result.model.source,
+            "input_shape": list(result.model.input_shape), "num_classes": result.model.num_classes,
+        },
+        "targets": [str(t) for t in cfg.targets],
+        "judge": "cpu:float64",
+        "seed": cfg.seed,
+        "config": {
+            "steps": cfg.steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
+            "lr": cfg.lr, "envelope": cfg.envelope, "tolerances": cfg.tolerances,
+        },
+        "data": {"source": result.data_source, "batch_sha256": list(result.batch_hashes),
+                 "stats": result.data_stats},
+        "initial_weights_sha256": result.init_hash,
+        "notes": result.notes,
+        "parity": {
+            "judge_loss": parity.judge_loss,
+            "loss": parity.losses,
+            "first_flagged_layer": parity.first_flagged,
+            "needed_bound_factor": parity.needed_bound_factor(),
+            "layers": parity.layers.to_dict(orient="records"),
+        },
+        "training": {
+            "converged_rule": training_rule(cfg),
+            "steps": cfg.steps,
+            "arms": [a.name for a in training.arms],
+            "per_target": training.per_target,
+            "loss": {a.name: [float(v) for v in training.arm_curve(a.name)["loss"]] for a in training.arms},
+        },
+        "env": {
+            "fingerprint": fp.to_dict() if hasattr(fp, "to_dict") else None,
+            "findings": [f.to_dict() if hasattr(f, "to_dict") else f for f in result.findings],
+        },
+        "verdict": verdict.to_dict() if hasattr(verdict, "to_dict") else None,
+        "timings": result.timings,
+    })
+
+
+def training_rule(cfg) -> str:
+    from convcheck.train import CONVERGED_RULE
+
+    return CONVERGED_RULE.format(ratio=cfg.tolerances.converged_loss_ratio)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file beside ``path`` and rename: never a half-written file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def prepare_out_dir(out: str | os.PathLike) -> Path:
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot create directory ({exc.strerror})") from None
+    return path
+
+
+def write_run(result, out: str | os.PathLike) -> list[Path]:
+    """``summary.json``, ``layers.csv``, ``curves.csv`` (and ``env.json``) in ``out``."""
+    path = prepare_out_dir(out)
+    summary = summary_dict(result)
+    written = []
+    files = {
+        "summary.json": json.dumps(summary, indent=2) + "\n",
+        "layers.csv": result.parity.layers.to_csv(index=False),
+        "curves.csv": result.training.curves.to_csv(index=False),
+        "env.json": json.dumps(summary["env"], indent=2) + "\n",
+    }
+    for name, text in files.items():
+        atomic_write_text(path / name, text)
+        written.append(path / name)
+    return written

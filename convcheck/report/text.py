@@ -1,0 +1,164 @@
+"""The terminal summary of a comparison: readable at a glance.
+
+Rich tables and colour on a terminal; the same tables as plain text when the
+output is not a terminal or ``NO_COLOR`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from convcheck.report.export import training_rule
+
+WORST_LAYERS = 8
+CURVE_ROWS = 10
+
+
+def make_console(file=None) -> Console:
+    file = file or sys.stdout
+    is_tty = hasattr(file, "isatty") and file.isatty()
+    plain = not is_tty or "NO_COLOR" in os.environ
+    return Console(file=file, force_terminal=not plain, no_color=plain, highlight=False,
+                   width=None if is_tty else 110, soft_wrap=False)
+
+
+def fmt(v, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (int,)) and not isinstance(v, bool):
+        return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if math.isnan(f):
+        return "-"
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    if f == 0:
+        return "0"
+    if 1e-3 <= abs(f) < 1e4:
+        return f"{f:.{digits + 2}g}"
+    return f"{f:.{digits}e}"
+
+
+def render_compare(result, console: Console | None = None) -> None:
+    c = console or make_console()
+    cfg = result.config
+    m = result.model
+    shape = "x".join(map(str, m.input_shape))
+    c.print(f"[bold]convcheck compare[/bold]  model [bold]{m.name}[/bold] ({m.source}, {shape}, "
+            f"{m.num_classes} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
+            f"batch {cfg.batch_size}  data {result.data_source}")
+    for note in result.notes:
+        c.print(f"[yellow]note:[/yellow] {note}")
+    _targets(c, result)
+    _layers(c, result)
+    _curves(c, result)
+    _training(c, result)
+    _verdict(c, result)
+
+
+def _targets(c: Console, result) -> None:
+    t = Table(title="Targets", box=box.SIMPLE, title_justify="left", pad_edge=False)
+    for col in ("arm", "target", "precision", "unit roundoff"):
+        t.add_column(col)
+    a, b = result.config.targets
+    from convcheck.targets import JUDGE
+
+    for label, tgt in (("A", a), ("B", b), ("judge", JUDGE)):
+        t.add_row(label, str(tgt), tgt.describe().split("(", 1)[1].rstrip(")"), fmt(tgt.unit_roundoff))
+    c.print(t)
+
+
+def _layers(c: Console, result) -> None:
+    p = result.parity
+    df = p.layers
+    if not len(df):
+        return
+    df = df.assign(ratio=df["local"] / df["bound"])
+    worst = df.sort_values(["flagged", "ratio"], ascending=[False, False]).head(WORST_LAYERS)
+    t = Table(title=f"One-step parity against the judge: the {len(worst)} worst of {len(df)} layer/gradient rows "
+                    "(local = judge input through the target's layer)",
+              box=box.SIMPLE, title_justify="left", pad_edge=False)
+    for col in ("target", "kind", "layer", "module", "K", "local", "bound", "local/bound", "propagated",
+                "nan/inf", "flag"):
+        t.add_column(col, justify="right" if col in ("K", "local", "bound", "local/bound", "propagated") else "left")
+    for r in worst.itertuples():
+        name = r.layer if r.kind == "forward" else r.param
+        flag = "[bold red]FLAGGED[/bold red]" if r.flagged else ""
+        t.add_row(r.target, "fwd" if r.kind == "forward" else "grad", name, r.module, fmt(r.K), fmt(r.local),
+                  fmt(r.bound), fmt(r.ratio), fmt(r.propagated), f"{r.nan}/{r.inf}", flag)
+    c.print(t)
+    firsts = ", ".join(f"{tgt}: [bold]{layer or 'none'}[/bold]" for tgt, layer in p.first_flagged.items())
+    c.print(f"First flagged layer  {firsts}")
+
+
+def _curves(c: Console, result) -> None:
+    tr = result.training
+    curves = tr.curves
+    if not len(curves):
+        return
+    steps = sorted(curves["step"].unique())
+    stride = max(1, math.ceil(len(steps) / CURVE_ROWS))
+    shown = steps[::stride]
+    if steps[-1] not in shown:
+        shown.append(steps[-1])
+    main_arms = [a for a in tr.arms if a.role != "envelope"]
+    env_arms = [a for a in tr.arms if a.role == "envelope"]
+    t = Table(title="Loss per step (all arms start from the same weights and see the same batches)",
+              box=box.SIMPLE, title_justify="left", pad_edge=False)
+    t.add_column("step", justify="right")
+    for a in main_arms:
+        t.add_column(a.name, justify="right")
+    if env_arms:
+        t.add_column(f"envelope {env_arms[0].reference} (min..max of {len(env_arms)})", justify="right")
+    for a in [x for x in main_arms if x.role == "target"]:
+        t.add_column(f"dist {a.name}-judge", justify="right")
+    loss = curves.pivot(index="step", columns="arm", values="loss")
+    dist = curves.pivot(index="step", columns="arm", values="dist_judge")
+    for s in shown:
+        row = [str(s)] + [fmt(loss.at[s, a.name], 3) for a in main_arms]
+        if env_arms:
+            vals = [loss.at[s, a.name] for a in env_arms]
+            row.append(f"{fmt(min(vals), 3)}..{fmt(max(vals), 3)}")
+        row += [fmt(dist.at[s, a.name]) for a in main_arms if a.role == "target"]
+        t.add_row(*row)
+    c.print(t)
+
+
+def _training(c: Console, result) -> None:
+    tr = result.training
+    parts = []
+    for name, info in tr.per_target.items():
+        state = "[green]converged[/green]" if info["converged"] else "[red]did not converge[/red]"
+        extra = ""
+        if info.get("first_nonfinite_step") is not None:
+            extra += f", first non-finite at step {info['first_nonfinite_step']}"
+        if info.get("skipped_steps"):
+            extra += f", {info['skipped_steps']} steps skipped by GradScaler (scale {fmt(info['final_loss_scale'])})"
+        parts.append(f"  {name:<18} {state} (loss {fmt(info['first_loss'], 3)} -> {fmt(info['final_loss'], 3)}{extra})")
+    c.print("Training  [dim](" + training_rule(result.config) + ")[/dim]")
+    for p in parts:
+        c.print(p)
+
+
+def _verdict(c: Console, result) -> None:
+    v = result.verdict
+    if v is None:
+        return
+    colour = "green" if v.category == "ok" else "red"
+    c.print()
+    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {v.headline}")
+    for e in v.evidence:
+        c.print(f"  evidence: {e}")
+    for r in v.remedies:
+        c.print(f"  remedy:   {r}")
