@@ -139,8 +139,8 @@ def hash_state_dict(module_or_state_dict: Union[torch.nn.Module, Mapping]) -> st
 def batch_hash(x: torch.Tensor, y: torch.Tensor) -> str:
     """SHA-256 of one batch: the bytes of ``x`` then of ``y`` (contiguous, on the CPU)."""
     h = hashlib.sha256()
-    h.update(x.detach().cpu().contiguous().numpy().tobytes())
-    h.update(y.detach().cpu().contiguous().numpy().tobytes())
+    for t in (x, y):
+        h.update(memoryview(t.detach().cpu().contiguous().numpy()).cast("B"))
     return h.hexdigest()
 
 
