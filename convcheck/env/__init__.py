@@ -23,8 +23,8 @@ from convcheck.env.rules import RULE_IDS, Finding, audit
 
 
 def collect(nvml=None, torch_module=None, environ=None) -> Fingerprint:
-    """Fingerprint this machine (see ``convcheck.env.collect``); probes never raise."""
-    from convcheck.env.collect import collect as _collect
+    """Fingerprint this machine (see ``convcheck.env.collector``); probes never raise."""
+    from convcheck.env.collector import collect as _collect
 
     return _collect(nvml=nvml, torch_module=torch_module, environ=environ)
 

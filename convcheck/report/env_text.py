@@ -20,6 +20,10 @@ from convcheck.env.tables import cudnn_version_tuple, format_version
 WIDTH = 100
 NA = "not available"
 _LABEL = {"critical": "CRITICAL", "warn": "WARN", "info": "INFO"}
+# NVML clock event reason bits (nvml.h nvmlClocksEventReason*)
+_CLOCK_REASONS = {0x1: "idle", 0x2: "application clocks setting", 0x4: "SW power cap", 0x8: "HW slowdown",
+                  0x10: "sync boost", 0x20: "SW thermal slowdown", 0x40: "HW thermal slowdown",
+                  0x80: "HW power brake", 0x100: "display clocks setting"}
 _CPU_TARGETS = "cpu, cpu:float64, cpu:bf16, cpu:fp16, cpu:amp-bf16, cpu:emulate-tf32"
 
 
@@ -139,7 +143,8 @@ def _stack(fp: Fingerprint) -> list[str]:
 def _row(key: str, value) -> str:
     head = f"  {key:<11}"
     text = NA if value in (None, "") else str(value)
-    return "\n".join(textwrap.wrap(text, WIDTH, initial_indent=head, subsequent_indent=" " * len(head)))
+    return "\n".join(textwrap.wrap(text, WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
+                                   break_on_hyphens=False))
 
 
 def _join(*parts) -> str | None:
@@ -207,7 +212,8 @@ def _gpu_rows(g: GPU) -> list[str]:
         health.append(f"retired pages {g.retired_pages_sbe or 0} SBE / {g.retired_pages_dbe or 0} DBE"
                       + (", pending" if g.retired_pages_pending else ""))
     if g.clock_event_reasons is not None:
-        health.append(f"clock event reasons 0x{g.clock_event_reasons:x}")
+        names = [name for bit, name in _CLOCK_REASONS.items() if g.clock_event_reasons & bit]
+        health.append(f"clocks: {', '.join(names) if names else 'not held down'}")
     if g.temperature_c is not None:
         health.append(f"{g.temperature_c} C" + (f" (slowdown {g.temperature_slowdown_c} C)"
                                                 if g.temperature_slowdown_c else ""))
