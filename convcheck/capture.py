@@ -96,3 +96,58 @@ def cast_like(t, like: torch.Tensor | None, device: torch.device):
     if t.is_floating_point() and like is not None and like.is_floating_point():
         return t.to(device=device, dtype=like.dtype)
     return t.to(device=device)
+
+
+# --- shared dropout masks ---------------------------------------------------------------
+
+_SHARED_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+class SharedDropoutMasks:
+    """Give every arm the same dropout masks, whatever its device.
+
+    Each device draws from its own random generator, so CPU and GPU dropout
+    masks differ even under one seed. Inside this context every
+    ``nn.Dropout*`` module's output is recomputed from a mask drawn on the CPU
+    from a generator seeded by (seed, call index) and moved to the input's
+    device, so masks depend on nothing but the seed and the call.
+    Stochastic modules it does not know are found by the parity probe and
+    reported, never blamed on numerics.
+    """
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.model = model
+        self.seed = seed
+        self._calls = 0
+        self._handles: list = []
+        self.last_mask: torch.Tensor | None = None  # the scaled mask of the latest call
+
+    def __enter__(self) -> "SharedDropoutMasks":
+        for m in self.model.modules():
+            if isinstance(m, _SHARED_DROPOUT):
+                self._handles.append(m.register_forward_hook(self._hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, module, inputs, output):
+        if not module.training or module.p == 0:
+            return None
+        x = inputs[0]
+        self._calls += 1
+        gen = torch.Generator().manual_seed(self.seed * 7919 + self._calls)
+        if isinstance(module, nn.Dropout):
+            shape = x.shape
+        else:  # channel dropout: one draw per (sample, channel)
+            shape = x.shape[:2] + (1,) * (x.dim() - 2)
+        keep = torch.rand(shape, generator=gen, dtype=torch.float64) >= module.p
+        mask = keep.to(device=x.device, dtype=x.dtype) / (1.0 - module.p)
+        self.last_mask = mask
+        return x * mask
+
+
+def is_shared_dropout(module: nn.Module) -> bool:
+    return isinstance(module, _SHARED_DROPOUT) and module.training and module.p > 0

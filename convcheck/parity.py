@@ -24,7 +24,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from convcheck.capture import LeafCalls, cast_like, module_copy, tensors_in
+from convcheck.capture import (
+    LeafCalls,
+    SharedDropoutMasks,
+    cast_like,
+    is_shared_dropout,
+    module_copy,
+    tensors_in,
+)
 from convcheck.metrics import (
     DEFAULT_TOLERANCES,
     Tolerances,
@@ -38,7 +45,8 @@ from convcheck.targets import JUDGE, Target
 
 COLUMNS = [
     "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "bound",
-    "propagated", "local", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite", "flagged",
+    "propagated", "local", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite", "ref_absmax",
+    "flagged",
 ]
 
 ModelBuilder = Callable[[Target], nn.Module]
@@ -62,6 +70,12 @@ class ParityResult:
     tolerances: Tolerances
     judge_loss: float
     losses: dict[str, float] = field(default_factory=dict)
+    # Leaf modules whose output changes with the random seed although their
+    # input does not: stochastic layers that masks are not shared for.
+    stochastic_layers: list[str] = field(default_factory=list)
+    # Per target: largest relative difference between two identical runs
+    # (same seed, same input) of its forward/backward - nondeterministic kernels.
+    self_difference: dict[str, float] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not bool(self.layers["flagged"].any()) if len(self.layers) else True
@@ -89,7 +103,7 @@ def _no_hooks(m: nn.Module) -> nn.Module:
     return m
 
 
-def _run_judge(build: ModelBuilder, x, y, judge: Target):
+def _run_judge(build: ModelBuilder, x, y, judge: Target, seed: int):
     model = build(judge)
     calls: dict[str, _JudgeCall] = {}
 
@@ -101,12 +115,53 @@ def _run_judge(build: ModelBuilder, x, y, judge: Target):
             out.register_hook(lambda g, rec=rec: setattr(rec, "grad_output", g.detach()))
 
     with judge.applied():
-        with LeafCalls(model, on_call) as lc:
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call) as lc:
             out = model(judge.cast_input(x))
             loss = _loss(out, judge.cast_input(y))
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return calls, lc.order, grads, float(loss.detach())
+
+
+def _stochastic_layers(build: ModelBuilder, x, calls: dict, judge: Target, seed: int) -> list[str]:
+    """Re-run the judge's forward under another random seed (same shared masks): a layer
+    whose output moves while its input does not draws random numbers of its own."""
+    model = build(judge)
+    found: list[str] = []
+
+    def on_call(key, name, module, inputs, out):
+        jc = calls.get(key)
+        if jc is None or tuple(jc.output.shape) != tuple(out.shape):
+            return
+        same_in = all(torch.equal(a, b) for a, b in zip(tensors_in(inputs), tensors_in(jc.inputs)))
+        if same_in and not torch.equal(out.detach(), jc.output):
+            found.append(key)
+
+    torch.manual_seed(seed + 7777)
+    with judge.applied(), torch.no_grad():
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call):
+            model(judge.cast_input(x))
+    return found
+
+
+def _self_difference(build: ModelBuilder, target: Target, x, y, seed: int) -> float:
+    """Largest relative difference of logits and gradients between two identical runs."""
+    runs = []
+    for _ in range(2):
+        model = build(target)
+        torch.manual_seed(seed)
+        with target.applied():
+            with SharedDropoutMasks(model, seed), target.autocast():
+                out = model(target.cast_input(x))
+                loss = _loss(out, target.cast_input(y))
+            loss.backward()
+        runs.append([out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None])
+    worst = 0.0
+    for a, b in zip(*runs):
+        if not torch.equal(a, b):
+            d = rel_l2(a, b)
+            worst = max(worst, d if math.isfinite(d) else math.inf)
+    return worst
 
 
 def run_parity(
@@ -125,20 +180,25 @@ def run_parity(
     """
     x, y = batch
     torch.manual_seed(seed)
-    calls, order, judge_grads, judge_loss = _run_judge(build, x, y, judge)
+    calls, order, judge_grads, judge_loss = _run_judge(build, x, y, judge, seed)
+    stochastic = _stochastic_layers(build, x, calls, judge, seed)
     rows: list[dict] = []
     first: dict[str, str | None] = {}
     losses: dict[str, float] = {}
-    for target in targets:
+    selfdiff: dict[str, float] = {}
+    for i, target in enumerate(targets):
         if target == judge:
             continue
-        torch.manual_seed(seed)
-        t_rows, loss = _run_target(build, target, x, y, calls, judge_grads, tolerances)
+        # Each device has its own random stream: a target's unshared random draws differ
+        # from the judge's, as they would on another device.
+        torch.manual_seed(seed + 1 + i)
+        t_rows, loss = _run_target(build, target, x, y, calls, judge_grads, tolerances, seed, stochastic)
         rows.extend(t_rows)
         losses[str(target)] = loss
         first[str(target)] = _first_flagged(t_rows)
+        selfdiff[str(target)] = _self_difference(build, target, x, y, seed)
     table = pd.DataFrame(rows, columns=COLUMNS)
-    return ParityResult(table, first, tolerances, judge_loss, losses)
+    return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff)
 
 
 def _first_flagged(rows: list[dict]) -> str | None:
@@ -151,7 +211,7 @@ def _first_flagged(rows: list[dict]) -> str | None:
     return None
 
 
-def _run_target(build, target, x, y, calls, judge_grads, tol):
+def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
     model = build(target)
     device = target.torch_device
     u = target.unit_roundoff
@@ -159,6 +219,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
     by_key: dict[str, dict] = {}
     first_call: dict[str, tuple[int, nn.Module, tuple]] = {}
     scale = 2.0**16 if target.uses_grad_scaler else 1.0
+    masks = SharedDropoutMasks(model, seed)
 
     def on_call(key, name, module, inputs, out):
         jc = calls.get(key)
@@ -169,12 +230,15 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
             target=str(target), order=order, kind="forward", layer=key, module=type(module).__name__,
             param="", shape="x".join(map(str, out.shape)), K=0, u=u, bound=math.nan,
             propagated=math.nan, local=math.nan, needed=math.nan, nan=nan, inf=inf,
-            input_nonfinite=in_bad, grad_out_nonfinite=0, flagged=False,
+            input_nonfinite=in_bad, grad_out_nonfinite=0,
+            ref_absmax=float(jc.output.abs().max()) if jc is not None and jc.output.numel() else math.nan,
+            flagged=False,
         )
-        if jc is not None and tuple(jc.output.shape) == tuple(out.shape):
+        if jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in stochastic:
             k = reduction_length(module, jc.inputs, jc.output)
             bound = expected_bound(u, k)
-            local = _local_forward(module, jc, inputs, device)
+            mask = masks.last_mask if is_shared_dropout(module) else None
+            local = _local_forward(module, jc, inputs, device, mask)
             row.update(K=k, bound=bound, propagated=rel_l2(out, jc.output), local=local,
                        needed=tol.needed(local, bound), flagged=tol.is_flagged(local, bound))
         rows.append(row)
@@ -185,7 +249,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
             out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
 
     with target.applied():
-        with LeafCalls(model, on_call):
+        with masks, LeafCalls(model, on_call):
             with target.autocast():
                 out = model(target.cast_input(x))
                 loss = _loss(out, target.cast_input(y))
@@ -193,6 +257,8 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         modules = dict(model.named_modules())
         for name, (order, module, key) in first_call.items():
+            if key in stochastic:
+                continue
             params = dict(module.named_parameters(recurse=False))
             jc = calls[key]
             if not params or jc.grad_output is None:
@@ -213,17 +279,19 @@ def _run_target(build, target, x, y, calls, judge_grads, tol):
                     target=str(target), order=order, kind="grad", layer=name, module=jc.module,
                     param=full, shape="x".join(map(str, p.shape)), K=k, u=u, bound=bound,
                     propagated=rel_l2(g, jg), local=local, needed=tol.needed(local, bound),
-                    nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0,
+                    nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()),
                     flagged=tol.is_flagged(local, bound) if not math.isnan(local) else False,
                 ))
     return rows, float(loss.detach())
 
 
-def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device) -> float:
+def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device, mask=None) -> float:
     """The judge's input through the target's copy of this layer, vs the judge's output."""
     copy = _no_hooks(module_copy(module))
     args = tuple(cast_like(j, a if isinstance(a, torch.Tensor) else None, device)
                  for j, a in zip(jc.inputs, actual_inputs))
+    if mask is not None:  # a shared-mask dropout: the same mask the target's own call used
+        return rel_l2(args[0] * mask, jc.output)
     with torch.no_grad():
         out = copy(*args)
     got = tensors_in(out)
