@@ -15,7 +15,9 @@ import pytest
 from convcheck.env import audit, collect
 from convcheck.env.nvml import probe
 
-NOT_SUPPORTED, NO_PERMISSION, DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, FUNCTION_NOT_FOUND, RM_MISMATCH = 3, 4, 9, 12, 13, 18
+# NVML return codes (nvml.h)
+NOT_SUPPORTED, NO_PERMISSION, DRIVER_NOT_LOADED = 3, 4, 9
+LIBRARY_NOT_FOUND, FUNCTION_NOT_FOUND, RM_MISMATCH = 12, 13, 18
 A100_UUID = "GPU-9e2f6a1b-3c4d-5e6f-7a8b-9c0d1e2f3a4b"
 
 

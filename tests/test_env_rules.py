@@ -46,6 +46,10 @@ FIRES = [
     ("DRV001", "critical", lambda: fx("driver470_cu121.json")),
     ("DRV001", "critical", lambda: driver(fx(A100), version=None, cuda_version="11.8")),  # NVML's CUDA only
     ("DRV001", "critical", lambda: load(DATA / "collect_env_old_torch1.3.1_titanxp.txt")),
+    # Windows driver numbering without a table entry for CUDA 13: NVML's CUDA version decides
+    ("DRV001", "critical", lambda: driver(replace(torch_(fx(H100), cuda="13.0"),
+                                                  host=replace(fx(H100).host, os="Microsoft Windows 11 Pro")),
+                                          version="576.02", cuda_version="12.9")),
     ("DRV002", "warn", lambda: driver(fx(A100), version="525.85.12")),  # >= 12.x floor, < 12.1's 530.30.02
     ("DRV002", "warn", lambda: driver(fx(A100), version=None, cuda_version="12.0")),
     ("DRV003", "critical", lambda: replace(fx(H100), driver=Driver(nvml_error="mismatch", rm_mismatch=True))),

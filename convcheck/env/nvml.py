@@ -55,9 +55,9 @@ class _Calls:
         self.nvml = nvml
         self.refused: list[str] = []
 
-    def __call__(self, label: str, *names_then_args):
-        names = [n for n in names_then_args if isinstance(n, str) and n.startswith("nvml")]
-        args = names_then_args[len(names):]
+    def __call__(self, label: str, names: str | tuple[str, ...], *args):
+        """Call the first of ``names`` this binding has (newer name first) with ``args``."""
+        names = (names,) if isinstance(names, str) else names
         fn = next((getattr(self.nvml, n) for n in names if hasattr(self.nvml, n)), None)
         if fn is None:
             self.refused.append(f"{label}: not in this nvidia-ml-py")
@@ -110,8 +110,8 @@ def _probe_gpu(nvml, index: int) -> GPU:
         values.update(remapped_rows_correctable=int(corr), remapped_rows_uncorrectable=int(unc),
                       remap_pending=bool(pending), remap_failed=bool(failed))
 
-    reasons = calls("clock event reasons", "nvmlDeviceGetCurrentClocksEventReasons",
-                    "nvmlDeviceGetCurrentClocksThrottleReasons", h)
+    reasons = calls("clock event reasons",
+                    ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
     power = calls("power", "nvmlDeviceGetPowerUsage", h)
     limit = calls("power limit", "nvmlDeviceGetEnforcedPowerLimit", h)
     mig = calls("MIG mode", "nvmlDeviceGetMigMode", h)

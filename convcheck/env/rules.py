@@ -120,8 +120,8 @@ def driver_vs_cuda(fp: Fingerprint):
                 t.DRIVER_SOURCE,
             )
         return
-    supported = t.parse_version(fp.driver.cuda_version)
-    if not supported or driver:
+    supported = t.parse_version(fp.driver.cuda_version)  # no usable table entry: ask NVML's answer
+    if not supported:
         return
     if supported[0] < cuda[0] or (cuda[0] < 11 and supported[:2] < cuda[:2]):
         yield _finding(
@@ -168,7 +168,9 @@ def arch_coverage(fp: Fingerprint):
     if not arch or fp.torch.cuda is None:
         return
     parsed = [p for p in (t.parse_arch(a) for a in arch) if p]
-    inferred = " (arch list inferred from the official wheel)" if (fp.torch.arch_list_source or "").startswith("inferred") else ""
+    inferred = ""
+    if (fp.torch.arch_list_source or "").startswith("inferred"):
+        inferred = " (arch list inferred from the official wheel)"
     for g in fp.gpus:
         if g.capability is None:
             continue

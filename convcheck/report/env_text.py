@@ -13,7 +13,7 @@ import textwrap
 from collections import Counter
 
 from convcheck.env.diff import Difference
-from convcheck.env.fingerprint import GPU, Fingerprint
+from convcheck.env.fingerprint import GPU, Fingerprint, redact_uuids
 from convcheck.env.rules import Finding, tf32_state
 from convcheck.env.tables import cudnn_version_tuple, format_version
 
@@ -42,7 +42,8 @@ def render_env(
         lines += _differences(fp, other, differences or [])
         lines.append("")
         lines += _section(other, other_findings or [])
-    return "\n".join(lines).rstrip() + "\n"
+    # UUIDs are hashed when collected; this also catches any that arrive in free text
+    return redact_uuids("\n".join(lines).rstrip() + "\n")
 
 
 def print_env(text: str, file=None) -> None:
