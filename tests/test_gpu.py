@@ -1,0 +1,288 @@
+"""Tests that need a real CUDA GPU (issue 5). Everywhere else they skip, with the reason.
+
+Run them on a GPU machine with ``pytest -m gpu`` (``scripts/device-check`` does,
+and keeps their output). Where ``torch.cuda.is_available()`` is False the
+whole module is skipped, so a plain ``pytest`` needs no ``-m "not gpu"``.
+
+What they pin down:
+
+- ``cuda:tf32`` / ``cuda:no-tf32`` set both TF32 switches inside ``applied()``
+  and restore every global flag afterwards, exception or not;
+- TF32 really changes matmul and convolution error against float64 (about
+  1e-4..1e-3 relative with TF32 on, float32-sized with it off; FACTS.md:
+  PyTorch's notes measure 0.0022 max/mean with TF32 vs 0.000039 without);
+- fp16 AMP runs with a GradScaler whose scale lands in the curves;
+- the NVML fingerprint is filled on a real GPU and agrees with torch;
+- the cuDNN version torch loaded is read (and decoded) correctly;
+- ``cpu:emulate-tf32`` predicts real TF32 per-layer local errors within 10x.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from convcheck.targets import Target, snapshot_global_flags
+
+HAS_CUDA = torch.cuda.is_available()
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: torch.cuda.is_available() is False"),
+]
+
+
+def _capability() -> tuple[int, int] | None:
+    if not HAS_CUDA:
+        return None
+    try:
+        return tuple(torch.cuda.get_device_capability(0))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+_CAP = _capability()
+# TF32 needs compute capability 8.0 or newer (FACTS.md, "TF32 and native bfloat16 need >= 8.0").
+# (Where there is no GPU at all, the module-level mark gives that reason instead.)
+needs_tf32 = pytest.mark.skipif(
+    HAS_CUDA and (_CAP is None or _CAP < (8, 0)),
+    reason=f"TF32 needs compute capability >= 8.0 (this GPU: {_CAP})",
+)
+# NVIDIA_TF32_OVERRIDE=0 turns TF32 off process-wide, whatever torch's flags say (FACTS.md).
+no_tf32_override = pytest.mark.skipif(
+    HAS_CUDA and os.environ.get("NVIDIA_TF32_OVERRIDE") == "0",
+    reason="NVIDIA_TF32_OVERRIDE=0 disables TF32 in this process",
+)
+
+
+def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got = got.detach().to("cpu", torch.float64)
+    ref = ref.detach().to("cpu", torch.float64)
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.fixture
+def flags_guard():
+    """Put the process's TF32 switches back to what they were, whatever a test did."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = matmul
+    torch.backends.cudnn.allow_tf32 = cudnn
+
+
+# --- targets: application and restoration ----------------------------------------------
+
+
+@pytest.mark.parametrize("spec, inside", [("cuda:tf32", True), ("cuda:no-tf32", False)])
+def test_cuda_tf32_targets_set_both_switches_and_restore_every_flag(flags_guard, spec, inside):
+    # Start from the opposite setting, so that "set" and "restored" are both visible.
+    torch.backends.cuda.matmul.allow_tf32 = not inside
+    torch.backends.cudnn.allow_tf32 = not inside
+    before = snapshot_global_flags()
+    target = Target.parse(spec)
+    target.check_available()
+    with target.applied():
+        assert torch.backends.cuda.matmul.allow_tf32 is inside
+        assert torch.backends.cudnn.allow_tf32 is inside
+    assert snapshot_global_flags() == before
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with target.applied():
+            raise RuntimeError("boom")
+    assert snapshot_global_flags() == before
+
+
+def test_plain_cuda_target_leaves_the_stack_defaults_alone(flags_guard):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True  # the stack's defaults since torch 1.12 (FACTS.md)
+    before = snapshot_global_flags()
+    with Target.parse("cuda").applied():
+        assert snapshot_global_flags() == before
+    assert snapshot_global_flags() == before
+
+
+def test_cuda_target_places_the_model_on_the_gpu():
+    target = Target.parse("cuda:no-tf32")
+    model = target.place(torch.nn.Linear(4, 3))
+    assert next(model.parameters()).device.type == "cuda"
+    x = target.cast_input(torch.randn(2, 4, dtype=torch.float64))
+    assert x.device.type == "cuda" and x.dtype == torch.float32
+
+
+def test_a_cuda_index_past_the_last_gpu_is_a_clear_error():
+    from convcheck.errors import TargetUnavailable
+
+    target = Target.parse(f"cuda:{torch.cuda.device_count()}")
+    assert not target.is_available()
+    with pytest.raises(TargetUnavailable, match="cannot run here"):
+        target.check_available()
+
+
+# --- TF32 really changes the error ---------------------------------------------------------
+
+
+@needs_tf32
+@no_tf32_override
+def test_tf32_on_and_off_change_matmul_error_against_float64(flags_guard):
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 1024, generator=gen)
+    b = torch.randn(1024, 1024, generator=gen)
+    ref = a.double() @ b.double()
+    with Target.parse("cuda:tf32").applied():
+        on = _rel_l2(a.cuda() @ b.cuda(), ref)
+    with Target.parse("cuda:no-tf32").applied():
+        off = _rel_l2(a.cuda() @ b.cuda(), ref)
+    # TF32 keeps 10 mantissa bits (u = 2^-11 ~ 4.9e-4): relative L2 error ~ 1e-4..1e-3.
+    assert 5e-5 < on < 5e-3, f"TF32 matmul error {on:.2e}"
+    # float32 accumulation: u = 2^-24 ~ 6e-8 per operation.
+    assert off < 1e-5, f"float32 matmul error {off:.2e}"
+    assert on > 30 * off, f"TF32 on {on:.2e} vs off {off:.2e}"
+
+
+@needs_tf32
+@no_tf32_override
+def test_tf32_on_and_off_change_conv_error_against_float64(flags_guard):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, 32, 32, generator=gen)
+    w = torch.randn(64, 64, 3, 3, generator=gen)
+    ref = torch.nn.functional.conv2d(x.double(), w.double(), padding=1)
+    with Target.parse("cuda:tf32").applied():
+        on = _rel_l2(torch.nn.functional.conv2d(x.cuda(), w.cuda(), padding=1), ref)
+    with Target.parse("cuda:no-tf32").applied():
+        off = _rel_l2(torch.nn.functional.conv2d(x.cuda(), w.cuda(), padding=1), ref)
+    assert 5e-5 < on < 5e-3, f"TF32 conv error {on:.2e}"
+    assert off < 1e-5, f"float32 conv error {off:.2e}"
+    assert on > 10 * off, f"TF32 on {on:.2e} vs off {off:.2e}"
+
+
+# --- AMP fp16 and the GradScaler ----------------------------------------------------------
+
+
+def test_amp_fp16_records_the_grad_scaler_scale_in_the_curves():
+    from convcheck.compare import compare
+
+    result = compare("lenet", "cuda,cuda:amp-fp16", steps=4, batch_size=16, envelope=0)
+    curves = result.training.curves
+    amp = curves[curves["target"] == "cuda:amp-fp16"]
+    plain = curves[curves["target"] == "cuda"]
+    assert len(amp) == 4 * amp["arm"].nunique()
+    scales = amp["loss_scale"].astype(float)
+    assert scales.notna().all(), "every AMP step records the GradScaler's scale"
+    # GradScaler starts at 2^16 and only halves (on a skipped step) or doubles after 2000 steps.
+    assert ((scales > 0) & (scales <= 2.0**16)).all(), list(scales)
+    assert plain["loss_scale"].astype(float).isna().all(), "no scaler, no scale"
+    final = result.training.per_target["cuda:amp-fp16"]["final_loss_scale"]
+    assert final is not None and math.isfinite(final) and final == scales.iloc[-1]
+    # A skipped step (Inf/NaN in the scaled gradients) is exactly a halving of the scale.
+    previous = [2.0**16] + list(scales.iloc[:-1])
+    for prev, scale, skipped in zip(previous, scales, amp["skipped"].astype(bool)):
+        assert scale == (prev / 2 if skipped else prev), (prev, scale, skipped)
+    assert result.training.per_target["cuda:amp-fp16"]["skipped_steps"] == int(amp["skipped"].astype(bool).sum())
+    assert result.training.per_target["cuda:amp-fp16"]["skipped_steps"] < 4, "fp16 LeNet should train"
+    losses = result.parity.losses
+    assert math.isfinite(losses["cuda:amp-fp16"])
+    assert abs(losses["cuda:amp-fp16"] - losses["cuda"]) < 1e-2 * abs(losses["cuda"])
+
+
+# --- the fingerprint on a real GPU ----------------------------------------------------------
+
+
+def test_nvml_fingerprint_fields_are_filled_on_a_real_gpu():
+    pytest.importorskip("pynvml", reason="nvidia-ml-py (pynvml) is not installed")
+    from convcheck.env import collect
+
+    fp = collect()
+    assert fp.driver.nvml_error is None, fp.driver.nvml_error
+    assert fp.driver.version, "driver version from nvmlSystemGetDriverVersion"
+    assert fp.driver.cuda_version and "." in fp.driver.cuda_version
+    assert len(fp.gpus) >= torch.cuda.device_count()
+    for gpu in fp.gpus:
+        assert gpu.name, gpu
+        assert gpu.capability is not None and gpu.capability_source == "nvml", gpu
+        assert gpu.memory_total_mib and gpu.memory_total_mib > 1024, gpu
+        assert gpu.uuid_hash and gpu.uuid_hash.startswith("uuid:"), gpu
+        assert gpu.pci_bus_id, gpu
+    # NVML and torch agree on what this GPU is (CUDA_VISIBLE_DEVICES may hide some from torch).
+    torch_name = torch.cuda.get_device_name(0)
+    torch_cap = tuple(torch.cuda.get_device_capability(0))
+    assert any(g.name == torch_name and tuple(g.capability) == torch_cap for g in fp.gpus), (
+        torch_name, torch_cap, [(g.name, g.capability) for g in fp.gpus])
+    assert fp.torch.cuda_available is True
+    assert fp.torch.device_count == torch.cuda.device_count()
+    assert fp.torch.cuda == torch.version.cuda
+    assert fp.torch.arch_list and all(a.startswith(("sm_", "compute_")) for a in fp.torch.arch_list)
+    # The fingerprint survives its own JSON round trip with every field.
+    from convcheck.env import Fingerprint
+
+    assert Fingerprint.from_dict(fp.to_dict()) == fp
+
+
+def test_cudnn_version_is_the_one_torch_loaded():
+    from convcheck.env import collect
+    from convcheck.env.tables import cudnn_version_tuple
+
+    loaded = torch.backends.cudnn.version()
+    if loaded is None:
+        pytest.skip("this torch build has no cuDNN")
+    fp = collect()
+    assert fp.torch.cudnn_version == loaded
+    assert "cudnn.version()" in (fp.torch.cudnn_source or "")
+    # The integer decodes to the triple the library itself reports.
+    raw = getattr(torch._C, "_cudnn", None)
+    if raw is not None and hasattr(raw, "getRuntimeVersion"):
+        assert cudnn_version_tuple(fp.torch.cudnn_version) == tuple(int(p) for p in raw.getRuntimeVersion())
+    if raw is not None and hasattr(raw, "getCompileVersion"):
+        assert cudnn_version_tuple(fp.torch.cudnn_compile_version) == tuple(
+            int(p) for p in raw.getCompileVersion())
+    major = cudnn_version_tuple(loaded)[0]
+    assert major >= 7
+    if os.path.exists(f"/proc/{os.getpid()}/maps"):
+        assert fp.torch.cudnn_library and "libcudnn" in fp.torch.cudnn_library, fp.torch.cudnn_library
+
+
+# --- emulated TF32 against real TF32 ---------------------------------------------------------
+
+
+@needs_tf32
+@no_tf32_override
+def test_emulated_tf32_local_errors_are_within_10x_of_real_tf32():
+    from convcheck.compare import initial_state, model_builder
+    from convcheck.data import load_batches
+    from convcheck.models import resolve_model
+    from convcheck.parity import run_parity
+
+    model = resolve_model("cifar_cnn")
+    build = model_builder(model, initial_state(model, 0))
+    batches = load_batches(None, input_shape=model.input_shape, num_classes=model.num_classes,
+                           batch_size=8, num_batches=1, seed=0)
+    targets = [Target.parse(s) for s in ("cuda:tf32", "cpu:emulate-tf32", "cuda:no-tf32")]
+    table = run_parity(build, batches.batches[0], targets, seed=0).layers
+
+    def local(spec):
+        t = table[table["target"] == spec]
+        return {(k, layer, param): v for k, layer, param, v in zip(t["kind"], t["layer"], t["param"], t["local"])}
+
+    real, emulated, off = local("cuda:tf32"), local("cpu:emulate-tf32"), local("cuda:no-tf32")
+    assert real.keys() == emulated.keys()
+    compared, bad = 0, []
+    for key, r in real.items():
+        e = emulated[key]
+        if any(math.isnan(v) for v in (r, e)):
+            continue
+        hi, lo = max(r, e), min(r, e)
+        if hi <= 1e-6 or (hi <= 1e-5 and lo <= 1e-6):
+            continue  # float32-sized on at least one side and small on both: not a TF32 effect
+        compared += 1
+        if not (0.1 <= e / max(r, 1e-30) <= 10):
+            bad.append(f"{key}: real {r:.2e}, emulated {e:.2e}")
+    assert compared >= 7, f"only {compared} layers carried TF32-sized error"
+    assert not bad, "emulated TF32 off by more than 10x:\n" + "\n".join(bad)
+    # Every convolution and the classifier show TF32-sized local error with TF32 on,
+    # and float32-sized error with it off.
+    for (kind, layer, param), r in real.items():
+        if kind == "forward" and (layer.endswith(".conv") or layer == "fc"):
+            assert r > 1e-5, f"{layer}: real TF32 local error only {r:.2e}"
+            assert off[(kind, layer, param)] < 1e-5, f"{layer}: no-tf32 local error {off[(kind, layer, param)]:.2e}"
