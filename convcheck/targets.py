@@ -81,7 +81,7 @@ class Target:
         mode = "float32"
         seen_mode = False
         for part in parts[1:]:
-            if part.isdigit():
+            if part.isascii() and part.isdigit():
                 if index is not None or seen_mode:
                     raise UsageError(f"target {spec!r}: device index {part!r} must come right after the device")
                 if device == "cpu":
