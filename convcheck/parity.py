@@ -123,6 +123,16 @@ def _run_judge(build: ModelBuilder, x, y, judge: Target, seed: int):
     return calls, lc.order, grads, float(loss.detach())
 
 
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal values, NaN equal to NaN (``torch.equal`` says a NaN differs from itself,
+    which made every layer producing NaN look stochastic)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+
+
 def _stochastic_layers(build: ModelBuilder, x, calls: dict, judge: Target, seed: int) -> list[str]:
     """Re-run the judge's forward under another random seed (same shared masks): a layer
     whose output moves while its input does not draws random numbers of its own."""
@@ -133,8 +143,8 @@ def _stochastic_layers(build: ModelBuilder, x, calls: dict, judge: Target, seed:
         jc = calls.get(key)
         if jc is None or tuple(jc.output.shape) != tuple(out.shape):
             return
-        same_in = all(torch.equal(a, b) for a, b in zip(tensors_in(inputs), tensors_in(jc.inputs)))
-        if same_in and not torch.equal(out.detach(), jc.output):
+        same_in = all(_identical(a, b) for a, b in zip(tensors_in(inputs), tensors_in(jc.inputs)))
+        if same_in and not _identical(out.detach(), jc.output):
             found.append(key)
 
     torch.manual_seed(seed + 7777)
