@@ -36,8 +36,8 @@ class CompareConfig:
     targets: tuple[Target, Target]
     steps: int = 30
     batch_size: int = 32
-    optimizer: str = "sgd"
-    lr: float = 0.05
+    optimizer: str = "adam"
+    lr: float = 1e-3
     seed: int = 0
     envelope: int = 3
     data: str | None = None
@@ -130,8 +130,8 @@ def compare(
     *,
     steps: int = 30,
     batch_size: int = 32,
-    optimizer: str = "sgd",
-    lr: float = 0.05,
+    optimizer: str = "adam",
+    lr: float = 1e-3,
     seed: int = 0,
     envelope: int = 3,
     data: str | None = None,

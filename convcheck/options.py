@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from convcheck.metrics import DEFAULT_TOLERANCES, Tolerances
 
-DEFAULTS = dict(steps=30, batch_size=32, optimizer="sgd", lr=0.05, seed=0, envelope=3)
+DEFAULTS = dict(steps=30, batch_size=32, optimizer="adam", lr=1e-3, seed=0, envelope=3)
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:

@@ -294,6 +294,11 @@ def _flag_accessors():
     for name in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
         if hasattr(b.cuda.matmul, name):
             items.append((f"cuda.matmul.{name}", *attr(b.cuda.matmul, name)))
+    # The newer TF32 API (torch >= 2.9): setting allow_tf32 also moves these.
+    for label, obj in (("cuda.matmul", b.cuda.matmul), ("cudnn.conv", getattr(b.cudnn, "conv", None)),
+                       ("cudnn.rnn", getattr(b.cudnn, "rnn", None)), ("backends", b)):
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            items.append((f"{label}.fp32_precision", *attr(obj, "fp32_precision")))
     return items
 
 
@@ -316,10 +321,15 @@ def preserved_global_flags():
     try:
         yield
     finally:
-        for name, _, set_ in reversed(_flag_accessors()):
+        for name, get, set_ in reversed(_flag_accessors()):
             value = before.get(name)
             if value is None:
                 continue
+            try:
+                if get() == value:  # untouched: setters can be costly (use_deterministic_algorithms)
+                    continue
+            except Exception:  # noqa: BLE001 - an unreadable flag is restored below
+                pass
             try:
                 set_(value)
             except Exception:  # noqa: BLE001 - best effort; never mask the real error

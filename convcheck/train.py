@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from convcheck.capture import leaf_modules
+from convcheck.capture import SharedDropoutMasks, leaf_modules, tensors_in
 from convcheck.metrics import DEFAULT_TOLERANCES, Tolerances
 from convcheck.targets import JUDGE, Target
 
@@ -30,7 +30,7 @@ Progress = Callable[[int, int], None]
 OPTIMIZERS = ("sgd", "adam")
 
 CURVE_COLUMNS = [
-    "arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref",
+    "arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref", "dist_other",
     "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio",
 ]
 
@@ -49,8 +49,8 @@ class Arm:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 30
-    optimizer: str = "sgd"
-    lr: float = 0.05
+    optimizer: str = "adam"
+    lr: float = 1e-3
     momentum: float = 0.9
     seed: int = 0
 
@@ -63,6 +63,9 @@ class TrainResult:
     arms: list[Arm]
     config: TrainConfig
     per_target: dict[str, dict] = field(default_factory=dict)
+    # Per arm: (step, layer) where a leaf module first turned finite inputs into a
+    # non-finite output during training, or None.
+    nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
 
     def arm_curve(self, name: str) -> pd.DataFrame:
         return self.curves[self.curves["arm"] == name]
@@ -110,9 +113,24 @@ class _ArmState:
         self.layers = [(n, m) for n, m in leaf_modules(self.model)
                        if any(True for _ in m.parameters(recurse=False))]
         self.acts: list[tuple[str, str, float, float]] = []
+        self.step_index = 0
+        self.producer: tuple[int, str] | None = None
+        self.masks = SharedDropoutMasks(self.model, 0)
+        self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
         self._hooks = [m.register_forward_hook(self._act_hook(n))
                        for n, m in leaf_modules(self.model)
                        if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
+        self._hooks += [m.register_forward_hook(self._finite_hook(n)) for n, m in leaf_modules(self.model)]
+
+    def _finite_hook(self, name):
+        def hook(module, inputs, output):
+            if self.producer is not None or not torch.is_grad_enabled():
+                return
+            outs = tensors_in(output)
+            if outs and not all(bool(torch.isfinite(t).all()) for t in outs if t.is_floating_point()):
+                if all(bool(torch.isfinite(t).all()) for t in tensors_in(inputs) if t.is_floating_point()):
+                    self.producer = (self.step_index, name)
+        return hook
 
     def _act_hook(self, name):
         def hook(module, inputs, output):
@@ -130,12 +148,17 @@ class _ArmState:
     def close(self):
         for h in self._hooks:
             h.remove()
+        self.masks.__exit__(None, None, None)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
+    def step(self, x: torch.Tensor, y: torch.Tensor, seed: int, rng_seed: int) -> dict:
         t = self.arm.target
         self.acts = []
+        self.masks.seed = seed  # dropout masks: the same on every arm at this step
+        self.masks._calls = 0
         with t.applied():
-            torch.manual_seed(seed)  # same CPU random stream for every arm at this step
+            # Any other random draw differs per arm, as it would on another device;
+            # parity's probe names the layers that make such draws.
+            torch.manual_seed(rng_seed)
             self.opt.zero_grad(set_to_none=True)
             with t.autocast():
                 out = self.model(t.cast_input(x))
@@ -228,6 +251,8 @@ def run_training(
     states = [_ArmState(arm, build, cfg) for arm in arms]
     by_name = {s.arm.name: s for s in states}
     judge = next((s for s in states if s.arm.role == "judge"), None)
+    pair = [s for s in states if s.arm.role == "target"]
+    other = {a.arm.name: b for a, b in zip(pair, reversed(pair))} if len(pair) == 2 else {}
     rows, grad_rows, act_rows = [], [], []
     total = cfg.steps * len(states)
     try:
@@ -236,7 +261,8 @@ def run_training(
             step_seed = cfg.seed * 100003 + step
             results = {}
             for i, s in enumerate(states):
-                results[s.arm.name] = s.step(x, y, step_seed)
+                s.step_index = step
+                results[s.arm.name] = s.step(x, y, step_seed, step_seed * 16 + i)
                 if progress:
                     progress(step * len(states) + i + 1, total)
             for s in states:
@@ -247,6 +273,7 @@ def run_training(
                     loss=r["loss"], grad_norm=r["grad_norm"],
                     dist_judge=_param_distance(s.model, judge.model) if judge and s is not judge else 0.0,
                     dist_ref=_param_distance(s.model, ref.model) if ref else math.nan,
+                    dist_other=_param_distance(s.model, other[s.arm.name].model) if s.arm.name in other else math.nan,
                     nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],
                     loss_scale=r["loss_scale"], skipped=r["skipped"], update_ratio=r["update_ratio"],
                 ))
@@ -258,12 +285,13 @@ def run_training(
     finally:
         for s in states:
             s.close()
+    producers = {s.arm.name: s.producer for s in states}
     curves = pd.DataFrame(rows, columns=CURVE_COLUMNS)
     result = TrainResult(
         curves=curves,
         layer_grads=pd.DataFrame(grad_rows, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(act_rows, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
-        arms=arms, config=cfg,
+        arms=arms, config=cfg, nonfinite_producer=producers,
     )
     for arm in arms:
         if arm.role == "envelope":

@@ -1,0 +1,309 @@
+"""Detectors: read the parity table and the training curves, return ``Symptom`` records.
+
+Each detector is a small function with its thresholds named at the top of this
+file, each with the source it was taken from. Detectors never run a model;
+``diagnose`` turns their symptoms into a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+# --- thresholds --------------------------------------------------------------------------
+# AUTOTRAINER (ICSE'21, utils/monitor.py): loss >= 1e3 is treated like NaN.
+LOSS_NAN_LIKE = 1e3
+# AUTOTRAINER: exploding when the first layer's gradient norm is > 70x the last layer's.
+EXPLODING_LAYER_RATIO = 70.0
+# AUTOTRAINER: vanishing when ||g_first||/||g_last|| < 1e-3 and ||g_first|| < 1e-4.
+VANISHING_LAYER_RATIO = 1e-3
+VANISHING_FIRST_NORM = 1e-4
+# DeepDiagnosis (ICSE'22): vanishing when the mean |dW| < 1e-7.
+VANISHING_MEAN_ABS = 1e-7
+# DeepDiagnosis: dead node when >= 70% of ReLU outputs are <= 0; saturated sigmoid/tanh
+# when > 50% of pre-activations lie outside +-5.
+DEAD_RELU_FRACTION = 0.7
+SATURATED_FRACTION = 0.5
+# DeepDiagnosis: effective learning rate lr*||dW||/||W|| outside [1e-5, 0.1].
+UPDATE_RATIO_HIGH = 0.1
+# Plateau: the loss stays within 10% of chance, ln(C), over the second half of the run.
+PLATEAU_TOLERANCE = 0.10
+# AUTOTRAINER oscillation: swings of >= 3% in >= 20% of the checks.
+OSCILLATION_SWING = 0.03
+OSCILLATION_SHARE = 0.2
+# Un-normalised input: features far outside the usual standardised range (raw 0..255 pixels).
+INPUT_ABS_MAX = 20.0
+INPUT_STD_MAX = 10.0
+# fp16 range (FACTS.md: float16 max 65504).
+FP16_MAX = 65504.0
+# Underflow: a target's gradients hold this many more exact zeros than the judge's (fraction).
+UNDERFLOW_EXTRA_ZEROS = 0.3
+# GradScaler: skipping more than a quarter of the steps, or a scale below 1 (>= 16 net
+# halvings from 2^16: the forward pass itself overflows; FACTS.md "Mixed precision").
+SKIP_RATE_HIGH = 0.25
+SCALE_COLLAPSED = 1.0
+# Envelope: drift between the targets within ENVELOPE_BENIGN x the envelope is noise; drift
+# beyond ENVELOPE_FAR x for ENVELOPE_RUN consecutive steps inside the first half of the run
+# ("early and by far") is a real discrepancy. Measured on LeNet: float32 vs float64 stays
+# within 2x of the float32 envelope (ARCHITECTURE.md, "The noise envelope").
+ENVELOPE_BENIGN = 4.0
+ENVELOPE_FAR = 10.0
+ENVELOPE_RUN = 3
+# Outcome: a final loss outside the envelope runs' range widened by this many spreads
+# (plus 5% of their mean) is a different outcome.
+OUTCOME_SPREADS = 3.0
+OUTCOME_RELATIVE = 0.05
+
+
+@dataclass(frozen=True)
+class Symptom:
+    """One thing a detector saw: what, on which arm, where, and the numbers."""
+
+    name: str
+    arm: str
+    evidence: str
+    layer: str | None = None
+    step: int | None = None
+    value: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# --- training problems (run on every arm) ----------------------------------------------------
+
+def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.DataFrame, arm: str,
+                      num_classes: int, lr: float) -> list[Symptom]:
+    """Exploding/vanishing gradients, dead ReLUs, plateau, oscillation, non-finite loss on ``arm``."""
+    c = curves[curves["arm"] == arm].sort_values("step")
+    out: list[Symptom] = []
+    losses = [float(v) for v in c["loss"]]
+    if not losses:
+        return out
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or v >= LOSS_NAN_LIKE]
+    if bad:
+        step = int(c["step"].iloc[bad[0]])
+        out.append(Symptom("non-finite loss", arm, f"loss {losses[bad[0]]:.3g} at step {step} "
+                           f"(non-finite or >= {LOSS_NAN_LIKE:g}, AUTOTRAINER's NaN-like rule)", step=step))
+    g = layer_grads[layer_grads["arm"] == arm]
+    out += _gradient_problems(c, g, arm, lr, losses)
+    out += _activation_problems(acts[acts["arm"] == arm], arm)
+    finite = [v for v in losses if math.isfinite(v)]
+    half = finite[len(finite) // 2:]
+    chance = math.log(num_classes) if num_classes > 1 else math.nan
+    if len(half) >= 2 and math.isfinite(chance) and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half):
+        out.append(Symptom("loss plateau", arm, f"loss stays at {half[-1]:.3f}, within "
+                           f"{PLATEAU_TOLERANCE:.0%} of chance ln({num_classes}) = {chance:.3f}, "
+                           f"over the last {len(half)} steps", value=half[-1]))
+    if len(finite) >= 6:
+        mean = sum(finite) / len(finite)
+        swings = sum(1 for a, b, d in zip(finite, finite[1:], finite[2:])
+                     if (b - a) * (d - b) < 0 and min(abs(b - a), abs(d - b)) >= OSCILLATION_SWING * mean)
+        share = swings / (len(finite) - 2)
+        if share >= OSCILLATION_SHARE and finite[-1] >= 0.9 * finite[0]:
+            out.append(Symptom("oscillating loss", arm, f"the loss changes direction by >= "
+                               f"{OSCILLATION_SWING:.0%} in {share:.0%} of the steps without falling",
+                               value=share))
+    return out
+
+
+def _gradient_problems(c: pd.DataFrame, g: pd.DataFrame, arm: str, lr: float, losses) -> list[Symptom]:
+    out: list[Symptom] = []
+    norms = [float(v) for v in c["grad_norm"]]
+    nonfinite = [i for i, v in enumerate(norms) if not math.isfinite(v)]
+    ratios = [float(v) for v in c["update_ratio"] if math.isfinite(v)]
+    rising = all(math.isfinite(v) for v in losses[-1:]) and losses[-1] > losses[0] * 1.5
+    finite_norms = [v for v in norms if math.isfinite(v)]
+    grew = len(finite_norms) >= 2 and max(finite_norms) > EXPLODING_LAYER_RATIO * max(finite_norms[0], 1e-30)
+    if nonfinite or grew or rising or (ratios and max(ratios) > UPDATE_RATIO_HIGH and rising):
+        step = int(c["step"].iloc[nonfinite[0]]) if nonfinite else None
+        why = []
+        if nonfinite:
+            why.append(f"gradient norm non-finite from step {step}")
+        if grew:
+            why.append(f"gradient norm grew {max(finite_norms) / max(finite_norms[0], 1e-30):.3g}x "
+                       f"(> {EXPLODING_LAYER_RATIO:g}x)")
+        if rising:
+            why.append(f"loss rose from {losses[0]:.3g} to {losses[-1]:.3g}")
+        if ratios:
+            why.append(f"largest update ratio lr*|g|/|W| = {max(ratios):.3g} (DeepDiagnosis: > {UPDATE_RATIO_HIGH:g} "
+                       "is too high)")
+        out.append(Symptom("exploding gradients / learning rate too high", arm, "; ".join(why), step=step,
+                           value=max(ratios) if ratios else None, extra={"lr": lr}))
+    if len(g):
+        layers = list(dict.fromkeys(g["layer"]))
+        first, last = layers[0], layers[-1]
+        gf = g[g["layer"] == first].set_index("step")["grad_norm"]
+        gl = g[g["layer"] == last].set_index("step")["grad_norm"]
+        steps = [s for s in gf.index if s in gl.index]
+        vanished = [s for s in steps if math.isfinite(gf[s]) and gl[s] > 0
+                    and gf[s] / gl[s] < VANISHING_LAYER_RATIO and gf[s] < VANISHING_FIRST_NORM]
+        if steps and len(vanished) >= max(1, len(steps) // 2):
+            s = vanished[-1]
+            out.append(Symptom("vanishing gradients", arm,
+                               f"gradient norm of the first layer '{first}' is {gf[s]:.2e}, "
+                               f"{gf[s] / gl[s]:.2e} of the last layer '{last}' ({gl[s]:.2e}) in "
+                               f"{len(vanished)}/{len(steps)} steps (AUTOTRAINER: ratio < {VANISHING_LAYER_RATIO:g} "
+                               f"and norm < {VANISHING_FIRST_NORM:g})", layer=first, value=float(gf[s])))
+    return out
+
+
+def _activation_problems(a: pd.DataFrame, arm: str) -> list[Symptom]:
+    out: list[Symptom] = []
+    if not len(a):
+        return out
+    last_steps = sorted(a["step"].unique())[-3:]
+    tail = a[a["step"].isin(last_steps)]
+    relu = tail[tail["kind"] == "relu"].groupby("layer", sort=False)["dead_frac"].mean()
+    dead = relu[relu >= DEAD_RELU_FRACTION]
+    if len(dead):
+        layer = dead.idxmax()
+        out.append(Symptom("dead ReLUs", arm, f"{dead.max():.0%} of the outputs of '{layer}' are <= 0 over the "
+                           f"last {len(last_steps)} steps (DeepDiagnosis: >= {DEAD_RELU_FRACTION:.0%}); "
+                           f"{len(dead)} ReLU layer(s) affected", layer=layer, value=float(dead.max())))
+    sat = tail[tail["kind"] != "relu"].groupby("layer", sort=False)["saturated_frac"].mean()
+    sat = sat[sat > SATURATED_FRACTION]
+    if len(sat):
+        layer = sat.idxmax()
+        out.append(Symptom("saturated activations", arm, f"{sat.max():.0%} of the pre-activations of '{layer}' "
+                           f"lie outside +-5 (DeepDiagnosis: > {SATURATED_FRACTION:.0%})", layer=layer,
+                           value=float(sat.max())))
+    return out
+
+
+def data_problems(stats: dict) -> list[Symptom]:
+    """Input features far outside a normalised range (labels out of range are rejected when loading)."""
+    if not stats:
+        return []
+    big = max(abs(stats.get("x_min", 0.0)), abs(stats.get("x_max", 0.0)))
+    std = stats.get("x_std", 0.0)
+    if big > INPUT_ABS_MAX or std > INPUT_STD_MAX:
+        return [Symptom("input data out of range", "data",
+                        f"inputs span [{stats['x_min']:.3g}, {stats['x_max']:.3g}] with std {std:.3g} "
+                        f"(expected roughly standardised values, |x| < {INPUT_ABS_MAX:g})", value=big)]
+    return []
+
+
+# --- numerics (targets against the judge) ----------------------------------------------------
+
+def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
+    """DeepLocalize's scan: the first layer that turns finite inputs into NaN/Inf, forward
+    (input -> output), then backward (output -> input)."""
+    t = layers[layers["target"] == target]
+    fwd = t[(t["kind"] == "forward") & ((t["nan"] + t["inf"]) > 0) & (t["input_nonfinite"] == 0)]
+    if len(fwd):
+        r = fwd.sort_values("order").iloc[0]
+        overflow = r["ref_absmax"] > FP16_MAX if math.isfinite(r["ref_absmax"]) else False
+        what = (f"'{r['layer']}' ({r['module']}) turns finite inputs into {int(r['nan'])} NaN / {int(r['inf'])} Inf "
+                f"in the forward pass")
+        if overflow:
+            what += f"; the judge's values there reach {r['ref_absmax']:.4g}, above the float16 maximum {FP16_MAX:g}"
+        return Symptom("non-finite forward", target, what, layer=r["layer"], step=0,
+                       value=float(r["ref_absmax"]), extra={"overflow": bool(overflow)})
+    fwd_rows = t[t["kind"] == "forward"]
+    back = fwd_rows[fwd_rows["grad_out_nonfinite"] == 0].sort_values("order")
+    poisoned = t[(t["kind"] == "grad") & ((t["nan"] + t["inf"]) > 0)]
+    if len(poisoned):
+        # the producer in backward: the deepest (closest to the output) layer whose own
+        # output gradient is still finite but whose parameter gradients are not
+        cand = poisoned[poisoned["layer"].isin(set(back["layer"]))].sort_values("order")
+        r = (cand if len(cand) else poisoned.sort_values("order")).iloc[-1]
+        return Symptom("non-finite backward", target,
+                       f"the gradient of '{r['param']}' holds {int(r['nan'])} NaN / {int(r['inf'])} Inf while the "
+                       f"gradient reaching '{r['layer']}' is finite", layer=r["layer"], step=0)
+    return None
+
+
+def grad_scaler_problems(curves: pd.DataFrame, target: str) -> Symptom | None:
+    c = curves[curves["arm"] == target]
+    scales = [float(v) for v in c["loss_scale"] if math.isfinite(v)]
+    if not scales:
+        return None
+    skipped = int(c["skipped"].sum())
+    rate = skipped / max(1, len(c))
+    if rate > SKIP_RATE_HIGH or scales[-1] < SCALE_COLLAPSED:
+        return Symptom("GradScaler collapse", target,
+                       f"GradScaler skipped {skipped}/{len(c)} steps ({rate:.0%}); scale ended at {scales[-1]:.3g} "
+                       f"(from {scales[0]:.3g}); a scale below 1 means the forward pass itself overflows",
+                       value=scales[-1], extra={"skip_rate": rate})
+    return None
+
+
+def underflow(layer_grads: pd.DataFrame, target: str, judge: str) -> Symptom | None:
+    g = layer_grads.groupby(["arm", "layer"], sort=False)["zero_frac"].mean()
+    if target not in g.index.get_level_values(0) or judge not in g.index.get_level_values(0):
+        return None
+    extra = (g[target] - g[judge]).dropna()
+    worst = extra[extra > UNDERFLOW_EXTRA_ZEROS]
+    if len(worst):
+        layer = worst.idxmax()
+        return Symptom("gradient underflow", target,
+                       f"{g[target][layer]:.0%} of the gradient entries of '{layer}' are exactly zero against "
+                       f"{g[judge][layer]:.0%} for the judge", layer=layer, value=float(worst.max()))
+    return None
+
+
+def lost_updates(curves: pd.DataFrame, target: str, unit_roundoff: float, weights_low_precision: bool) -> Symptom | None:
+    """Weights stored in bf16/fp16 drop updates smaller than about u of the weight (FACTS.md)."""
+    if not weights_low_precision:
+        return None
+    c = curves[curves["arm"] == target]
+    ratios = sorted(float(v) for v in c["update_ratio"] if math.isfinite(v))
+    if not ratios:
+        return None
+    median = ratios[len(ratios) // 2]
+    if median < unit_roundoff:
+        return Symptom("small updates lost", target,
+                       f"median update ratio lr*|g|/|W| = {median:.2e} is below the weights' unit roundoff "
+                       f"{unit_roundoff:.2e}: most updates round away", value=median)
+    return None
+
+
+def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str) -> Symptom | None:
+    """Drift between the two targets against the spread of the envelope runs of ``reference``.
+
+    Returns a Symptom named "drift beyond envelope" when it leaves the envelope early and by
+    far, else one named "drift within envelope" carrying the largest ratio seen.
+    """
+    env = curves[curves["role"] == "envelope"]
+    pair = curves[curves["arm"] == targets[0]].set_index("step")["dist_other"]
+    if not len(env) or not len(pair) or pair.isna().all():
+        return None
+    spread = env.groupby("step")["dist_ref"].max()
+    steps = sorted(set(spread.index) & set(pair.index))
+    ratio = {s: (float(pair[s]) / max(float(spread[s]), 1e-300)) if math.isfinite(pair[s]) else math.inf
+             for s in steps}
+    window = steps[: max(ENVELOPE_RUN, len(steps) // 2)]
+    run, start = 0, None
+    for s in window:
+        run = run + 1 if ratio[s] > ENVELOPE_FAR else 0
+        if run == 1:
+            start = s
+        if run >= min(ENVELOPE_RUN, len(window)):
+            return Symptom("drift beyond envelope", targets[0],
+                           f"parameter distance between {targets[0]} and {targets[1]} is {ratio[s]:.3g}x the spread "
+                           f"of {reference}'s one-ulp envelope from step {start} (> {ENVELOPE_FAR:g}x for "
+                           f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s])
+    worst = max(ratio.values())
+    return Symptom("drift within envelope", targets[0],
+                   f"drift between {targets[0]} and {targets[1]} stays within {worst:.3g}x the spread of "
+                   f"{reference}'s one-ulp envelope", value=worst)
+
+
+def outcome_vs_envelope(curves: pd.DataFrame, target: str) -> Symptom | None:
+    """A target's final loss outside the envelope runs' final losses (widened by a few spreads)."""
+    env = curves[curves["role"] == "envelope"]
+    if not len(env):
+        return None
+    last = env["step"].max()
+    finals = [float(v) for v in env[env["step"] == last]["loss"]]
+    mine = curves[(curves["arm"] == target) & (curves["step"] == last)]["loss"]
+    if not len(mine) or not all(math.isfinite(v) for v in finals):
+        return None
+    value = float(mine.iloc[0])
+    lo, hi = min(finals), max(finals)
+    margin = OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * abs(sum(finals) / len(finals))
+    if not math.isfinite(value) or value > hi + margin:
+        return Symptom("outcome outside envelope", target,
+                       f"final loss {value:.4g} against {lo:.4g}..{hi:.4g} for the envelope runs", value=value)
+    return None
