@@ -321,7 +321,7 @@ def preserved_global_flags():
     try:
         yield
     finally:
-        for name, get, set_ in reversed(_flag_accessors()):
+        for name, get, set_ in _flag_accessors():  # old API first, the newer fp32_precision last
             value = before.get(name)
             if value is None:
                 continue
