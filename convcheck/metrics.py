@@ -66,14 +66,18 @@ def nonfinite_count(t: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64; inf when x holds a non-finite value and ref does not."""
+def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||x - ref|| / max(||ref||, floor) in float64; inf when x holds a non-finite value and ref does not.
+
+    ``floor`` is the size below which ``ref`` counts as cancelled to zero (e.g. the
+    norm of the terms a gradient sums), so rounding noise is not a relative error.
+    """
     a, e = _as_f64(x), _as_f64(ref)
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
     # Fast path: both norms finite means every element of both is finite (no
     # boolean indexing, which dominated parity's run time on ResNet-50).
-    den = float(torch.linalg.vector_norm(e))
+    den = max(float(torch.linalg.vector_norm(e)), floor)
     num = float(torch.linalg.vector_norm(a - e))
     if math.isfinite(den) and math.isfinite(num):
         if den < _TINY:
@@ -83,7 +87,7 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(torch.isfinite(a)[finite_ref].all()):
         return math.inf
     a, e = a[finite_ref], e[finite_ref]
-    den = float(torch.linalg.vector_norm(e))
+    den = max(float(torch.linalg.vector_norm(e)), floor)
     num = float(torch.linalg.vector_norm(a - e))
     if den < _TINY:
         return 0.0 if num < _TINY else math.inf

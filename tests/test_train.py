@@ -147,7 +147,7 @@ def test_absurd_learning_rate_gives_a_first_nonfinite_step_not_an_exception():
     build, batches = _setup(steps=3, batch_size=4)
     arms = make_arms([T("cpu"), JUDGE], envelope=0, seed=0)
     assert [a.name for a in arms] == ["cpu", "cpu:float64"]
-    r = run_training(build, batches, arms, TrainConfig(steps=3, lr=1e8))
+    r = run_training(build, batches, arms, TrainConfig(steps=3, optimizer="sgd", lr=1e8))
     assert len(r.curves) == 3 * 2  # every step is still recorded
     info = r.per_target["cpu"]
     step = info["first_nonfinite_step"]
