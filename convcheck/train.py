@@ -127,8 +127,8 @@ class _ArmState:
             if self.producer is not None or not torch.is_grad_enabled():
                 return
             outs = tensors_in(output)
-            if outs and not all(bool(torch.isfinite(t).all()) for t in outs if t.is_floating_point()):
-                if all(bool(torch.isfinite(t).all()) for t in tensors_in(inputs) if t.is_floating_point()):
+            if outs and not all(_all_finite(t) for t in outs):
+                if all(_all_finite(t) for t in tensors_in(inputs)):
                     self.producer = (self.step_index, name)
         return hook
 
@@ -162,7 +162,9 @@ class _ArmState:
             self.opt.zero_grad(set_to_none=True)
             with t.autocast():
                 out = self.model(t.cast_input(x))
-            loss = F.cross_entropy(out.float(), t.cast_input(y))
+            # half-precision logits are upcast for the loss; the judge keeps float64
+            loss = F.cross_entropy(out.float() if out.dtype in (torch.float16, torch.bfloat16) else out,
+                                   t.cast_input(y))
             loss_value = float(loss.detach())
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
@@ -175,13 +177,14 @@ class _ArmState:
                 grads = [p.grad.detach() for p in m.parameters(recurse=False) if p.grad is not None]
                 if not grads:
                     continue
-                sq = sum(float(g.double().pow(2).sum()) for g in grads)
+                sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
                 total_sq += sq
                 zeros = sum(int((g == 0).sum()) for g in grads)
                 layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
                 zero_fracs.append(zeros / max(1, sum(g.numel() for g in grads)))
             grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf
-            weight_sq = sum(float(p.detach().double().pow(2).sum()) for p in self.model.parameters())
+            weight_sq = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
+                            for p in self.model.parameters())
             lr = self.opt.param_groups[0]["lr"]
             update_ratio = lr * grad_norm / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
             skipped = False
@@ -205,14 +208,20 @@ class _ArmState:
         )
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """One reduction instead of an elementwise isfinite: a NaN/Inf anywhere makes the sum non-finite."""
+    if not t.is_floating_point():
+        return True
+    return math.isfinite(float(t.detach().sum(dtype=torch.float64)))
+
+
 def _param_distance(a: nn.Module, b: nn.Module) -> float:
     """||theta_a - theta_b|| / ||theta_b|| over every parameter, in float64 on the CPU."""
     num = den = 0.0
     for pa, pb in zip(a.parameters(), b.parameters()):
-        va = pa.detach().to("cpu", torch.float64)
         vb = pb.detach().to("cpu", torch.float64)
-        num += float((va - vb).pow(2).sum())
-        den += float(vb.pow(2).sum())
+        num += float(torch.linalg.vector_norm(pa.detach().to("cpu", torch.float64) - vb)) ** 2
+        den += float(torch.linalg.vector_norm(vb)) ** 2
     if not math.isfinite(num):
         return math.inf
     return math.sqrt(num / den) if den > 0 else math.nan

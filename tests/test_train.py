@@ -163,8 +163,6 @@ def test_absurd_learning_rate_gives_a_first_nonfinite_step_not_an_exception():
             assert not bad[c["step"] < step].any() and bad[c["step"] == step].all()
 
 
-@pytest.mark.xfail(strict=True, reason="train.py computes every arm's loss as cross_entropy(out.float()), "
-                   "so the float64 judge's loss and the gradient entering its backward are float32")
 def test_the_judge_trains_in_float64_throughout():
     import torch.nn.functional as F
 

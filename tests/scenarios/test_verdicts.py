@@ -1,0 +1,116 @@
+"""Scenario tests: small real models that really have each problem, and the verdict for each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import convcheck.env as env
+from convcheck.compare import compare
+
+from .models import (
+    cancelling_net,
+    deep_sigmoid_net,
+    functional_dropout_net,
+    module_dropout_net,
+    overflow_net,
+)
+
+MNIST_SHAPE = dict(input_shape=(1, 28, 28), num_classes=10)
+ENV_DATA = Path(__file__).resolve().parents[1] / "data" / "env"
+
+
+@pytest.fixture(scope="module")
+def clean_env():
+    """No environment findings: these scenarios are about the model, not this machine."""
+    return []
+
+
+@pytest.mark.parametrize("model", ["lenet", "cifar_cnn"])
+@pytest.mark.parametrize("targets", ["cpu,cpu:float64", "cpu,cpu:emulate-tf32"])
+def test_healthy_reference_models_are_ok(model, targets, clean_env):
+    r = compare(model, targets, steps=30, envelope=3, env_findings=clean_env)
+    assert r.verdict.category == "ok", r.verdict.headline
+    assert r
+    assert all(v["converged"] for v in r.training.per_target.values())
+    assert "agree with the float64 judge" in r.verdict.headline
+
+
+def test_layer_wrong_only_in_reduced_precision(clean_env):
+    r = compare(cancelling_net, "cpu,cpu:bf16", steps=20, envelope=2, batch_size=16, env_findings=clean_env,
+                **MNIST_SHAPE)
+    v = r.verdict
+    assert v.category == "layer", v.headline
+    assert v.layer == "2"  # the NaiveNorm module, index 2 in the Sequential
+    assert v.target == "cpu:bf16"
+    assert "'2'" in v.headline and "local error" in v.headline
+    assert any("E[x^2]" in rem for rem in v.remedies)
+    assert r.parity.first_flagged["cpu"] is None  # the same layer is fine in float32
+
+
+def test_fp16_overflow_names_the_producer(clean_env):
+    r = compare(overflow_net, "cpu,cpu:fp16", steps=5, envelope=0, env_findings=clean_env, **MNIST_SHAPE)
+    v = r.verdict
+    assert v.category == "numerics", v.headline
+    assert v.layer == "3"  # Gain(1e5): the first layer whose output is Inf from finite inputs
+    assert "overflow" in v.headline and "65504" in v.headline
+    assert v.sub_cause == "non-finite forward"
+
+
+def test_learning_rate_far_too_high_is_setup(clean_env):
+    r = compare("lenet", "cpu,cpu:float64", steps=15, envelope=0, optimizer="sgd", lr=20.0,
+                env_findings=clean_env)
+    v = r.verdict
+    assert v.category == "setup", v.headline
+    assert v.sub_cause in ("non-finite loss", "exploding gradients / learning rate too high")
+    assert "learning rate" in " ".join(v.remedies)
+    assert not any(info["converged"] for info in r.training.per_target.values())
+
+
+def test_deep_sigmoid_stack_is_setup_vanishing(clean_env):
+    r = compare(deep_sigmoid_net, "cpu,cpu:float64", steps=20, envelope=0, optimizer="sgd", lr=0.05,
+                env_findings=clean_env, **MNIST_SHAPE)
+    v = r.verdict
+    assert v.category == "setup", v.headline
+    assert v.sub_cause == "vanishing gradients", v.symptoms
+    assert "vanishing gradients" in v.headline
+
+
+def test_dropout_without_shared_masks_is_not_blamed_on_numerics(clean_env):
+    r = compare(functional_dropout_net, "cpu,cpu:bf16", steps=10, envelope=2, env_findings=clean_env,
+                **MNIST_SHAPE)
+    v = r.verdict
+    assert v.category not in ("layer", "numerics")
+    assert v.category == "nondeterminism", v.headline
+    assert v.layer == "3"
+    assert r.parity.stochastic_layers == ["3"]
+
+
+def test_dropout_modules_get_shared_masks(clean_env):
+    r = compare(module_dropout_net, "cpu,cpu:float64", steps=20, envelope=2, env_findings=clean_env,
+                **MNIST_SHAPE)
+    assert r.parity.stochastic_layers == []
+    assert r.verdict.category == "ok", r.verdict.headline
+
+
+def test_layer_symptom_with_a_matching_finding_is_version():
+    findings = env.audit(env.load(ENV_DATA / "driver470_cu121.json"))
+    assert any(f.kind == "version" and f.severity == "critical" for f in findings)
+    r = compare(cancelling_net, "cpu,cpu:bf16", steps=5, envelope=0, env_findings=findings, **MNIST_SHAPE)
+    v = r.verdict
+    assert v.category == "version", v.headline
+    assert v.layer == "2"
+    assert v.sub_cause == "DRV001"
+    assert any("DRV001" in e for e in v.evidence)
+
+
+def test_a_hardware_finding_with_a_symptom_is_hardware():
+    from convcheck.env import Finding
+
+    ecc = Finding(id="ECC002", severity="critical", kind="hardware",
+                  message="GPU 0 reports 12 uncorrected ECC errors", remedy="replace or reset the GPU",
+                  source="NVML nvmlDeviceGetTotalEccErrors")
+    r = compare(cancelling_net, "cpu,cpu:bf16", steps=5, envelope=0, env_findings=[ecc], **MNIST_SHAPE)
+    assert r.verdict.category == "hardware", r.verdict.headline
+    assert "ECC002" in r.verdict.headline
