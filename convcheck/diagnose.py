@@ -95,15 +95,17 @@ def diagnose(result) -> Verdict:
              "or turn the randomness off for the comparison (model.eval() for that layer, or p=0)"],
             layer=layer, sub_cause="stochastic layer without shared masks", symptoms=["stochastic layer"])
 
-    # 2. setup: the judge fails too
+    # 2. setup: the judge fails too (unless one-step parity already names a target-only cause)
     judge_info = per.get(judge_name, {})
     env_fail = _envelope_failures(training)
     data_syms = S.data_problems(result.data_stats)
-    if judge_info and not judge_info["converged"]:
+    target_syms = _target_symptoms(result, targets)
+    step0 = [s for s in target_syms if s.step == 0 or s.name == "layer error"]
+    if judge_info and not judge_info["converged"] and not step0:
         syms = S.training_problems(curves, training.layer_grads, training.activations, judge_name,
                                    num_classes, cfg.lr) + data_syms
         return _setup_verdict(syms, per, cfg, "every arm fails, the float64 judge included")
-    if env_fail and all(per[n]["converged"] for n in names if n in per):
+    if env_fail and not step0 and all(per[n]["converged"] for n in names if n in per):
         return Verdict(
             "setup",
             f"{env_fail} of {cfg.envelope} envelope runs of the lower-precision target fail from one-ulp "
@@ -124,7 +126,6 @@ def diagnose(result) -> Verdict:
                 target=name, sub_cause="nondeterministic kernels", symptoms=["self difference"])
 
     # 4-6. target symptoms
-    target_syms = _target_symptoms(result, targets)
     drift = None
     if cfg.envelope > 0 and len(cfg.targets) == 2:
         from convcheck.train import lower_precision
@@ -221,7 +222,7 @@ def _target_symptoms(result, targets: list[Target]) -> list:
         if nf is not None:
             out.append(nf)
         producer = training.nonfinite_producer.get(name)
-        if nf is None and producer is not None:
+        if nf is None and producer is not None and training.nonfinite_producer.get(str(JUDGE)) is None:
             step, layer = producer
             out.append(S.Symptom("non-finite forward", name, f"'{layer}' turned finite inputs into NaN/Inf "
                                  f"at training step {step}", layer=layer, step=step))
