@@ -12,6 +12,7 @@ import sys
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from convcheck.report.export import training_rule
@@ -25,7 +26,7 @@ def make_console(file=None) -> Console:
     is_tty = hasattr(file, "isatty") and file.isatty()
     plain = not is_tty or "NO_COLOR" in os.environ
     return Console(file=file, force_terminal=not plain, no_color=plain, highlight=False,
-                   width=None if is_tty else 110, soft_wrap=False)
+                   width=None if is_tty else 140, soft_wrap=False)
 
 
 def fmt(v, digits: int = 2) -> str:
@@ -55,11 +56,11 @@ def render_compare(result, console: Console | None = None) -> None:
     cfg = result.config
     m = result.model
     shape = "x".join(map(str, m.input_shape))
-    c.print(f"[bold]convcheck compare[/bold]  model [bold]{m.name}[/bold] ({m.source}, {shape}, "
+    c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {shape}, "
             f"{m.num_classes} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
-            f"batch {cfg.batch_size}  data {result.data_source}")
+            f"batch {cfg.batch_size}  data {escape(str(result.data_source))}")
     for note in result.notes:
-        c.print(f"[yellow]note:[/yellow] {note}")
+        c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
     _targets(c, result)
     _layers(c, result)
     _curves(c, result)
@@ -89,16 +90,24 @@ def _layers(c: Console, result) -> None:
     t = Table(title=f"One-step parity against the judge: the {len(worst)} worst of {len(df)} layer/gradient rows "
                     "(local = judge input through the target's layer)",
               box=box.SIMPLE, title_justify="left", pad_edge=False)
+    # Names are what the reader acts on: never cut them short; numbers never wrap.
+    names = [str(r.layer if r.kind == "forward" else r.param) for r in worst.itertuples()]
     for col in ("target", "kind", "layer", "module", "K", "local", "bound", "local/bound", "propagated",
                 "nan/inf", "flag"):
-        t.add_column(col, justify="right" if col in ("K", "local", "bound", "local/bound", "propagated") else "left")
-    for r in worst.itertuples():
-        name = r.layer if r.kind == "forward" else r.param
+        if col in ("layer", "module"):
+            longest = max([len(col)] + [len(n) for n in (names if col == "layer" else worst["module"].astype(str))])
+            t.add_column(col, min_width=min(longest, 32 if col == "layer" else 16), overflow="fold")
+        else:
+            t.add_column(col, justify="right" if col in ("K", "local", "bound", "local/bound", "propagated") else "left",
+                         no_wrap=True, min_width=len("FLAGGED") if col == "flag" else len(col))
+    for r, name in zip(worst.itertuples(), names):
         flag = "[bold red]FLAGGED[/bold red]" if r.flagged else ""
-        t.add_row(r.target, "fwd" if r.kind == "forward" else "grad", name, r.module, fmt(r.K), fmt(r.local),
-                  fmt(r.bound), fmt(r.ratio), fmt(r.propagated), f"{r.nan}/{r.inf}", flag)
+        t.add_row(escape(str(r.target)), "fwd" if r.kind == "forward" else "grad", escape(name),
+                  escape(str(r.module)), fmt(r.K), fmt(r.local), fmt(r.bound), fmt(r.ratio), fmt(r.propagated),
+                  f"{r.nan}/{r.inf}", flag)
     c.print(t)
-    firsts = ", ".join(f"{tgt}: [bold]{layer or 'none'}[/bold]" for tgt, layer in p.first_flagged.items())
+    firsts = ", ".join(f"{escape(tgt)}: [bold]{escape(layer or 'none')}[/bold]"
+                       for tgt, layer in p.first_flagged.items())
     c.print(f"First flagged layer  {firsts}")
 
 
@@ -145,7 +154,8 @@ def _training(c: Console, result) -> None:
             extra += f", first non-finite at step {info['first_nonfinite_step']}"
         if info.get("skipped_steps"):
             extra += f", {info['skipped_steps']} steps skipped by GradScaler (scale {fmt(info['final_loss_scale'])})"
-        parts.append(f"  {name:<18} {state} (loss {fmt(info['first_loss'], 3)} -> {fmt(info['final_loss'], 3)}{extra})")
+        parts.append(f"  {escape(name):<18} {state} (loss {fmt(info['first_loss'], 3)} -> "
+                     f"{fmt(info['final_loss'], 3)}{extra})")
     c.print("Training  [dim](" + training_rule(result.config) + ")[/dim]")
     for p in parts:
         c.print(p)
@@ -157,8 +167,9 @@ def _verdict(c: Console, result) -> None:
         return
     colour = "green" if v.category == "ok" else "red"
     c.print()
-    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {v.headline}")
+    # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally.
+    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {escape(str(v.headline))}")
     for e in v.evidence:
-        c.print(f"  evidence: {e}")
+        c.print(f"  evidence: {escape(str(e))}")
     for r in v.remedies:
-        c.print(f"  remedy:   {r}")
+        c.print(f"  remedy:   {escape(str(r))}")
