@@ -195,3 +195,15 @@ def test_needed_is_the_bound_factor_that_would_pass():
     assert not Tolerances(bound_factor=need, min_error=1e-3).is_flagged(local, bound)
     assert Tolerances(bound_factor=need * 0.99, min_error=1e-3).is_flagged(local, bound)
     assert tol.needed(1.0, 0.0) == INF
+
+
+def test_rel_l2_floor_treats_a_cancelled_reference_as_zero():
+    ref = torch.tensor([1e-17, -1e-17], dtype=torch.float64)  # a sum that cancelled to rounding noise
+    x = torch.tensor([1e-9, 2e-9])
+    assert rel_l2(x, ref) > 1e7
+    assert rel_l2(x, ref, floor=1.0) == pytest.approx(math.sqrt(5) * 1e-9)
+    # a floor below the reference's norm changes nothing
+    big = torch.tensor([3.0, 4.0])
+    assert rel_l2(big * 1.1, big, floor=1.0) == pytest.approx(0.1)
+    # non-finite values still give inf
+    assert rel_l2(torch.tensor([math.inf, 0.0]), ref, floor=1.0) == INF
