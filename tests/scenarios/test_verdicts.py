@@ -114,3 +114,16 @@ def test_a_hardware_finding_with_a_symptom_is_hardware():
     r = compare(cancelling_net, "cpu,cpu:bf16", steps=5, envelope=0, env_findings=[ecc], **MNIST_SHAPE)
     assert r.verdict.category == "hardware", r.verdict.headline
     assert "ECC002" in r.verdict.headline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,targets", [
+    ("resnet18", "cpu,cpu:float64"),
+    ("resnet18", "cpu,cpu:emulate-tf32"),
+    ("resnet34", "cpu,cpu:float64"),
+    ("resnet50", "cpu,cpu:float64"),
+])
+def test_healthy_resnets_are_ok(model, targets, clean_env):
+    r = compare(model, targets, steps=3, batch_size=2, envelope=2, env_findings=clean_env)
+    assert r.verdict.category == "ok", (r.verdict.headline, r.verdict.evidence)
+    assert r.parity.first_flagged == {t: None for t in targets.split(",") if t != "cpu:float64"}
