@@ -145,11 +145,11 @@ def diagnose(result) -> Verdict:
 
     # 7. ok
     evidence += _training_lines(per)
-    worst = parity.layers
-    if len(worst):
-        w = worst.assign(r=worst["local"] / worst["bound"]).sort_values("r").iloc[-1]
-        evidence.append(f"every layer within its bound: largest local error {w['local']:.2e} at "
-                        f"'{w['layer']}' ({w['r']:.2g}x its bound {w['bound']:.2e}, {w['target']})")
+    table = parity.layers.assign(r=parity.layers["local"] / parity.layers["bound"])
+    for name, rows in table.dropna(subset=["r"]).groupby("target", sort=False):
+        w = rows.sort_values("r").iloc[-1]
+        evidence.append(f"{name}: every layer within its bound; the closest is '{w['layer']}' with local error "
+                        f"{w['local']:.2e}, {w['r']:.2g}x its bound {w['bound']:.2e}")
     if drift is not None:
         evidence.append(drift.evidence)
     notes = [f"{f.id}: {f.message}" for f in findings if getattr(f, "severity", "") in ("critical", "warn")]

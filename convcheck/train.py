@@ -262,6 +262,8 @@ def run_training(
     judge = next((s for s in states if s.arm.role == "judge"), None)
     pair = [s for s in states if s.arm.role == "target"]
     other = {a.arm.name: b for a, b in zip(pair, reversed(pair))} if len(pair) == 2 else {}
+    if len(pair) == 1 and judge is not None:  # the other target is the judge itself (cpu,cpu:float64)
+        other = {pair[0].arm.name: judge}
     rows, grad_rows, act_rows = [], [], []
     total = cfg.steps * len(states)
     try:
