@@ -92,6 +92,9 @@ def _add_compare_parser(sub) -> None:
     p.add_argument("--input-shape", default=None, metavar="C,H,W", help="input shape, where the model cannot tell")
     p.add_argument("--classes", type=int, default=None, metavar="N", help="number of classes, where the model cannot tell")
     declare_compare_options(p.add_argument)
+    p.add_argument("--env", default=None, metavar="FILE",
+                   help="audit this fingerprint (JSON from 'convcheck env --save', or collect_env text) instead of "
+                        "this machine, e.g. the GPU server where training fails")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write summary.json, layers.csv, curves.csv, env.json there "
@@ -112,6 +115,12 @@ def _run_compare(args) -> int:
     from convcheck.report.text import make_console, render_compare
 
     shape = parse_input_shape(args.input_shape) if args.input_shape else None
+    fingerprint = findings = None
+    if args.env:
+        from convcheck.env import audit, load
+
+        fingerprint = load(args.env)
+        findings = audit(fingerprint)
     out = None
     if not args.no_save:
         out = args.out or f"reports/{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{_safe(args.model)}"
@@ -123,6 +132,7 @@ def _run_compare(args) -> int:
             optimizer=args.optimizer, lr=args.lr, seed=args.seed, envelope=args.envelope,
             data=args.data, input_shape=shape, num_classes=args.classes,
             tolerances=tolerances_from(vars(args)), progress=progress,
+            env_findings=findings, fingerprint=fingerprint,
         )
     if args.json:
         print(json.dumps(summary_dict(result), indent=2))
