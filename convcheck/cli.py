@@ -97,7 +97,7 @@ def _add_compare_parser(sub) -> None:
                         "this machine, e.g. the GPU server where training fails")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="write summary.json, layers.csv, curves.csv, env.json there "
+                   help="write report.html, summary.json, layers.csv, curves.csv, env.json and plots there "
                         "(default reports/<UTC time>-<model>/)")
     p.add_argument("--no-save", action="store_true", help="write no files")
     p.set_defaults(func=_run_compare)
@@ -140,7 +140,8 @@ def _run_compare(args) -> int:
         render_compare(result, make_console())
     if out:
         write_run(result, out)
-        print(f"wrote {out}/summary.json, layers.csv, curves.csv, env.json", file=sys.stderr)
+        print(f"wrote {out}/report.html, summary.json, layers.csv, curves.csv, env.json, loss.png, layers.png",
+              file=sys.stderr)
     return 0 if result else 1
 
 

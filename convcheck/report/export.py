@@ -85,6 +85,29 @@ def training_rule(cfg) -> str:
     return CONVERGED_RULE.format(ratio=cfg.tolerances.converged_loss_ratio)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Like ``atomic_write_text`` for binary files (plots)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside ``path`` and rename: never a half-written file."""
     path = Path(path)
@@ -92,6 +115,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -112,8 +136,9 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
     return path
 
 
-def write_run(result, out: str | os.PathLike) -> list[Path]:
-    """``summary.json``, ``layers.csv``, ``curves.csv`` (and ``env.json``) in ``out``."""
+def write_run(result, out: str | os.PathLike, *, plots: bool = True) -> list[Path]:
+    """``summary.json``, ``layers.csv``, ``curves.csv``, ``env.json`` and, with ``plots``,
+    ``loss.png``, ``layers.png`` and a self-contained ``report.html`` in ``out``."""
     path = prepare_out_dir(out)
     summary = summary_dict(result)
     written = []
@@ -126,4 +151,12 @@ def write_run(result, out: str | os.PathLike) -> list[Path]:
     for name, text in files.items():
         atomic_write_text(path / name, text)
         written.append(path / name)
+    if plots:
+        from convcheck.report.html import render_html
+        from convcheck.report.plots import write_plots
+
+        images = write_plots(result, path)
+        written += [path / n for n in images]
+        atomic_write_text(path / "report.html", render_html(result, images))
+        written.append(path / "report.html")
     return written

@@ -1,0 +1,79 @@
+"""One self-contained HTML page per run: verdict, evidence, plots (embedded), worst layers, findings."""
+
+from __future__ import annotations
+
+import base64
+import html
+
+from convcheck.report.text import fmt
+
+_CSS = """
+body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
+h1{font-size:1.4em} h2{font-size:1.1em;margin-top:1.6em}
+.verdict{padding:.8em 1em;border-radius:6px;font-size:1.1em}
+.ok{background:#e6f4ea;border:1px solid #34a853}.bad{background:#fce8e6;border:1px solid #d93025}
+table{border-collapse:collapse;font-size:.85em}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:right}
+td:first-child,th:first-child,td.l,th.l{text-align:left}.flag{color:#d93025;font-weight:bold}
+img{max-width:100%} code{background:#f3f3f3;padding:0 .2em}
+"""
+
+
+def render_html(result, images: dict[str, bytes]) -> str:
+    e = html.escape
+    v = result.verdict
+    m = result.model
+    cfg = result.config
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>convcheck: {e(m.name)}</title>"
+             f"<style>{_CSS}</style></head><body>"]
+    parts.append(f"<h1>convcheck compare: {e(m.name)} on {e(' vs '.join(str(t) for t in cfg.targets))}</h1>")
+    parts.append(f"<p>{e(m.source)} model, input {'x'.join(map(str, m.input_shape))}, {m.num_classes} classes; "
+                 f"seed {cfg.seed}; {cfg.steps} steps of {e(cfg.optimizer)} at lr {cfg.lr:g}, batch {cfg.batch_size}; "
+                 f"data {e(result.data_source)}; judge cpu:float64; envelope {cfg.envelope} runs.</p>")
+    for note in result.notes:
+        parts.append(f"<p><em>note: {e(note)}</em></p>")
+    if v is not None:
+        cls = "ok" if v.category == "ok" else "bad"
+        parts.append(f"<div class='verdict {cls}'><b>Verdict: {e(v.category)}</b> &mdash; {e(v.headline)}</div>")
+        if v.evidence:
+            parts.append("<h2>Evidence</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in v.evidence) + "</ul>")
+        if v.remedies:
+            parts.append("<h2>Remedies</h2><ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.remedies)
+                         + "</ul>")
+    for name, title in (("loss.png", "Training"), ("layers.png", "Per-layer error")):
+        if name in images:
+            data = base64.b64encode(images[name]).decode("ascii")
+            parts.append(f"<h2>{title}</h2><img alt='{name}' src='data:image/png;base64,{data}'>")
+    parts.append(_layers_table(result))
+    parts.append(_findings(result))
+    parts.append(f"<p><small>initial weights sha256 {e(result.init_hash[:16])}…; "
+                 f"{len(result.batch_hashes)} batches hashed; schema convcheck.summary/1 in summary.json</small></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _layers_table(result) -> str:
+    e = html.escape
+    df = result.parity.layers
+    if not len(df):
+        return ""
+    df = df.assign(ratio=df["local"] / df["bound"]).sort_values(["flagged", "ratio"], ascending=[False, False])
+    rows = []
+    for r in df.head(20).itertuples():
+        name = r.layer if r.kind == "forward" else r.param
+        flag = "<span class='flag'>FLAGGED</span>" if r.flagged else ""
+        rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)}</td>"
+                    f"<td class='l'>{e(r.module)}</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.bound)}</td>"
+                    f"<td>{fmt(r.ratio)}</td><td>{fmt(r.propagated)}</td><td>{r.nan}/{r.inf}</td><td>{flag}</td></tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("target", "kind", "layer", "module", "K", "local", "bound",
+                                             "local/bound", "propagated", "nan/inf", ""))
+    return (f"<h2>Worst {min(20, len(df))} of {len(df)} parity rows</h2>"
+            f"<table><tr>{head}</tr>{''.join(rows)}</table>")
+
+
+def _findings(result) -> str:
+    e = html.escape
+    if not result.findings:
+        return "<h2>Environment</h2><p>No audit findings.</p>"
+    items = "".join(f"<li><b>{e(f.severity.upper())} {e(f.id)}</b>: {e(f.message)}<br><small>fix: {e(f.remedy)}"
+                    f"</small></li>" for f in result.findings)
+    return f"<h2>Environment findings</h2><ul>{items}</ul>"

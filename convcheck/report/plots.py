@@ -1,0 +1,94 @@
+"""Matplotlib figures of a comparison (matplotlib is imported here only, never at ``import convcheck``)."""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+WORST = 25
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def loss_figure(result):
+    """Loss and parameter distance to the judge per step, every arm; envelope runs as a band."""
+    plt = _pyplot()
+    tr = result.training
+    c = tr.curves
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    env = [a for a in tr.arms if a.role == "envelope"]
+    if env:
+        band = c[c["role"] == "envelope"].groupby("step")["loss"].agg(["min", "max"])
+        ax1.fill_between(band.index, band["min"], band["max"], color="0.8",
+                         label=f"envelope of {env[0].reference} ({len(env)} runs)")
+        dband = c[c["role"] == "envelope"].groupby("step")["dist_ref"].max()
+        ax2.plot(dband.index, dband.values, color="0.5", ls=":", label="envelope spread (to its target)")
+    for a in tr.arms:
+        if a.role == "envelope":
+            continue
+        arm = tr.arm_curve(a.name)
+        style = dict(ls="--", color="k") if a.role == "judge" else {}
+        ax1.plot(arm["step"], arm["loss"], label=a.name, **style)
+        if a.role == "target":
+            ax2.plot(arm["step"], arm["dist_judge"], label=f"{a.name} to judge")
+            if arm["dist_other"].notna().any():
+                ax2.plot(arm["step"], arm["dist_other"], label=f"{a.name} to the other target", alpha=0.7)
+    ax1.set(xlabel="step", ylabel="loss", title="Loss per step")
+    ax2.set(xlabel="step", ylabel="relative parameter distance", title="Drift", yscale="log")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def layers_figure(result):
+    """Local error against its bound for each layer's forward, per target (log scale)."""
+    plt = _pyplot()
+    df = result.parity.layers
+    fwd = df[(df["kind"] == "forward") & df["local"].notna()]
+    targets = list(dict.fromkeys(fwd["target"]))
+    fig, axes = plt.subplots(len(targets) or 1, 1, figsize=(11, 3.2 * max(1, len(targets))), squeeze=False)
+    for ax, target in zip(axes[:, 0], targets):
+        t = fwd[fwd["target"] == target].sort_values("order")
+        if len(t) > WORST * 2:
+            t = t.assign(r=t["local"] / t["bound"]).nlargest(WORST * 2, "r").sort_values("order")
+        x = range(len(t))
+        floor = 1e-18
+        ax.bar(x, [max(v, floor) for v in t["local"]],
+               color=["tab:red" if f else "tab:blue" for f in t["flagged"]], label="local error")
+        ax.plot(x, t["bound"] * result.config.tolerances.bound_factor, "k_", ms=12,
+                label=f"{result.config.tolerances.bound_factor:g} x bound")
+        ax.plot(x, [max(v, floor) if math.isfinite(v) else floor for v in t["propagated"]], "o", ms=3,
+                color="tab:orange", label="propagated error")
+        ax.set_yscale("log")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(t["layer"], rotation=70, fontsize=7)
+        ax.set_title(f"{target}: per-layer error against the judge (red = flagged)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def figure_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def write_plots(result, out: Path) -> dict[str, bytes]:
+    """``loss.png`` and ``layers.png`` in ``out`` (temporary name, then rename); returns their bytes."""
+    images = {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
+    from convcheck.report.export import atomic_write_bytes
+
+    for name, data in images.items():
+        atomic_write_bytes(Path(out) / name, data)
+    return images
