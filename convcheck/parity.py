@@ -168,20 +168,21 @@ def _stochastic_layers(build: ModelBuilder, x, calls: dict, judge: Target, seed:
     return found
 
 
-def _self_difference(build: ModelBuilder, target: Target, x, y, seed: int) -> float:
-    """Largest relative difference of logits and gradients between two identical runs."""
-    runs = []
-    for _ in range(2):
-        model = build(target)
-        torch.manual_seed(seed)
-        with target.applied():
-            with SharedDropoutMasks(model, seed), target.autocast():
-                out = model(target.cast_input(x))
-                loss = _loss(out, target.cast_input(y))
-            loss.backward()
-        runs.append([out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None])
+def _self_difference(build: ModelBuilder, target: Target, x, y, mask_seed: int, rng_seed: int,
+                     first_run: list) -> float:
+    """Largest relative difference of logits and gradients between the target's parity run
+    and one identical rerun (same weights, input, seed and loss scale)."""
+    torch.manual_seed(rng_seed)  # as before the parity run: building the model draws numbers too
+    model = build(target)
+    scale = 2.0**16 if target.uses_grad_scaler else 1.0
+    with target.applied():
+        with SharedDropoutMasks(model, mask_seed), target.autocast():
+            out = model(target.cast_input(x))
+            loss = _loss(out, target.cast_input(y))
+        (loss * scale).backward()
+    second = [out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None]
     worst = 0.0
-    for a, b in zip(*runs):
+    for a, b in zip(first_run, second):
         if not torch.equal(a, b):
             d = rel_l2(a, b)
             worst = max(worst, d if math.isfinite(d) else math.inf)
@@ -216,11 +217,11 @@ def run_parity(
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
         torch.manual_seed(seed + 1 + i)
-        t_rows, loss = _run_target(build, target, x, y, calls, judge_grads, tolerances, seed, stochastic)
+        t_rows, loss, first_run = _run_target(build, target, x, y, calls, judge_grads, tolerances, seed, stochastic)
         rows.extend(t_rows)
         losses[str(target)] = loss
         first[str(target)] = _first_flagged(t_rows)
-        selfdiff[str(target)] = _self_difference(build, target, x, y, seed)
+        selfdiff[str(target)] = _self_difference(build, target, x, y, seed, seed + 1 + i, first_run)
     table = pd.DataFrame(rows, columns=COLUMNS)
     return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff)
 
@@ -313,7 +314,8 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
                     nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()),
                     flagged=tol.is_flagged(local, bound) if not math.isnan(local) else False,
                 ))
-    return rows, float(loss.detach())
+    first_run = [out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    return rows, float(loss.detach()), first_run
 
 
 def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device, mask=None) -> float:

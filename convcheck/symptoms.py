@@ -32,6 +32,7 @@ UPDATE_RATIO_HIGH = 0.1
 # falls by less than 2% of ln(C) across it (a loss still falling steadily is not stuck).
 PLATEAU_TOLERANCE = 0.10
 PLATEAU_MIN_DROP = 0.02
+PLATEAU_MIN_STEPS = 5  # a half-run shorter than this says nothing about a plateau
 # AUTOTRAINER oscillation: swings of >= 3% in >= 20% of the checks.
 OSCILLATION_SWING = 0.03
 OSCILLATION_SHARE = 0.2
@@ -93,7 +94,8 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     finite = [v for v in losses if math.isfinite(v)]
     half = finite[len(finite) // 2:]
     chance = math.log(num_classes) if num_classes > 1 else math.nan
-    if (len(half) >= 2 and math.isfinite(chance) and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half)
+    if (len(half) >= PLATEAU_MIN_STEPS and math.isfinite(chance)
+            and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half)
             and half[0] - half[-1] < PLATEAU_MIN_DROP * chance):
         out.append(Symptom("loss plateau", arm, f"loss stays at {half[-1]:.3f}, within "
                            f"{PLATEAU_TOLERANCE:.0%} of chance ln({num_classes}) = {chance:.3f}, "
