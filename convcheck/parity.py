@@ -45,8 +45,8 @@ from convcheck.targets import JUDGE, Target
 
 COLUMNS = [
     "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "bound",
-    "propagated", "local", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite", "ref_absmax",
-    "flagged",
+    "propagated", "local", "intrinsic", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite",
+    "ref_absmax", "flagged",
 ]
 
 ModelBuilder = Callable[[Target], nn.Module]
@@ -254,7 +254,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
         row = dict(
             target=str(target), order=order, kind="forward", layer=key, module=type(module).__name__,
             param="", shape="x".join(map(str, out.shape)), K=0, u=u, bound=math.nan,
-            propagated=math.nan, local=math.nan, needed=math.nan, nan=nan, inf=inf,
+            propagated=math.nan, local=math.nan, intrinsic=math.nan, needed=math.nan, nan=nan, inf=inf,
             input_nonfinite=in_bad, grad_out_nonfinite=0,
             ref_absmax=float(jc.output.abs().max()) if jc is not None and jc.output.numel() else math.nan,
             flagged=False,
@@ -264,8 +264,16 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
             bound = expected_bound(u, k)
             mask = masks.last_mask if is_shared_dropout(module) else None
             local = _local_forward(module, jc, inputs, device, mask)
-            row.update(K=k, bound=bound, propagated=rel_l2(out, jc.output), local=local,
-                       needed=tol.needed(local, bound), flagged=tol.is_flagged(local, bound))
+            flagged = tol.is_flagged(local, bound)
+            intrinsic = math.nan
+            if flagged and mask is None:
+                # Is it the layer's arithmetic, or only its input's rounding amplified by an
+                # ill-conditioned layer (BatchNorm over two values)? Held against the same
+                # layer in float64 on the input as the target received it.
+                intrinsic = _intrinsic_forward(module, jc, inputs, device)
+                flagged = tol.is_flagged(intrinsic, bound)
+            row.update(K=k, bound=bound, propagated=rel_l2(out, jc.output), local=local, intrinsic=intrinsic,
+                       needed=tol.needed(local, bound), flagged=flagged)
         rows.append(row)
         by_key[key] = row
         if name not in first_call and jc is not None:
@@ -329,6 +337,22 @@ def _local_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, devi
         out = copy(*args)
     got = tensors_in(out)
     return rel_l2(got[0], jc.output) if got else math.nan
+
+
+def _intrinsic_forward(module: nn.Module, jc: _JudgeCall, actual_inputs: tuple, device) -> float:
+    """The target's layer on the judge's input cast to the target, vs a float64 copy of the
+    same layer on that same cast input: the error of the layer's own arithmetic."""
+    copy = _no_hooks(module_copy(module))
+    args = tuple(cast_like(j, a if isinstance(a, torch.Tensor) else None, device)
+                 for j, a in zip(jc.inputs, actual_inputs))
+    ref = _no_hooks(module_copy(module)).to(device="cpu", dtype=torch.float64)
+    ref_args = tuple(a.to("cpu", torch.float64) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                     for a in args)
+    with torch.no_grad():
+        got = tensors_in(copy(*args))
+        with torch.autocast("cpu", enabled=False):
+            want = tensors_in(ref(*ref_args))
+    return rel_l2(got[0], want[0]) if got and want else math.nan
 
 
 def _grad_terms_norm(module: nn.Module, jc: _JudgeCall) -> dict[str, float]:
