@@ -247,10 +247,19 @@ def _target_symptoms(result, targets: list[Target]) -> list:
         info = per.get(name)
         judge_ok = per.get(str(JUDGE), {}).get("converged", True)
         if info and not info["converged"] and judge_ok and not any(s.arm == name for s in out):
-            oc = S.outcome_vs_envelope(curves, name)
-            out.append(oc or S.Symptom("no convergence", name,
-                                       f"{name} did not converge (loss {info['first_loss']:.4g} -> "
-                                       f"{info['final_loss']:.4g}) while the judge did"))
+            # Borderline runs that only just miss the rule are not a finding: the outcome must be
+            # worse than the envelope runs', or (without an envelope) clearly worse than the judge's.
+            has_envelope = bool((curves["role"] == "envelope").any())
+            oc = S.outcome_vs_envelope(curves, name) if has_envelope else None
+            judge_final = per.get(str(JUDGE), {}).get("final_loss", math.nan)
+            worse = (not math.isfinite(info["final_loss"])
+                     or info["final_loss"] > judge_final * (1 + S.OUTCOME_RELATIVE) + 1e-12)
+            if oc:
+                out.append(oc)
+            elif not has_envelope and worse:
+                out.append(S.Symptom("no convergence", name,
+                                     f"{name} did not converge (loss {info['first_loss']:.4g} -> "
+                                     f"{info['final_loss']:.4g}) while the judge did (-> {judge_final:.4g})"))
     order = {"non-finite forward": 0, "non-finite backward": 1, "GradScaler collapse": 2, "layer error": 3,
              "gradient underflow": 4, "small updates lost": 5}
     return sorted(out, key=lambda s: order.get(s.name, 9))
