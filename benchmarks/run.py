@@ -18,7 +18,7 @@ For each model it times, in one process and on the same seeded batches:
 * training  ``convcheck.train.run_training`` on ``make_arms(targets, envelope=K)``
             for N steps, against N bare steps x the number of arms, and against
             N x the sum of ``bare@<arm's target>`` (the dtype-matched floor).
-* compare   the whole ``convcheck.compare.compare("lenet")`` with its defaults.
+* compare   the whole ``convcheck.compare("lenet")`` with its defaults.
 * memory    peak RSS increase over a baseline, each measurement in a fresh
             child process (peak RSS only ever grows within a process), as a
             ratio against a bare float32 forward/backward.
@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import reference_models  # noqa: E402
-from convcheck.compare import compare, initial_state, model_builder  # noqa: E402
+from convcheck.pipeline import compare, initial_state, model_builder  # noqa: E402
 from convcheck.data import load_batches  # noqa: E402
 from convcheck.models import resolve_model  # noqa: E402
 from convcheck.parity import run_parity  # noqa: E402

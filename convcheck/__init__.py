@@ -1,7 +1,35 @@
-"""convcheck: why does the same PyTorch model converge on one device and not on another?"""
+"""convcheck: why does the same PyTorch model converge on one device and not on another?
+
+The public API, imported lazily so that ``import convcheck`` stays fast::
+
+    import convcheck
+    result = convcheck.compare("lenet", "cpu,cpu:emulate-tf32")
+    print(result.verdict.category, result.verdict.headline)
+"""
 
 from convcheck.errors import ConvcheckError, RunFailed, TargetUnavailable, UsageError
 
 __version__ = "0.1.0"
 
-__all__ = ["ConvcheckError", "RunFailed", "TargetUnavailable", "UsageError", "__version__"]
+_LAZY = {
+    "compare": ("convcheck.pipeline", "compare"),
+    "CompareResult": ("convcheck.pipeline", "CompareResult"),
+    "CompareConfig": ("convcheck.pipeline", "CompareConfig"),
+    "Target": ("convcheck.targets", "Target"),
+    "Tolerances": ("convcheck.metrics", "Tolerances"),
+    "Verdict": ("convcheck.diagnose", "Verdict"),
+    "assert_parity": ("convcheck.assertions", "assert_parity"),
+}
+
+__all__ = ["ConvcheckError", "RunFailed", "TargetUnavailable", "UsageError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'convcheck' has no attribute {name!r}")

@@ -107,7 +107,7 @@ def _run_compare(args) -> int:
     import json
     from datetime import datetime, timezone
 
-    from convcheck.compare import compare
+    from convcheck.pipeline import compare
     from convcheck.models import parse_input_shape
     from convcheck.options import tolerances_from
     from convcheck.report.export import prepare_out_dir, summary_dict, write_run

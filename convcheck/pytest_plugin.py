@@ -32,7 +32,7 @@ def pytest_configure(config):
 @pytest.fixture
 def convcheck_compare(request):
     """``run(model, targets=None, **kwargs) -> CompareResult`` with the session's --convcheck-* defaults."""
-    from convcheck.compare import compare
+    from convcheck.pipeline import compare
 
     opts = {k: v for k, v in vars(request.config.option).items() if k.startswith("convcheck_")}
     defaults = dict(

@@ -162,7 +162,7 @@ def test_tf32_on_and_off_change_conv_error_against_float64(flags_guard):
 
 
 def test_amp_fp16_records_the_grad_scaler_scale_in_the_curves():
-    from convcheck.compare import compare
+    from convcheck.pipeline import compare
 
     result = compare("lenet", "cuda,cuda:amp-fp16", steps=4, batch_size=16, envelope=0)
     curves = result.training.curves
@@ -249,7 +249,7 @@ def test_cudnn_version_is_the_one_torch_loaded():
 @needs_tf32
 @no_tf32_override
 def test_emulated_tf32_local_errors_are_within_10x_of_real_tf32():
-    from convcheck.compare import initial_state, model_builder
+    from convcheck.pipeline import initial_state, model_builder
     from convcheck.data import load_batches
     from convcheck.models import resolve_model
     from convcheck.parity import run_parity

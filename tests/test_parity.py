@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.capture import leaf_modules
-from convcheck.compare import initial_state, model_builder
+from convcheck.pipeline import initial_state, model_builder
 from convcheck.metrics import Tolerances
 from convcheck.models import ResolvedModel, resolve_model
 from convcheck.parity import COLUMNS, ParityResult, run_parity

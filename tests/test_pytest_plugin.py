@@ -45,7 +45,7 @@ def _lazy_imports_done_here():
     operator libraries on import (once per process), so do every lazy import up front."""
     import torch.nn as nn
 
-    from convcheck.compare import compare
+    from convcheck.pipeline import compare
 
     def mlp():
         return nn.Sequential(nn.Flatten(), nn.Linear(4, 2))

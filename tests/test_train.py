@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.compare import initial_state, model_builder
+from convcheck.pipeline import initial_state, model_builder
 from convcheck.data import load_batches
 from convcheck.metrics import Tolerances
 from convcheck.models import resolve_model

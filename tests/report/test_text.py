@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.compare import compare
+from convcheck.pipeline import compare
 from convcheck.report.text import fmt, make_console, render_compare
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import convcheck.env as env
-from convcheck.compare import compare
+from convcheck.pipeline import compare
 
 from .models import (
     cancelling_net,

@@ -1,4 +1,4 @@
-"""``convcheck.compare``: the whole pipeline behind the CLI, the pytest plugin and the API.
+"""``convcheck.compare`` lives here: the whole pipeline behind the CLI, the pytest plugin and the API.
 
 models -> data -> targets -> parity -> train -> env -> diagnose. This module
 only wires the stages together; each stage lives in its own module.

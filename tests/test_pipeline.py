@@ -1,4 +1,4 @@
-"""convcheck.compare: the whole pipeline through the Python API, and its summary."""
+"""convcheck.compare (convcheck/pipeline.py): the whole pipeline through the Python API, and its summary."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import convcheck.compare as api
-from convcheck.compare import CompareConfig, CompareResult, compare
+import convcheck.pipeline as api
+from convcheck.pipeline import CompareConfig, CompareResult, compare
 from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.parity import ParityResult
 from convcheck.report.export import SUMMARY_SCHEMA, summary_dict
