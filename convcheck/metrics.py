@@ -6,48 +6,15 @@ Every measure is computed in float64 on the CPU against the judge's tensor.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances  # noqa: F401 - re-exported
+
 _TINY = 1e-30
 
 
-@dataclass(frozen=True)
-class Tolerances:
-    """When a layer's local error counts as introduced by that layer.
-
-    A layer is flagged when its local error (judge input -> target layer vs the
-    judge's output) is above ``bound_factor`` times its expected bound *and*
-    above ``min_error``, the size that matters (an ill-conditioned layer that
-    loses 1e-4 in float32 is a note, not a culprit).
-
-    The expected bound for a reduction of length K in a format with unit
-    roundoff u is u*sqrt(K) (typical growth; u*K is the worst case), see
-    ARCHITECTURE.md "Local vs propagated error". The same object serves the
-    CLI, the pytest plugin and the Python API.
-    """
-
-    bound_factor: float = 8.0
-    min_error: float = 1e-3
-    # Training: a target has converged when its final loss is below this
-    # fraction of its first loss and finite (see convcheck.train.converged).
-    converged_loss_ratio: float = 0.9
-
-    def is_flagged(self, local_error: float, bound: float) -> bool:
-        if not math.isfinite(local_error):
-            return True
-        return local_error > max(self.bound_factor * bound, self.min_error)
-
-    def needed(self, local_error: float, bound: float) -> float:
-        """The ``bound_factor`` that would have let this error pass."""
-        if bound <= 0:
-            return math.inf
-        return local_error / bound
-
-
-DEFAULT_TOLERANCES = Tolerances()
 
 
 def _as_f64(t: torch.Tensor) -> torch.Tensor:

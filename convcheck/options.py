@@ -7,7 +7,7 @@ prefix ``convcheck-`` so its flags read ``--convcheck-targets`` and so on.
 
 from __future__ import annotations
 
-from convcheck.metrics import DEFAULT_TOLERANCES, Tolerances
+from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 
 DEFAULTS = dict(steps=30, batch_size=32, optimizer="adam", lr=1e-3, seed=0, envelope=3)
 
