@@ -124,6 +124,7 @@ def test_a_hardware_finding_with_a_symptom_is_hardware():
     ("resnet50", "cpu,cpu:float64"),
 ])
 def test_healthy_resnets_are_ok(model, targets, clean_env):
-    r = compare(model, targets, steps=4, batch_size=2, envelope=2, env_findings=clean_env)
+    # batch 8: BatchNorm over 2 samples makes a 4-step run too erratic to judge convergence
+    r = compare(model, targets, steps=4, batch_size=8, envelope=2, env_findings=clean_env)
     assert r.verdict.category == "ok", (r.verdict.headline, r.verdict.evidence)
     assert r.parity.first_flagged == {t: None for t in targets.split(",") if t != "cpu:float64"}
