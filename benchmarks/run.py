@@ -70,6 +70,7 @@ SCHEMA = 1
 SEED = 0
 LR = TrainConfig().lr
 MOMENTUM = TrainConfig().momentum
+OPTIMIZER = TrainConfig().optimizer
 DEFAULT_MODELS = ("lenet", "cifar_cnn", "resnet18")
 PARITY_TARGETS = ("cpu", "cpu:bf16", "cpu:emulate-tf32")
 
@@ -130,7 +131,9 @@ class BareModel:
         torch.manual_seed(SEED)
         self.target = target
         self.model = target.place(reference_models.get_model(name)).train()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+        # the same optimizer convcheck's arms use (TrainConfig's default), so the ratio is fair
+        self.opt = (torch.optim.Adam(self.model.parameters(), lr=LR) if OPTIMIZER == "adam"
+                    else torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM))
         self.batches = [(target.cast_input(x), target.cast_input(y)) for x, y in batches]
         self.i = 0
 
