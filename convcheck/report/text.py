@@ -168,8 +168,9 @@ def _verdict(c: Console, result) -> None:
     colour = "green" if v.category == "ok" else "red"
     c.print()
     # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally.
-    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {escape(str(v.headline))}")
+    # One line each, never hard-wrapped, so the verdict survives grep and copy-paste.
+    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {escape(str(v.headline))}", soft_wrap=True)
     for e in v.evidence:
-        c.print(f"  evidence: {escape(str(e))}")
+        c.print(f"  evidence: {escape(str(e))}", soft_wrap=True)
     for r in v.remedies:
-        c.print(f"  remedy:   {escape(str(r))}")
+        c.print(f"  remedy:   {escape(str(r))}", soft_wrap=True)
