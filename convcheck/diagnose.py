@@ -41,6 +41,10 @@ class Verdict:
     sub_cause: str | None = None
     symptoms: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        if self.category not in CATEGORIES:
+            raise ValueError(f"unknown verdict category {self.category!r}")
+
     def to_dict(self) -> dict:
         return {
             "category": self.category, "headline": self.headline, "evidence": list(self.evidence),
@@ -100,15 +104,19 @@ def diagnose(result) -> Verdict:
 
     # 2. setup: the judge fails too (unless one-step parity already names a target-only cause)
     judge_info = per.get(judge_name, {})
-    env_fail = _envelope_failures(training)
+    env_fail = _envelope_failures(training, cfg.tolerances)
     data_syms = S.data_problems(result.data_stats)
     target_syms = _target_symptoms(result, targets)
     step0 = [s for s in target_syms if s.step == 0 or s.name == "layer error"]
-    if judge_info and not judge_info["converged"] and not step0:
+    judgeable = cfg.steps >= 2  # one loss value says nothing about convergence
+    if judgeable and judge_info and not judge_info["converged"] and not step0:
         syms = S.training_problems(curves, training.layer_grads, training.activations, judge_name,
                                    num_classes, cfg.lr) + data_syms
-        return _setup_verdict(syms, per, cfg, "every arm fails, the float64 judge included")
-    if env_fail and not step0 and all(per[n]["converged"] for n in names if n in per):
+        targets_ok = all(per[n]["converged"] for n in names if n in per and n != judge_name)
+        why = ("the float64 judge fails too, so the setup, not the device" if targets_ok
+               else "every arm fails, the float64 judge included")
+        return _setup_verdict(syms, per, cfg, why)
+    if judgeable and env_fail and not step0 and all(per[n]["converged"] for n in names if n in per):
         return Verdict(
             "setup",
             f"{env_fail} of {cfg.envelope} envelope runs of the lower-precision target fail from one-ulp "
@@ -118,8 +126,9 @@ def diagnose(result) -> Verdict:
             sub_cause="fragile setup", symptoms=["envelope runs fail"])
 
     # 3. a target differs from itself
+    # (differences below min_error are reported with the verdict, not as one)
     for name, diff in parity.self_difference.items():
-        if diff > 0:
+        if diff > cfg.tolerances.min_error:
             return Verdict(
                 "nondeterminism",
                 f"{name} gives different results for the same input and seed (relative difference {diff:.2e})",
@@ -133,7 +142,9 @@ def diagnose(result) -> Verdict:
     if cfg.envelope > 0 and len(cfg.targets) == 2:
         from convcheck.train import lower_precision
 
-        drift = S.envelope_drift(curves, names, str(lower_precision(list(cfg.targets))))
+        # the pair as (a target arm, the other): the judge has no distance of its own to the other side
+        pair = sorted(names, key=lambda n: n == judge_name)
+        drift = S.envelope_drift(curves, pair, str(lower_precision(list(cfg.targets))))
         if drift is not None and drift.name == "drift beyond envelope":
             target_syms.append(drift)
     if target_syms:
@@ -157,6 +168,10 @@ def diagnose(result) -> Verdict:
         evidence.append(drift.evidence)
     notes = [f"{f.id}: {f.message}" for f in findings if getattr(f, "severity", "") in ("critical", "warn")]
     evidence += notes
+    evidence += [f"{n} differs from itself run to run by {d:.2e} (below {cfg.tolerances.min_error:g}: benign)"
+                 for n, d in parity.self_difference.items() if d > 0]
+    if not judgeable:
+        evidence.append(f"convergence is not judged from {cfg.steps} step; run --steps 2 or more for that")
     return Verdict("ok", f"both targets train alike: {' and '.join(names)} agree with the float64 judge "
                    "within the expected rounding", evidence, [], symptoms=[])
 
@@ -171,13 +186,13 @@ def _training_lines(per: dict) -> list[str]:
     return out
 
 
-def _envelope_failures(training) -> int:
+def _envelope_failures(training, tol) -> int:
     """Envelope runs that fail *clearly*: non-finite, or not converged and ending more than
     ``FRAGILE_MARGIN`` (relative) above the run they perturb. A run that only just misses the
     convergence rule next to a target that only just meets it is the same outcome."""
     count = 0
     for a in training.arms:
-        if a.role != "envelope" or _converged_arm(training, a.name):
+        if a.role != "envelope" or _converged_arm(training, a.name, tol):
             continue
         mine = float(training.arm_curve(a.name)["loss"].iloc[-1])
         ref = float(training.arm_curve(a.reference)["loss"].iloc[-1]) if a.reference else math.nan
@@ -186,10 +201,10 @@ def _envelope_failures(training) -> int:
     return count
 
 
-def _converged_arm(training, name: str) -> bool:
+def _converged_arm(training, name: str, tol) -> bool:
     from convcheck.train import converged
 
-    return converged([float(v) for v in training.arm_curve(name)["loss"]])
+    return converged([float(v) for v in training.arm_curve(name)["loss"]], tol)
 
 
 def _setup_verdict(syms, per, cfg, why: str) -> Verdict:
@@ -245,7 +260,9 @@ def _target_symptoms(result, targets: list[Target]) -> list:
         uf = S.underflow(training.layer_grads, name, str(JUDGE)) if t.compute_dtype.itemsize == 2 else None
         if uf:
             out.append(uf)
-        lu = S.lost_updates(curves, name, t.unit_roundoff, t.param_dtype.itemsize == 2)
+        # lr*|g|/|W| is the step size of SGD only (Adam's steps are ~lr per element)
+        lu = (S.lost_updates(curves, name, t.unit_roundoff, t.param_dtype.itemsize == 2)
+              if cfg.optimizer == "sgd" else None)
         if lu and not per.get(name, {}).get("converged", True):
             out.append(lu)
         flagged = parity.first_flagged.get(name)
@@ -259,7 +276,7 @@ def _target_symptoms(result, targets: list[Target]) -> list:
                                  layer=flagged, value=float(r["local"]), extra={"kind": r["kind"]}))
         info = per.get(name)
         judge_ok = per.get(str(JUDGE), {}).get("converged", True)
-        if info and not info["converged"] and judge_ok and not any(s.arm == name for s in out):
+        if cfg.steps >= 2 and info and not info["converged"] and judge_ok and not any(s.arm == name for s in out):
             # Borderline runs that only just miss the rule are not a finding: the outcome must be
             # worse than the envelope runs', or (without an envelope) clearly worse than the judge's.
             has_envelope = bool((curves["role"] == "envelope").any())

@@ -245,6 +245,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
     first_call: dict[str, tuple[int, nn.Module, tuple]] = {}
     scale = 2.0**16 if target.uses_grad_scaler else 1.0
     masks = SharedDropoutMasks(model, seed)
+    reused: set[str] = set()
 
     def on_call(key, name, module, inputs, out):
         jc = calls.get(key)
@@ -276,8 +277,11 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
                        needed=tol.needed(local, bound), flagged=flagged)
         rows.append(row)
         by_key[key] = row
-        if name not in first_call and jc is not None:
-            first_call[name] = (order, module, key)
+        if jc is not None:
+            if name not in first_call:
+                first_call[name] = (order, module, key)
+            else:  # called again: its parameter gradient sums every call, a one-call local run can't match it
+                reused.add(name)
         if out.requires_grad:
             out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
 
@@ -290,7 +294,7 @@ def _run_target(build, target, x, y, calls, judge_grads, tol, seed, stochastic):
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         modules = dict(model.named_modules())
         for name, (order, module, key) in first_call.items():
-            if key in stochastic:
+            if key in stochastic or name in reused:
                 continue
             params = dict(module.named_parameters(recurse=False))
             jc = calls[key]

@@ -255,7 +255,8 @@ def parse_targets(text: str) -> list[Target]:
     if len(specs) != 2:
         raise UsageError(f"--targets needs exactly two targets separated by a comma, got {text!r}")
     targets = [Target.parse(s) for s in specs]
-    if targets[0] == targets[1]:
+    a, b = targets
+    if a == b or (a.torch_device == b.torch_device and a.mode == b.mode):
         raise UsageError(f"--targets names the same target twice ({targets[0]})")
     return targets
 

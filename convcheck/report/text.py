@@ -76,7 +76,7 @@ def _targets(c: Console, result) -> None:
     from convcheck.targets import JUDGE
 
     for label, tgt in (("A", a), ("B", b), ("judge", JUDGE)):
-        t.add_row(label, str(tgt), tgt.describe().split("(", 1)[1].rstrip(")"), fmt(tgt.unit_roundoff))
+        t.add_row(label, str(tgt), tgt.describe()[tgt.describe().index("(") + 1:-1], fmt(tgt.unit_roundoff))
     c.print(t)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch.nn as nn
 
 import convcheck.env as env
 from convcheck.pipeline import compare
@@ -128,3 +129,38 @@ def test_healthy_resnets_are_ok(model, targets, clean_env):
     r = compare(model, targets, steps=4, batch_size=8, envelope=2, env_findings=clean_env)
     assert r.verdict.category == "ok", (r.verdict.headline, r.verdict.evidence)
     assert r.parity.first_flagged == {t: None for t in targets.split(",") if t != "cpu:float64"}
+
+
+class _TwiceNet(nn.Module):
+    """One Linear applied twice: its weight gradient sums both calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(784, 16)
+        self.fc = nn.Linear(16, 16)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.act(self.inp(x.flatten(1)))
+        h = self.act(self.fc(h))
+        h = self.act(self.fc(h))
+        return self.out(h)
+
+
+def test_a_module_called_twice_is_not_blamed(clean_env):
+    r = compare(_TwiceNet, "cpu,cpu:float64", steps=2, envelope=0, env_findings=clean_env, **MNIST_SHAPE)
+    assert r.parity.first_flagged == {"cpu": None}
+    assert r.verdict.category not in ("layer", "numerics")
+
+
+def test_one_step_does_not_judge_convergence(clean_env):
+    r = compare("lenet", "cpu,cpu:float64", steps=1, envelope=0, batch_size=8, env_findings=clean_env)
+    assert r.verdict.category == "ok", r.verdict.headline
+    assert any("convergence is not judged" in e for e in r.verdict.evidence)
+
+
+def test_drift_is_checked_with_the_judge_written_first(clean_env):
+    r = compare("lenet", "cpu:float64,cpu:bf16", steps=30, envelope=2, env_findings=clean_env)
+    assert r.verdict.category == "ok", r.verdict.headline
+    assert any("one-ulp envelope" in e for e in r.verdict.evidence), r.verdict.evidence
