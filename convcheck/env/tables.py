@@ -121,6 +121,21 @@ def capability_from_name(name: str | None) -> tuple[int, int] | None:
     return None
 
 
+# --- GPUs with fast float64 (a float64 judge on the GPU) ----------------------
+
+FAST_FLOAT64_SOURCE = (
+    "CUDA C++ Programming Guide, 'Arithmetic Instructions' throughput table: 64-bit floating-point "
+    "add/multiply/fma results per clock per SM are half the 32-bit rate on compute capability 6.0, 7.0, "
+    "8.0, 9.0 and 10.0 (P100, V100, A100, H100/H200, B200) and 1/32 to 1/64 of it on the others"
+)
+FAST_FLOAT64_CAPABILITIES = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
+
+
+def has_fast_float64(capability: tuple[int, int] | None) -> bool:
+    """True for the data-centre GPUs whose float64 runs at half the float32 rate."""
+    return capability is not None and tuple(capability) in FAST_FLOAT64_CAPABILITIES
+
+
 # --- torch build -> compiled GPU architectures -------------------------------
 
 ARCH_RULE_SOURCE = (
