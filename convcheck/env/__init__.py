@@ -16,9 +16,8 @@ from convcheck.env.fingerprint import (
     Host,
     MathFlags,
     TorchBuild,
-    load,
-    save,
 )
+from convcheck.env.loading import load, save
 from convcheck.env.rules import RULE_IDS, Finding, audit
 
 

@@ -1,22 +1,16 @@
 """The fingerprint record: what a machine's numeric stack is, as plain frozen data.
 
 Every field may be ``None`` ("not available"); renderers say so, rules stay
-quiet. ``to_dict``/``from_dict`` give a JSON-safe form with a schema key;
-``load`` reads either that JSON or the text ``python -m torch.utils.collect_env``
-prints, and ``save`` writes atomically (temp file + rename).
+quiet. ``to_dict``/``from_dict`` give a JSON-safe form with a schema key.
+Reading and writing files (``load``/``save``) lives in ``convcheck.env.loading``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from convcheck.env.tables import parse_version
@@ -225,56 +219,6 @@ def _build_gpu(i: int, data) -> GPU:
 
 def _tuple(v):
     return tuple(v) if isinstance(v, list) else v
-
-
-# --- files ---------------------------------------------------------------------
-
-
-def load(path: str | os.PathLike) -> Fingerprint:
-    """A saved fingerprint JSON or a collect_env text, told apart by content."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise UsageError(f"cannot read {p}: {exc.strerror or exc}") from None
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{p}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-        fp = Fingerprint.from_dict(data)
-        return dataclasses.replace(fp, source=f"{fp.source} (from {p.name})")
-    from convcheck.env.collect_env import looks_like_collect_env, parse_collect_env
-
-    if looks_like_collect_env(text):
-        return parse_collect_env(text, source=f"collect_env text {p.name}")
-    raise UsageError(
-        f"{p}: neither a convcheck fingerprint JSON nor `python -m torch.utils.collect_env` output"
-    )
-
-
-def save(fp: Fingerprint, path: str | os.PathLike) -> Path:
-    """Write the fingerprint JSON to a temporary name, then rename it into place."""
-    p = Path(path)
-    directory = p.parent if str(p.parent) else Path(".")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=directory)
-    except OSError as exc:
-        raise UsageError(f"cannot write {p}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(fp.to_dict(), fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, p)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise UsageError(f"cannot write {p}: {exc.strerror or exc}") from None
-        raise
-    return p
 
 
 def redact_uuids(text: str) -> str:
