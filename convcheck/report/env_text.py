@@ -7,7 +7,6 @@ and ``NO_COLOR`` is unset. Missing values read "not available".
 
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 from collections import Counter
@@ -16,6 +15,7 @@ from convcheck.env.diff import Difference
 from convcheck.env.fingerprint import GPU, Fingerprint, redact_uuids
 from convcheck.env.rules import Finding, tf32_state
 from convcheck.env.tables import cudnn_version_tuple, format_version
+from convcheck.report.console import use_color
 
 WIDTH = 100
 NA = "not available"
@@ -48,7 +48,7 @@ def render_env(
 
 def print_env(text: str, file=None) -> None:
     file = file or sys.stdout
-    if _use_rich(file):
+    if use_color(file):
         from rich.console import Console
         from rich.text import Text
 
@@ -58,10 +58,6 @@ def print_env(text: str, file=None) -> None:
         Console(file=file, highlight=False, soft_wrap=True).print(rich_text, end="")
     else:
         file.write(text)
-
-
-def _use_rich(file) -> bool:
-    return "NO_COLOR" not in os.environ and hasattr(file, "isatty") and file.isatty()
 
 
 # --- one fingerprint ----------------------------------------------------------------

@@ -7,10 +7,11 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from convcheck.errors import UsageError
+from convcheck.files import atomic_write_text
+from convcheck.report.shared import training_rule
 
 SUMMARY_SCHEMA = "convcheck.summary/1"
 
@@ -77,40 +78,6 @@ def summary_dict(result) -> dict:
         "verdict": verdict.to_dict() if hasattr(verdict, "to_dict") else None,
         "timings": result.timings,
     })
-
-
-def training_rule(cfg) -> str:
-    from convcheck.train import CONVERGED_RULE
-
-    return CONVERGED_RULE.format(ratio=cfg.tolerances.converged_loss_ratio)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside ``path`` and rename: never a half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path`` and rename: never a half-written file."""
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:

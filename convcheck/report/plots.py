@@ -6,6 +6,8 @@ import io
 import math
 from pathlib import Path
 
+from convcheck.files import atomic_write_bytes
+
 WORST = 25
 
 
@@ -87,8 +89,6 @@ def figure_png(fig) -> bytes:
 def write_plots(result, out: Path) -> dict[str, bytes]:
     """``loss.png`` and ``layers.png`` in ``out`` (temporary name, then rename); returns their bytes."""
     images = {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
-    from convcheck.report.export import atomic_write_bytes
-
     for name, data in images.items():
         atomic_write_bytes(Path(out) / name, data)
     return images

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
+
+from convcheck.report.console import is_plain, show_progress
 
 
 @contextlib.contextmanager
 def progress_reporter(stream=None):
     """Yields ``progress(stage, done, total)`` (or None when there is no terminal to draw on)."""
     stream = stream or sys.stderr
-    if not (hasattr(stream, "isatty") and stream.isatty()) or os.environ.get("CONVCHECK_NO_PROGRESS"):
+    if not show_progress(stream):
         yield None
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(file=stream, no_color="NO_COLOR" in os.environ)
+    console = Console(file=stream, no_color=is_plain(stream))
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         tasks: dict[str, int] = {}

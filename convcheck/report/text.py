@@ -7,7 +7,6 @@ output is not a terminal or ``NO_COLOR`` is set.
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 from rich import box
@@ -15,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convcheck.report.export import training_rule
+from convcheck.report.console import is_plain, is_tty
+from convcheck.report.shared import training_rule
 
 WORST_LAYERS = 8
 CURVE_ROWS = 10
@@ -23,10 +23,9 @@ CURVE_ROWS = 10
 
 def make_console(file=None) -> Console:
     file = file or sys.stdout
-    is_tty = hasattr(file, "isatty") and file.isatty()
-    plain = not is_tty or "NO_COLOR" in os.environ
+    plain = is_plain(file)
     return Console(file=file, force_terminal=not plain, no_color=plain, highlight=False,
-                   width=None if is_tty else 140, soft_wrap=False)
+                   width=None if is_tty(file) else 140, soft_wrap=False)
 
 
 def fmt(v, digits: int = 2) -> str:
