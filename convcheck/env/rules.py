@@ -18,7 +18,6 @@ from convcheck.env import tables as t
 from convcheck.env.fingerprint import GPU, Fingerprint
 
 SEVERITIES = ("critical", "warn", "info")
-KINDS = ("version", "hardware", "numerics", "determinism", "info")
 _KIND_BY_PREFIX = {
     "DRV": "version", "ARCH": "version", "CUDA": "version", "DNN": "version", "BLAS": "version",
     "ECC": "hardware", "MEM": "hardware", "THR": "hardware", "PCI": "hardware",

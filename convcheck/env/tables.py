@@ -83,8 +83,7 @@ def newest_cuda_for_driver(driver: Version, windows: bool = False) -> tuple[int,
 
 # --- GPU name -> compute capability ------------------------------------------
 
-CAPABILITY_SOURCE = "developer.nvidia.com/cuda-gpus (compute capability per GPU)"
-
+# Source: developer.nvidia.com/cuda-gpus (compute capability per GPU).
 # First match wins: more specific patterns come first. Matched against the
 # lower-cased name with 'nvidia', 'geforce' and 'tesla' removed.
 _GPU_PATTERNS: list[tuple[str, tuple[int, int]]] = [
