@@ -1,7 +1,7 @@
 """Version tables the audit rules read, each with the source it was taken from.
 
 Only data and the small lookups that read it live here; the rules that judge a
-fingerprint are in ``rules.py``. When a table changes, change its source line
+fingerprint are in the ``rules`` package. When a table changes, change its source line
 with it.
 """
 
