@@ -19,9 +19,9 @@ def failure_message(result, max_rows: int = 5) -> str:
             lines.append(f"{r.target:<18} {name:<28} {fmt(r.local):>10} {fmt(r.bound):>10} {fmt(r.needed):>14}")
         lines.append(f"(bound_factor={result.config.tolerances.bound_factor:g}; "
                      f"passing would need bound_factor >= {fmt(result.parity.needed_bound_factor())})")
-    for name, info in result.training.per_target.items():
-        if not info["converged"]:
-            lines.append(f"{name} did not converge (loss {fmt(info['first_loss'])} -> {fmt(info['final_loss'])})")
+    for name, info in result.training.outcomes.items():
+        if not info.converged:
+            lines.append(f"{name} did not converge (loss {fmt(info.first_loss)} -> {fmt(info.final_loss)})")
     if v is not None:
         lines += [f"remedy: {r}" for r in v.remedies[:2]]
     return "\n".join(lines) or "convcheck: parity failed"

@@ -109,11 +109,12 @@ def _run_compare(args) -> int:
 
     from convcheck.pipeline import compare
     from convcheck.models import parse_input_shape
-    from convcheck.options import tolerances_from
+    from convcheck.options import config_from_options
     from convcheck.report.export import prepare_out_dir, summary_dict, write_run
     from convcheck.report.progress import progress_reporter
     from convcheck.report.text import make_console, render_compare
 
+    config = config_from_options(vars(args))  # bad numbers fail here, before any work
     shape = parse_input_shape(args.input_shape) if args.input_shape else None
     fingerprint = findings = None
     if args.env:
@@ -128,10 +129,7 @@ def _run_compare(args) -> int:
             prepare_out_dir(out)  # a bad --out fails before the run, not after it
     with progress_reporter() as progress:
         result = compare(
-            args.model, args.targets, steps=args.steps, batch_size=args.batch_size,
-            optimizer=args.optimizer, lr=args.lr, seed=args.seed, envelope=args.envelope,
-            data=args.data, input_shape=shape, num_classes=args.classes,
-            tolerances=tolerances_from(vars(args)), progress=progress,
+            args.model, config=config, input_shape=shape, num_classes=args.classes, progress=progress,
             env_findings=findings, fingerprint=fingerprint,
         )
     if args.json:

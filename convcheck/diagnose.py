@@ -22,10 +22,6 @@ import math
 from dataclasses import dataclass, field
 
 from convcheck import symptoms as S
-from convcheck.targets import JUDGE, Target
-
-# An envelope run counts as failed when it ends this much (relative) above the run it perturbs.
-FRAGILE_MARGIN = 0.10
 
 CATEGORIES = ("ok", "numerics", "layer", "version", "hardware", "setup", "nondeterminism")
 
@@ -78,10 +74,10 @@ def diagnose(result) -> Verdict:
     """Turn one comparison's evidence into a verdict."""
     cfg = result.config
     parity, training = result.parity, result.training
-    targets = [t for t in cfg.targets if t != JUDGE]
+    targets = [t for t in cfg.targets if t != cfg.judge]
     names = [str(t) for t in cfg.targets]
-    per = training.per_target
-    judge_name = str(JUDGE)
+    per = training.outcomes
+    judge_name = str(cfg.judge)
     curves = training.curves
     findings = list(result.findings or [])
     num_classes = result.model.num_classes
@@ -103,20 +99,20 @@ def diagnose(result) -> Verdict:
             layer=layer, sub_cause="stochastic layer without shared masks", symptoms=["stochastic layer"])
 
     # 2. setup: the judge fails too (unless one-step parity already names a target-only cause)
-    judge_info = per.get(judge_name, {})
-    env_fail = _envelope_failures(training, cfg.tolerances)
+    judge_info = per.get(judge_name)
+    env_fail = training.envelope.failed if training.envelope else 0
     data_syms = S.data_problems(result.data_stats)
     target_syms = _target_symptoms(result, targets)
     step0 = [s for s in target_syms if s.step == 0 or s.name == "layer error"]
     judgeable = cfg.steps >= 2  # one loss value says nothing about convergence
-    if judgeable and judge_info and not judge_info["converged"] and not step0:
+    if judgeable and judge_info and not judge_info.converged and not step0:
         syms = S.training_problems(curves, training.layer_grads, training.activations, judge_name,
                                    num_classes, cfg.lr) + data_syms
-        targets_ok = all(per[n]["converged"] for n in names if n in per and n != judge_name)
+        targets_ok = all(per[n].converged for n in names if n in per and n != judge_name)
         why = ("the float64 judge fails too, so the setup, not the device" if targets_ok
                else "every arm fails, the float64 judge included")
         return _setup_verdict(syms, per, cfg, why)
-    if judgeable and env_fail and not step0 and all(per[n]["converged"] for n in names if n in per):
+    if judgeable and env_fail and not step0 and all(per[n].converged for n in names if n in per):
         return Verdict(
             "setup",
             f"{env_fail} of {cfg.envelope} envelope runs of the lower-precision target fail from one-ulp "
@@ -140,11 +136,9 @@ def diagnose(result) -> Verdict:
     # 4-6. target symptoms
     drift = None
     if cfg.envelope > 0 and len(cfg.targets) == 2:
-        from convcheck.train import lower_precision
-
         # the pair as (a target arm, the other): the judge has no distance of its own to the other side
         pair = sorted(names, key=lambda n: n == judge_name)
-        drift = S.envelope_drift(curves, pair, str(lower_precision(list(cfg.targets))))
+        drift = S.envelope_drift(curves, pair, training.lower_precision)
         if drift is not None and drift.name == "drift beyond envelope":
             target_syms.append(drift)
     if target_syms:
@@ -179,32 +173,11 @@ def diagnose(result) -> Verdict:
 def _training_lines(per: dict) -> list[str]:
     out = []
     for name, info in per.items():
-        state = "converged" if info["converged"] else "did not converge"
-        out.append(f"{name}: {state}, loss {info['first_loss']:.4g} -> {info['final_loss']:.4g}"
-                   + (f", first non-finite at step {info['first_nonfinite_step']}"
-                      if info.get("first_nonfinite_step") is not None else ""))
+        state = "converged" if info.converged else "did not converge"
+        out.append(f"{name}: {state}, loss {info.first_loss:.4g} -> {info.final_loss:.4g}"
+                   + (f", first non-finite at step {info.first_nonfinite_step}"
+                      if info.first_nonfinite_step is not None else ""))
     return out
-
-
-def _envelope_failures(training, tol) -> int:
-    """Envelope runs that fail *clearly*: non-finite, or not converged and ending more than
-    ``FRAGILE_MARGIN`` (relative) above the run they perturb. A run that only just misses the
-    convergence rule next to a target that only just meets it is the same outcome."""
-    count = 0
-    for a in training.arms:
-        if a.role != "envelope" or _converged_arm(training, a.name, tol):
-            continue
-        mine = float(training.arm_curve(a.name)["loss"].iloc[-1])
-        ref = float(training.arm_curve(a.reference)["loss"].iloc[-1]) if a.reference else math.nan
-        if not math.isfinite(mine) or not math.isfinite(ref) or mine > ref * (1 + FRAGILE_MARGIN):
-            count += 1
-    return count
-
-
-def _converged_arm(training, name: str, tol) -> bool:
-    from convcheck.train import converged
-
-    return converged([float(v) for v in training.arm_curve(name)["loss"]], tol)
 
 
 def _setup_verdict(syms, per, cfg, why: str) -> Verdict:
@@ -242,7 +215,9 @@ def _env_verdict(category: str, found: list, main, syms, per) -> Verdict:
 
 def _target_symptoms(result, targets: list[Target]) -> list:
     parity, training, cfg = result.parity, result.training, result.config
-    curves, per = training.curves, training.per_target
+    curves, per = training.curves, training.outcomes
+    judge_name = str(cfg.judge)
+    judge_info = per.get(judge_name)
     out = []
     for t in targets:
         name = str(t)
@@ -250,20 +225,20 @@ def _target_symptoms(result, targets: list[Target]) -> list:
         if nf is not None:
             out.append(nf)
         producer = training.nonfinite_producer.get(name)
-        if nf is None and producer is not None and training.nonfinite_producer.get(str(JUDGE)) is None:
+        if nf is None and producer is not None and training.nonfinite_producer.get(judge_name) is None:
             step, layer = producer
             out.append(S.Symptom("non-finite forward", name, f"'{layer}' turned finite inputs into NaN/Inf "
                                  f"at training step {step}", layer=layer, step=step))
         gs = S.grad_scaler_problems(curves, name)
         if gs:
             out.append(gs)
-        uf = S.underflow(training.layer_grads, name, str(JUDGE)) if t.compute_dtype.itemsize == 2 else None
+        uf = S.underflow(training.layer_grads, name, judge_name) if t.runner.half_compute else None
         if uf:
             out.append(uf)
         # lr*|g|/|W| is the step size of SGD only (Adam's steps are ~lr per element)
-        lu = (S.lost_updates(curves, name, t.unit_roundoff, t.param_dtype.itemsize == 2)
+        lu = (S.lost_updates(curves, name, t.unit_roundoff, t.runner.half_storage)
               if cfg.optimizer == "sgd" else None)
-        if lu and not per.get(name, {}).get("converged", True):
+        if lu and name in per and not per[name].converged:
             out.append(lu)
         flagged = parity.first_flagged.get(name)
         if flagged and not any(s.layer == flagged for s in out):
@@ -275,21 +250,21 @@ def _target_symptoms(result, targets: list[Target]) -> list:
                                  f"(u={r['u']:.2e}, K={int(r['K'])}); propagated error {r['propagated']:.3g}",
                                  layer=flagged, value=float(r["local"]), extra={"kind": r["kind"]}))
         info = per.get(name)
-        judge_ok = per.get(str(JUDGE), {}).get("converged", True)
-        if cfg.steps >= 2 and info and not info["converged"] and judge_ok and not any(s.arm == name for s in out):
+        judge_ok = judge_info.converged if judge_info else True
+        if cfg.steps >= 2 and info and not info.converged and judge_ok and not any(s.arm == name for s in out):
             # Borderline runs that only just miss the rule are not a finding: the outcome must be
             # worse than the envelope runs', or (without an envelope) clearly worse than the judge's.
             has_envelope = bool((curves["role"] == "envelope").any())
             oc = S.outcome_vs_envelope(curves, name) if has_envelope else None
-            judge_final = per.get(str(JUDGE), {}).get("final_loss", math.nan)
-            worse = (not math.isfinite(info["final_loss"])
-                     or info["final_loss"] > judge_final * (1 + S.OUTCOME_RELATIVE) + 1e-12)
+            judge_final = judge_info.final_loss if judge_info else math.nan
+            worse = (not math.isfinite(info.final_loss)
+                     or info.final_loss > judge_final * (1 + S.OUTCOME_RELATIVE) + 1e-12)
             if oc:
                 out.append(oc)
             elif not has_envelope and worse:
                 out.append(S.Symptom("no convergence", name,
-                                     f"{name} did not converge (loss {info['first_loss']:.4g} -> "
-                                     f"{info['final_loss']:.4g}) while the judge did (-> {judge_final:.4g})"))
+                                     f"{name} did not converge (loss {info.first_loss:.4g} -> "
+                                     f"{info.final_loss:.4g}) while the judge did (-> {judge_final:.4g})"))
     order = {"non-finite forward": 0, "non-finite backward": 1, "GradScaler collapse": 2, "layer error": 3,
              "gradient underflow": 4, "small updates lost": 5}
     return sorted(out, key=lambda s: order.get(s.name, 9))
@@ -326,11 +301,11 @@ def _symptom_verdict(main, syms, per, result, findings) -> Verdict:
 
 
 def _numerics_remedies(main, result) -> list[str]:
-    t = Target.parse(main.arm) if main.arm in {str(x) for x in result.config.targets} else None
+    t = next((x for x in result.config.targets if str(x) == main.arm), None)
     layer = main.layer
     out = []
     if main.name.startswith("non-finite") or main.name == "GradScaler collapse":
-        if t is not None and t.compute_dtype.itemsize == 2 and t.compute_dtype != t.param_dtype:
+        if t is not None and t.runner.mixed_precision:
             out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
                        "around it), or use bfloat16 autocast, which has float32's range")
         elif layer:
@@ -341,10 +316,10 @@ def _numerics_remedies(main, result) -> list[str]:
     if main.name == "small updates lost":
         out.append("keep float32 master weights (autocast instead of casting the model to bf16/fp16)")
     if main.name in ("drift beyond envelope", "outcome outside envelope", "no convergence"):
-        if t is not None and t.mode in ("tf32", "emulate-tf32") or (t and t.device == "cuda" and t.mode == "float32"):
+        if t is not None and t.runner.tf32_like:
             out.append("disable TF32: torch.backends.cuda.matmul.allow_tf32 = False; "
                        "torch.backends.cudnn.allow_tf32 = False")
-        if t is not None and t.compute_dtype.itemsize == 2:
+        if t is not None and t.runner.half_compute:
             out.append("run the sensitive layers in float32 under autocast, or train in float32")
         out.append("compare with --targets using the higher precision on both sides to confirm")
     return out or ["rerun in float32 (cpu:float32 vs your target) to confirm the precision effect"]

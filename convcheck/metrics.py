@@ -1,6 +1,7 @@
 """Error measures and precision bounds; the tolerances that turn them into flags.
 
-Every measure is computed in float64 on the CPU against the judge's tensor.
+Every measure is computed in float64 on the reference's device (the judge's,
+for a judge's tensor): a GPU judge keeps its comparisons on the GPU.
 """
 
 from __future__ import annotations
@@ -10,15 +11,14 @@ import math
 import torch
 import torch.nn as nn
 
+from convcheck.thresholds import TINY_NORM as _TINY
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances  # noqa: F401 - re-exported
 
-_TINY = 1e-30
 
-
-
-
-def _as_f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device="cpu", dtype=torch.float64)
+def _pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in float64 on the reference's device (a no-op for a judge's float64 tensor)."""
+    e = ref.detach().to(dtype=torch.float64)
+    return x.detach().to(device=e.device, dtype=torch.float64), e
 
 
 def nonfinite_count(t: torch.Tensor) -> tuple[int, int]:
@@ -39,7 +39,7 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     ``floor`` is the size below which ``ref`` counts as cancelled to zero (e.g. the
     norm of the terms a gradient sums), so rounding noise is not a relative error.
     """
-    a, e = _as_f64(x), _as_f64(ref)
+    a, e = _pair(x, ref)
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
     # Fast path: both norms finite means every element of both is finite (no
@@ -62,25 +62,38 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
 
 
 def max_abs(x: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (_as_f64(x) - _as_f64(ref)).abs()
+    a, e = _pair(x, ref)
+    d = (a - e).abs()
     return float(d.max()) if d.numel() else 0.0
 
 
 def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
-    a, e = _as_f64(x).flatten(), _as_f64(ref).flatten()
+    a, e = (t.flatten() for t in _pair(x, ref))
     den = float(a.norm() * e.norm())
     return float(a @ e) / den if den > _TINY else 1.0
 
 
 def ulp_distance(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
     """Median distance in ulps of ``dtype`` at the reference's magnitude."""
-    e = _as_f64(ref)
+    a, e = _pair(x, ref)
     eps = torch.finfo(dtype).eps
     tiny = torch.finfo(dtype).tiny
     spacing = torch.clamp(e.abs(), min=tiny) * eps
-    d = (_as_f64(x) - e).abs() / spacing
+    d = (a - e).abs() / spacing
     d = d[torch.isfinite(d)]
     return float(d.median()) if d.numel() else math.inf
+
+
+def param_distance(a: nn.Module, b: nn.Module) -> float:
+    """||theta_a - theta_b|| / ||theta_b|| over every parameter, in float64 on ``b``'s device."""
+    num = den = 0.0
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        va, vb = _pair(pa, pb)
+        num += float(torch.linalg.vector_norm(va - vb)) ** 2
+        den += float(torch.linalg.vector_norm(vb)) ** 2
+    if not math.isfinite(num):
+        return math.inf
+    return math.sqrt(num / den) if den > 0 else math.nan
 
 
 def expected_bound(unit_roundoff: float, reduction_length: int) -> float:

@@ -1,40 +1,50 @@
-"""Options shared by ``convcheck compare`` and the pytest plugin, declared once.
+"""Options shared by ``convcheck compare`` and the pytest plugin, declared once; parsed options -> config.
 
 ``declare_compare_options(addoption, prefix)`` takes ``argparse``'s
 ``add_argument`` or pytest's ``parser.addoption``; the plugin passes the
 prefix ``convcheck-`` so its flags read ``--convcheck-targets`` and so on.
+``config_from_options(values, prefix)`` turns the parsed values into a
+``CompareConfig``. Defaults are read from ``CompareConfig``; none are written here.
 """
 
 from __future__ import annotations
 
-from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.config import OPTIMIZERS, CompareConfig, default, with_options
 
-DEFAULTS = dict(steps=30, batch_size=32, optimizer="adam", lr=1e-3, seed=0, envelope=3)
+# option name -> config field it sets (tolerance options map onto CompareConfig.tolerances)
+OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "optimizer", "lr", "seed", "envelope", "data",
+                "bound-factor", "min-error")
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:
     def opt(name: str, **kw):
-        addoption(f"--{prefix}{name}", dest=f"{prefix}{name}".replace("-", "_"), **kw)
+        field = name.replace("-", "_")
+        addoption(f"--{prefix}{name}", dest=f"{prefix}{name}".replace("-", "_"), default=default(field), **kw)
 
-    opt("targets", default=None, metavar="A,B",
+    opt("targets", metavar="A,B",
         help="two target specs, e.g. cpu,cuda or cuda:tf32,cuda:no-tf32 "
              "(default: cpu,cuda with a GPU, else cpu,cpu:float64)")
-    opt("steps", type=int, default=DEFAULTS["steps"], help="lockstep training steps (default %(default)s)")
-    opt("batch-size", type=int, default=DEFAULTS["batch_size"], help="batch size (default %(default)s)")
-    opt("optimizer", default=DEFAULTS["optimizer"], choices=["sgd", "adam"], help="optimizer (default %(default)s)")
-    opt("lr", type=float, default=DEFAULTS["lr"], help="learning rate (default %(default)s)")
-    opt("seed", type=int, default=DEFAULTS["seed"], help="seed for weights and batches (default %(default)s)")
-    opt("envelope", type=int, default=DEFAULTS["envelope"],
+    opt("judge", metavar="SPEC",
+        help="the float64 reference: cpu:float64 or cuda[:N]:float64 "
+             "(default: cuda:float64 on a GPU with fast float64, else cpu:float64)")
+    opt("steps", type=int, help="lockstep training steps (default %(default)s)")
+    opt("batch-size", type=int, help="batch size (default %(default)s)")
+    opt("optimizer", choices=list(OPTIMIZERS), help="optimizer (default %(default)s)")
+    opt("lr", type=float, help="learning rate (default %(default)s)")
+    opt("seed", type=int, help="seed for weights and batches (default %(default)s)")
+    opt("envelope", type=int,
         help="perturbed runs of the lower-precision target for the noise envelope; 0 turns it off "
              "(default %(default)s)")
-    opt("data", default=None, metavar="SOURCE",
+    opt("data", metavar="SOURCE",
         help="synthetic (default), mnist:DIR (IDX files, raw or .gz) or npz:PATH (arrays x, y)")
-    opt("bound-factor", type=float, default=DEFAULT_TOLERANCES.bound_factor,
+    opt("bound-factor", type=float,
         help="flag a layer whose local error exceeds this many times its expected bound (default %(default)s)")
-    opt("min-error", type=float, default=DEFAULT_TOLERANCES.min_error,
-        help="...and exceeds this relative error (default %(default)s)")
+    opt("min-error", type=float, help="...and exceeds this relative error (default %(default)s)")
 
 
-def tolerances_from(values: dict, prefix: str = "") -> Tolerances:
+def config_from_options(values: dict, prefix: str = "", base: CompareConfig | None = None) -> CompareConfig:
+    """The ``CompareConfig`` that parsed options (``vars(args)`` or pytest's option namespace) describe."""
     key = prefix.replace("-", "_")
-    return Tolerances(bound_factor=values[f"{key}bound_factor"], min_error=values[f"{key}min_error"])
+    given = {name: values[f"{key}{name.replace('-', '_')}"] for name in OPTION_NAMES
+             if f"{key}{name.replace('-', '_')}" in values}
+    return with_options(base or CompareConfig(), **given)

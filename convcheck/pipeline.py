@@ -1,47 +1,33 @@
 """``convcheck.compare`` lives here: the whole pipeline behind the CLI, the pytest plugin and the API.
 
-models -> data -> targets -> parity -> train -> env -> diagnose. This module
-only wires the stages together; each stage lives in its own module.
+models -> data -> targets/judge -> parity -> train -> env -> diagnose. This
+module only wires the stages together; each stage lives in its own module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import math
+import dataclasses
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, Union
+from typing import Callable, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from convcheck.capture import disable_inplace
-from convcheck.data import Batches, hash_state_dict, load_batches
+from convcheck.config import CompareConfig, with_options
+from convcheck.data import hash_state_dict, load_batches
 from convcheck.errors import RunFailed, UsageError
-from convcheck.metrics import DEFAULT_TOLERANCES, Tolerances
 from convcheck.models import ResolvedModel, check_input_shape, resolve_model
 from convcheck.parity import ParityResult, run_parity
-from convcheck.targets import JUDGE, Target, default_targets, parse_targets
-from convcheck.train import CONVERGED_RULE, OPTIMIZERS, TrainConfig, TrainResult, make_arms, run_training
-
-from convcheck.report.export import SUMMARY_SCHEMA
+from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
+from convcheck.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms, run_training
 
 ModelArg = Union[str, ResolvedModel, nn.Module, Callable[[], nn.Module]]
-
-
-@dataclass(frozen=True)
-class CompareConfig:
-    """Everything that defines a comparison run (recorded in the summary)."""
-
-    targets: tuple[Target, Target]
-    steps: int = 30
-    batch_size: int = 32
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    seed: int = 0
-    envelope: int = 3
-    data: str | None = None
-    tolerances: Tolerances = DEFAULT_TOLERANCES
 
 
 @dataclass
@@ -49,7 +35,7 @@ class CompareResult:
     """The outcome of one comparison. Truthy when the verdict is ``ok``."""
 
     model: ResolvedModel
-    config: CompareConfig
+    config: CompareConfig  # targets parsed, judge the one used
     parity: ParityResult
     training: TrainResult
     data_source: str
@@ -61,16 +47,20 @@ class CompareResult:
     fingerprint: object | None = None
     verdict: object | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    judge_reason: str = ""
 
     @property
     def targets(self) -> tuple[Target, Target]:
         return self.config.targets
 
+    @property
+    def judge(self) -> Target:
+        return self.config.judge
+
     def __bool__(self) -> bool:
         if self.verdict is not None:
-            return getattr(self.verdict, "category", "ok") == "ok"
-        return bool(self.parity) and all(
-            v["converged"] for v in self.training.per_target.values())
+            return self.verdict.category == "ok"
+        return bool(self.parity) and all(o.converged for o in self.training.outcomes.values())
 
     def to_summary(self) -> dict:
         from convcheck.report.export import summary_dict
@@ -109,13 +99,13 @@ def initial_state(model: ResolvedModel, seed: int) -> dict[str, torch.Tensor]:
 
 
 def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Callable[[Target], nn.Module]:
-    """``build(target)``: the model with the shared weights, cast and moved to ``target``."""
+    """``build(target)``: the model with the shared weights, placed by the target's runner."""
 
     def build(target: Target) -> nn.Module:
         m = model.factory()
         m.load_state_dict(state)
         disable_inplace(m)
-        target.place(m)
+        target.runner.place(m)
         for name, p in m.state_dict().items():  # load_state_dict may round float64 values
             if p.is_floating_point():
                 p.copy_(state[name].to(p.dtype))
@@ -124,92 +114,110 @@ def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Calla
     return build
 
 
+@contextlib.contextmanager
+def _caller_rng_kept():
+    """The caller's torch (CPU and CUDA), numpy and Python random states are as they were afterwards."""
+    cpu, py, npy = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        random.setstate(py)
+        np.random.set_state(npy)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
 def compare(
     model: ModelArg,
-    targets: Sequence[Union[str, Target]] | str | None = None,
+    targets=None,
     *,
-    steps: int = 30,
-    batch_size: int = 32,
-    optimizer: str = "adam",
-    lr: float = 1e-3,
-    seed: int = 0,
-    envelope: int = 3,
-    data: str | None = None,
+    config: CompareConfig | None = None,
     input_shape: tuple[int, int, int] | None = None,
     num_classes: int | None = None,
-    tolerances: Tolerances = DEFAULT_TOLERANCES,
     env_findings: list | None = None,
     fingerprint=None,
     progress: Callable[[str, int, int], None] | None = None,
+    **options,
 ) -> CompareResult:
-    """Run ``model`` on two targets and the float64 judge; return the evidence and the verdict.
+    """Run ``model`` on two targets and a float64 judge; return the evidence and the verdict.
 
     ``model`` is a zoo name (``"lenet"``), ``"package.module:factory"``,
     ``"path/file.py:factory"``, an ``nn.Module`` or a factory. ``targets`` is
     two specs (``"cpu,cuda"`` or ``["cpu", "cuda:tf32"]``); by default
-    ``cpu,cuda`` where a GPU is present, else ``cpu,cpu:float64``.
-    ``env_findings`` (a list of ``convcheck.env.Finding``) replaces the audit
-    of this machine, so a recorded environment can be diagnosed.
+    ``cpu,cuda`` where a GPU is present, else ``cpu,cpu:float64``. The rest of
+    the run is ``config`` (a ``CompareConfig``) and/or its fields as keywords
+    (``steps=10, judge="cpu:float64", bound_factor=4``). ``env_findings`` (a
+    list of ``convcheck.env.Finding``) replaces the audit of this machine, so a
+    recorded environment can be diagnosed. The caller's random states are left
+    as they were.
     """
-    notes: list[str] = []
-    if steps < 1:
-        raise UsageError(f"steps must be at least 1, got {steps}")
-    if batch_size < 1:
-        raise UsageError(f"batch size must be at least 1, got {batch_size}")
-    if envelope < 0:
-        raise UsageError(f"envelope must be 0 or more, got {envelope}")
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"unknown optimizer {optimizer!r} (expected {' or '.join(OPTIMIZERS)})")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise UsageError(f"learning rate must be a positive number, got {lr}")
-    pair = _parse_pair(targets, notes)
+    if config is not None and not isinstance(config, CompareConfig):
+        raise UsageError(f"config must be a convcheck.CompareConfig, not {type(config).__name__}")
+    if targets is not None:
+        options["targets"] = targets
+    cfg = with_options(config or CompareConfig(), **options)
+    with _caller_rng_kept():
+        return _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progress)
+
+
+def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig, str]:
+    """Targets parsed and checked, the judge chosen (or the one asked for) and why."""
+    pair = _parse_pair(cfg.targets, notes)
     for t in pair:
         t.check_available()
-    resolved = _as_resolved(model, input_shape, num_classes)
-    cfg = CompareConfig(targets=pair, steps=steps, batch_size=batch_size, optimizer=optimizer,
-                        lr=lr, seed=seed, envelope=envelope, data=data, tolerances=tolerances)
-    timings: dict[str, float] = {}
+    if cfg.judge is not None:
+        judge, reason = parse_judge(cfg.judge), "chosen with --judge"
+    else:
+        judge, reason = default_judge()
+    return dataclasses.replace(cfg, targets=pair, judge=judge), reason
 
+
+def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progress) -> CompareResult:
+    notes: list[str] = []
+    cfg, judge_reason = _resolve_config(cfg, notes)
+    resolved = _as_resolved(model, input_shape, num_classes)
+    timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    state = initial_state(resolved, seed)
+    state = initial_state(resolved, cfg.seed)
     build = model_builder(resolved, state)
-    check_input_shape(build(JUDGE), resolved.input_shape, resolved.num_classes)
-    batches: Batches = load_batches(data, input_shape=resolved.input_shape,
-                                    num_classes=resolved.num_classes, batch_size=batch_size,
-                                    num_batches=steps, seed=seed)
+    check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes)
+    batches = load_batches(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,
+                           batch_size=cfg.batch_size, num_batches=cfg.steps, seed=cfg.seed)
     if batches.note:
         notes.append(batches.note)
     timings["setup_s"] = time.perf_counter() - t0
-
     try:
-        t0 = time.perf_counter()
-        if progress:
-            progress("parity", 0, 1)
-        parity = run_parity(build, batches.batches[0], list(pair), tolerances=tolerances, seed=seed)
-        if progress:
-            progress("parity", 1, 1)
-        timings["parity_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        arms = make_arms(list(pair), envelope, seed)
-        train_cfg = TrainConfig(steps=steps, optimizer=optimizer, lr=lr, seed=seed)
-        training = run_training(
-            build, list(batches.batches), arms, train_cfg, tolerances=tolerances,
-            progress=(lambda done, total: progress("train", done, total)) if progress else None,
-        )
-        timings["train_s"] = time.perf_counter() - t0
+        parity = _timed(timings, "parity_s", progress, "parity", lambda: run_parity(
+            build, batches.batches[0], list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed))
+        arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
+        train_cfg = TrainConfig(steps=cfg.steps, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
+        training = _timed(timings, "train_s", None, "train", lambda: run_training(
+            build, list(batches.batches), arms, train_cfg, tolerances=cfg.tolerances,
+            progress=(lambda done, total: progress("train", done, total)) if progress else None))
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
         raise RunFailed(f"out of GPU memory: {str(exc).splitlines()[0]} (try a smaller --batch-size)") from None
     except MemoryError:
         raise RunFailed("out of memory (try a smaller --batch-size)") from None
-
     result = CompareResult(
         model=resolved, config=cfg, parity=parity, training=training,
         data_source=batches.source, batch_hashes=tuple(batches.hashes), init_hash=hash_state_dict(state),
-        data_stats=batches.stats(), notes=notes, timings=timings,
+        data_stats=batches.stats(), notes=notes, timings=timings, judge_reason=judge_reason,
     )
     _attach_env_and_verdict(result, env_findings, fingerprint)
     return result
+
+
+def _timed(timings: dict, key: str, progress, stage: str, work):
+    t0 = time.perf_counter()
+    if progress:
+        progress(stage, 0, 1)
+    out = work()
+    if progress:
+        progress(stage, 1, 1)
+    timings[key] = time.perf_counter() - t0
+    return out
 
 
 def _parse_pair(targets, notes: list[str]) -> tuple[Target, Target]:
@@ -220,30 +228,26 @@ def _parse_pair(targets, notes: list[str]) -> tuple[Target, Target]:
         return pair[0], pair[1]
     if isinstance(targets, str):
         pair = parse_targets(targets)
-    else:
+    elif isinstance(targets, (list, tuple)):
         items = [t if isinstance(t, Target) else Target.parse(str(t)) for t in targets]
         pair = parse_targets(",".join(str(t) for t in items))
+    else:
+        raise UsageError(f"targets must be 'A,B' or two specs, not {type(targets).__name__}")
     return pair[0], pair[1]
 
 
 def _attach_env_and_verdict(result: CompareResult, env_findings, fingerprint) -> None:
-    """Environment findings (this machine's audit unless injected) and, when available, the verdict."""
-    if env_findings is None:
-        try:
-            from convcheck.env import audit, collect
+    """Environment findings (this machine's audit unless injected), then the verdict."""
+    from convcheck.diagnose import diagnose
+    from convcheck.env import audit, collect
 
-            fingerprint = fingerprint or collect()
-            env_findings = audit(fingerprint)
-        except ImportError:  # pragma: no cover - env not built
-            env_findings = []
+    if env_findings is None:
+        fingerprint = fingerprint or collect()
+        env_findings = audit(fingerprint)
     result.fingerprint = fingerprint
     result.findings = list(env_findings)
-    try:
-        from convcheck.diagnose import diagnose
-    except ImportError:
-        return
     result.verdict = diagnose(result)
 
 
-__all__ = ["CompareConfig", "CompareResult", "SUMMARY_SCHEMA", "compare", "initial_state", "model_builder"]
-__all__ += ["CONVERGED_RULE", "TrainConfig", "TrainResult", "JUDGE"]
+__all__ = ["CONVERGED_RULE", "CompareConfig", "CompareResult", "TrainConfig", "TrainResult", "compare",
+           "initial_state", "model_builder"]

@@ -12,51 +12,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-# --- thresholds --------------------------------------------------------------------------
-# AUTOTRAINER (ICSE'21, utils/monitor.py): loss >= 1e3 is treated like NaN.
-LOSS_NAN_LIKE = 1e3
-# Exploding: the global gradient norm grows > 70x over the run (AUTOTRAINER's factor 70,
-# which it applies to the first/last layer ratio).
-EXPLODING_LAYER_RATIO = 70.0
-# AUTOTRAINER: vanishing when ||g_first||/||g_last|| < 1e-3 and ||g_first|| < 1e-4.
-VANISHING_LAYER_RATIO = 1e-3
-VANISHING_FIRST_NORM = 1e-4
-# DeepDiagnosis: dead node when >= 70% of ReLU outputs are <= 0; saturated sigmoid/tanh
-# when > 50% of pre-activations lie outside +-5.
-DEAD_RELU_FRACTION = 0.7
-SATURATED_FRACTION = 0.5
-# DeepDiagnosis: effective learning rate lr*||dW||/||W|| outside [1e-5, 0.1].
-UPDATE_RATIO_HIGH = 0.1
-# Plateau: the loss stays within 10% of chance, ln(C), over the second half of the run and
-# falls by less than 2% of ln(C) across it (a loss still falling steadily is not stuck).
-PLATEAU_TOLERANCE = 0.10
-PLATEAU_MIN_DROP = 0.02
-PLATEAU_MIN_STEPS = 5  # a half-run shorter than this says nothing about a plateau
-# AUTOTRAINER oscillation: swings of >= 3% in >= 20% of the checks.
-OSCILLATION_SWING = 0.03
-OSCILLATION_SHARE = 0.2
-# Un-normalised input: features far outside the usual standardised range (raw 0..255 pixels).
-INPUT_ABS_MAX = 20.0
-INPUT_STD_MAX = 10.0
-# fp16 range (FACTS.md: float16 max 65504).
-FP16_MAX = 65504.0
-# Underflow: a target's gradients hold this many more exact zeros than the judge's (fraction).
-UNDERFLOW_EXTRA_ZEROS = 0.3
-# GradScaler: skipping more than a quarter of the steps, or a scale below 1 (>= 16 net
-# halvings from 2^16: the forward pass itself overflows; FACTS.md "Mixed precision").
-SKIP_RATE_HIGH = 0.25
-SCALE_COLLAPSED = 1.0
-# Envelope: drift between the targets within ENVELOPE_BENIGN x the envelope is noise; drift
-# beyond ENVELOPE_FAR x for ENVELOPE_RUN consecutive steps inside the first half of the run
-# ("early and by far") is a real discrepancy. Measured on LeNet: float32 vs float64 stays
-# within 2x of the float32 envelope (ARCHITECTURE.md, "The noise envelope").
-ENVELOPE_BENIGN = 4.0
-ENVELOPE_FAR = 10.0
-ENVELOPE_RUN = 3
-# Outcome: a final loss outside the envelope runs' range widened by this many spreads
-# (plus 5% of their mean) is a different outcome.
-OUTCOME_SPREADS = 3.0
-OUTCOME_RELATIVE = 0.05
+from convcheck.thresholds import (  # noqa: F401 - thresholds live in one place
+    LOSS_NAN_LIKE, EXPLODING_LAYER_RATIO, VANISHING_LAYER_RATIO, VANISHING_FIRST_NORM, DEAD_RELU_FRACTION, SATURATED_FRACTION, UPDATE_RATIO_HIGH, PLATEAU_TOLERANCE, PLATEAU_MIN_DROP, PLATEAU_MIN_STEPS, OSCILLATION_SWING, OSCILLATION_SHARE, INPUT_ABS_MAX, INPUT_STD_MAX, FP16_MAX, UNDERFLOW_EXTRA_ZEROS, SKIP_RATE_HIGH, SCALE_COLLAPSED, ENVELOPE_BENIGN, ENVELOPE_FAR, ENVELOPE_RUN, OUTCOME_SPREADS, OUTCOME_RELATIVE, SATURATED_ABS,
+)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+from convcheck.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,11 @@ class Tolerances:
     # fraction of its first loss and finite (see convcheck.train.converged).
     converged_loss_ratio: float = 0.9
 
+    def __post_init__(self):
+        _need("bound_factor", self.bound_factor, lambda v: v > 0, "a positive number")
+        _need("min_error", self.min_error, lambda v: v >= 0, "a number of at least 0")
+        _need("converged_loss_ratio", self.converged_loss_ratio, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
     def is_flagged(self, local_error: float, bound: float) -> bool:
         if not math.isfinite(local_error):
             return True
@@ -37,6 +45,13 @@ class Tolerances:
         if bound <= 0:
             return math.inf
         return local_error / bound
+
+
+
+def _need(name: str, value, ok, what: str) -> None:
+    """A tolerance must be a finite real number in its range (NaN would turn every comparison into a pass)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise UsageError(f"tolerance {name} must be {what}, got {value!r}")
 
 
 DEFAULT_TOLERANCES = Tolerances()

@@ -47,7 +47,8 @@ def summary_dict(result) -> dict:
             "input_shape": list(result.model.input_shape), "num_classes": result.model.num_classes,
         },
         "targets": [str(t) for t in cfg.targets],
-        "judge": "cpu:float64",
+        "judge": str(cfg.judge),
+        "judge_reason": result.judge_reason,
         "seed": cfg.seed,
         "config": {
             "steps": cfg.steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
@@ -68,7 +69,9 @@ def summary_dict(result) -> dict:
             "converged_rule": training_rule(cfg),
             "steps": cfg.steps,
             "arms": [a.name for a in training.arms],
-            "per_target": training.per_target,
+            "per_target": {name: dataclasses.asdict(o) for name, o in training.outcomes.items()},
+            "envelope": training.envelope,
+            "lower_precision": training.lower_precision,
             "loss": {a.name: [float(v) for v in training.arm_curve(a.name)["loss"]] for a in training.arms},
         },
         "env": {

@@ -28,7 +28,7 @@ def render_html(result, images: dict[str, bytes]) -> str:
     parts.append(f"<h1>convcheck compare: {e(m.name)} on {e(' vs '.join(str(t) for t in cfg.targets))}</h1>")
     parts.append(f"<p>{e(m.source)} model, input {'x'.join(map(str, m.input_shape))}, {m.num_classes} classes; "
                  f"seed {cfg.seed}; {cfg.steps} steps of {e(cfg.optimizer)} at lr {cfg.lr:g}, batch {cfg.batch_size}; "
-                 f"data {e(result.data_source)}; judge cpu:float64; envelope {cfg.envelope} runs.</p>")
+                 f"data {e(result.data_source)}; judge {e(str(cfg.judge))} ({e(result.judge_reason)}); envelope {cfg.envelope} runs.</p>")
     for note in result.notes:
         parts.append(f"<p><em>note: {e(note)}</em></p>")
     if v is not None:

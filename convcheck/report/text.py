@@ -58,6 +58,7 @@ def render_compare(result, console: Console | None = None) -> None:
     c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {shape}, "
             f"{m.num_classes} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
             f"batch {cfg.batch_size}  data {escape(str(result.data_source))}")
+    c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
     for note in result.notes:
         c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
     _targets(c, result)
@@ -72,10 +73,8 @@ def _targets(c: Console, result) -> None:
     for col in ("arm", "target", "precision", "unit roundoff"):
         t.add_column(col)
     a, b = result.config.targets
-    from convcheck.targets import JUDGE
-
-    for label, tgt in (("A", a), ("B", b), ("judge", JUDGE)):
-        t.add_row(label, str(tgt), tgt.describe()[tgt.describe().index("(") + 1:-1], fmt(tgt.unit_roundoff))
+    for label, tgt in (("A", a), ("B", b), ("judge", result.config.judge)):
+        t.add_row(label, str(tgt), tgt.runner.describe(), fmt(tgt.unit_roundoff))
     c.print(t)
 
 
@@ -146,15 +145,15 @@ def _curves(c: Console, result) -> None:
 def _training(c: Console, result) -> None:
     tr = result.training
     parts = []
-    for name, info in tr.per_target.items():
-        state = "[green]converged[/green]" if info["converged"] else "[red]did not converge[/red]"
+    for name, info in tr.outcomes.items():
+        state = "[green]converged[/green]" if info.converged else "[red]did not converge[/red]"
         extra = ""
-        if info.get("first_nonfinite_step") is not None:
-            extra += f", first non-finite at step {info['first_nonfinite_step']}"
-        if info.get("skipped_steps"):
-            extra += f", {info['skipped_steps']} steps skipped by GradScaler (scale {fmt(info['final_loss_scale'])})"
-        parts.append(f"  {escape(name):<18} {state} (loss {fmt(info['first_loss'], 3)} -> "
-                     f"{fmt(info['final_loss'], 3)}{extra})")
+        if info.first_nonfinite_step is not None:
+            extra += f", first non-finite at step {info.first_nonfinite_step}"
+        if info.skipped_steps:
+            extra += f", {info.skipped_steps} steps skipped by GradScaler (scale {fmt(info.final_loss_scale)})"
+        parts.append(f"  {escape(name):<18} {state} (loss {fmt(info.first_loss, 3)} -> "
+                     f"{fmt(info.final_loss, 3)}{extra})")
     c.print("Training  [dim](" + training_rule(result.config) + ")[/dim]")
     for p in parts:
         c.print(p)

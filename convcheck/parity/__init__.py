@@ -1,0 +1,96 @@
+"""One-step parity: per-layer forward and per-parameter gradient errors against the judge.
+
+For every leaf-module call the table holds the *propagated* error (the
+target's own forward vs the judge) and the *local* error (the judge's input,
+cast to the target, through the target's copy of the layer, vs the judge's
+output), the expected bound for that layer's precision and reduction length,
+NaN/Inf counts, and whether the layer is flagged. The same for every
+parameter's gradient: the target's own gradient vs the judge's, and the
+gradient the target's copy of the layer computes from the judge's input and
+output gradient.
+
+Memory: only the judge's per-layer tensors are held in full; each target is
+compared layer by layer while it runs and keeps scalars only.
+
+``judge_pass`` records the judge; ``target_pass`` compares one target with
+that record; ``local`` holds the one-layer measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+from convcheck.capture import SharedDropoutMasks
+from convcheck.metrics import rel_l2
+from convcheck.parity.judge_pass import run_judge, stochastic_layers
+from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
+from convcheck.parity.target_pass import TargetPass
+from convcheck.runners import cross_entropy
+from convcheck.targets import CPU_JUDGE, Target
+from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+
+ModelBuilder = Callable[[Target], nn.Module]
+
+__all__ = ["COLUMNS", "ParityResult", "run_parity"]
+
+
+def run_parity(
+    build: ModelBuilder,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    targets: list[Target],
+    *,
+    tolerances: Tolerances = DEFAULT_TOLERANCES,
+    judge: Target = CPU_JUDGE,
+    seed: int = 0,
+    loss_fn=cross_entropy,
+) -> ParityResult:
+    """One forward/backward step of every target against the judge.
+
+    ``build(target)`` returns the model with the shared initial weights, cast
+    and moved to ``target``, in training mode.
+    """
+    x, y = batch
+    torch.manual_seed(seed)
+    calls, _, judge_grads, judge_loss = run_judge(build(judge), batch, judge.runner, seed, loss_fn)
+    stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed)
+    rows: list[dict] = []
+    first: dict[str, str | None] = {}
+    losses: dict[str, float] = {}
+    selfdiff: dict[str, float] = {}
+    for i, target in enumerate(targets):
+        if target == judge:
+            continue
+        # Each device has its own random stream: a target's unshared random draws differ
+        # from the judge's, as they would on another device.
+        torch.manual_seed(seed + 1 + i)
+        tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
+        losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
+        rows.extend(tp.rows)
+        first[str(target)] = first_flagged(tp.rows)
+        torch.manual_seed(seed + 1 + i)  # as before the parity run: building the model draws numbers too
+        selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
+
+
+def self_difference(model: nn.Module, target: Target, batch, mask_seed: int, first_run: list, loss_fn) -> float:
+    """Largest relative difference of logits and gradients between the target's parity run
+    and one identical rerun (same weights, input, seed and loss scale)."""
+    runner = target.runner
+    x, y = batch
+    with runner.applied():
+        with SharedDropoutMasks(model, mask_seed):
+            out, loss = runner.forward_loss(model, x, y, loss_fn)
+        runner.backward(loss, runner.parity_loss_scale)
+    second = [out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    worst = 0.0
+    for a, b in zip(first_run, second):
+        if not torch.equal(a, b):
+            d = rel_l2(a, b)
+            worst = max(worst, d if math.isfinite(d) else math.inf)
+    return worst

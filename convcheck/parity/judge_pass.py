@@ -1,0 +1,93 @@
+"""The judge's pass: every leaf call's input, output and output gradient, kept in float64."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from convcheck.capture import LeafCalls, SharedDropoutMasks, tensors_in
+from convcheck.runners import Runner
+
+
+@dataclass
+class JudgeCall:
+    name: str
+    module: str
+    inputs: tuple
+    output: torch.Tensor
+    grad_output: torch.Tensor | None = None
+
+
+class _Snapshots:
+    """Snapshots, not views: code between modules may change a recorded tensor in place
+    (ResNet's ``out += identity`` on the last BatchNorm's output). One snapshot per tensor
+    and version, so a layer's input shares the previous layer's output copy."""
+
+    def __init__(self):
+        self._seen: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def __call__(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        copy = t.detach().clone()
+        self._seen[id(t)] = (t, t._version, copy)
+        return copy
+
+    def clear(self):
+        self._seen.clear()
+
+
+def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
+    """``(calls by key, call order, parameter gradients, loss)`` of the judge's forward/backward."""
+    x, y = batch
+    calls: dict[str, JudgeCall] = {}
+    snap = _Snapshots()
+
+    def on_call(key, name, module, inputs, out):
+        rec = JudgeCall(name, type(module).__name__, tuple(snap(t) for t in inputs), snap(out))
+        calls[key] = rec
+        if out.requires_grad:
+            out.register_hook(lambda g, rec=rec: setattr(rec, "grad_output", g.detach()))
+
+    with judge.applied():
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call) as lc:
+            _, loss = judge.forward_loss(model, x, y, loss_fn)
+        snap.clear()
+        judge.backward(loss)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return calls, lc.order, grads, float(loss.detach())
+
+
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise-equal values, NaN equal to NaN (``torch.equal`` says a NaN differs from itself,
+    which made every layer producing NaN look stochastic)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+
+
+def stochastic_layers(model: nn.Module, x, calls: dict, judge: Runner, seed: int) -> list[str]:
+    """Re-run the judge's forward under another random seed (same shared masks): a layer
+    whose output moves while its input does not draws random numbers of its own."""
+    found: list[str] = []
+
+    def on_call(key, name, module, inputs, out):
+        jc = calls.get(key)
+        if jc is None or tuple(jc.output.shape) != tuple(out.shape):
+            return
+        same_in = all(_identical(a, b) for a, b in zip(tensors_in(inputs), tensors_in(jc.inputs)))
+        if same_in and not _identical(out.detach(), jc.output):
+            found.append(key)
+
+    torch.manual_seed(seed + 7777)
+    with judge.applied(), torch.no_grad():
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call):
+            model(judge.cast_input(x))
+    return found

@@ -1,0 +1,76 @@
+"""Local measurements of one layer: the judge's input through the target's copy of the layer.
+
+Every float64 reference here is built by the judge's runner (``reference``,
+``reference_module``), on the judge's device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from convcheck.capture import cast_like, module_copy, tensors_in
+from convcheck.metrics import rel_l2
+from convcheck.parity.judge_pass import JudgeCall
+from convcheck.runners import Runner
+
+
+def private_copy(m: nn.Module) -> nn.Module:
+    """An independent copy without hooks (a re-run must not touch the original or fire its hooks)."""
+    copy = module_copy(m)
+    for sub in copy.modules():
+        sub._forward_hooks.clear()
+        sub._forward_pre_hooks.clear()
+        sub._backward_hooks.clear()
+    return copy
+
+
+def _cast_args(jc: JudgeCall, actual_inputs: tuple, device) -> tuple:
+    """The judge's inputs, cast to the dtypes the target's own call received."""
+    return tuple(cast_like(j, a if isinstance(a, torch.Tensor) else None, device)
+                 for j, a in zip(jc.inputs, actual_inputs))
+
+
+def local_forward(module: nn.Module, jc: JudgeCall, actual_inputs: tuple, device, mask=None) -> float:
+    """The judge's input through the target's copy of this layer, vs the judge's output."""
+    args = _cast_args(jc, actual_inputs, device)
+    if mask is not None:  # a shared-mask dropout: the same mask the target's own call used
+        return rel_l2(args[0] * mask, jc.output)
+    with torch.no_grad():
+        got = tensors_in(private_copy(module)(*args))
+    return rel_l2(got[0], jc.output) if got else math.nan
+
+
+def intrinsic_forward(module: nn.Module, jc: JudgeCall, actual_inputs: tuple, device, judge: Runner) -> float:
+    """The target's layer on the judge's input cast to the target, vs the judge's float64 copy of
+    the same layer on that same cast input: the error of the layer's own arithmetic."""
+    args = _cast_args(jc, actual_inputs, device)
+    ref = judge.reference_module(private_copy(module))
+    ref_args = tuple(judge.reference(a) if isinstance(a, torch.Tensor) else a for a in args)
+    with torch.no_grad():
+        got = tensors_in(private_copy(module)(*args))
+        with torch.autocast(judge.torch_device.type, enabled=False):  # we may be inside the target's
+            want = tensors_in(ref(*ref_args))
+    return rel_l2(got[0], want[0]) if got and want else math.nan
+
+
+def grad_terms_norm(module: nn.Module, jc: JudgeCall, judge: Runner) -> dict[str, float]:
+    """Per parameter, the norm of the gradient summed from absolute values, in float64 on the judge:
+    |grad_output| (and, for Linear/Conv, |input|) through a float64 copy of the layer.
+    For a bias and a Linear/Conv weight this is exactly sum|terms|."""
+    copy = judge.reference_module(private_copy(module))
+    absolute = isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
+    args = tuple(judge.reference(t.abs() if absolute else t) if isinstance(t, torch.Tensor)
+                 and t.is_floating_point() else t for t in jc.inputs)
+    with torch.enable_grad():
+        out = tensors_in(copy(*args))[0]
+    out.backward(judge.reference(jc.grad_output).abs())
+    return {n: float(p.grad.abs().norm()) for n, p in copy.named_parameters() if p.grad is not None}
+
+
+def local_grads(module: nn.Module, jc: JudgeCall, target: Runner) -> dict[str, torch.Tensor]:
+    """Parameter gradients of the target's copy of this layer, fed the judge's input and output gradient."""
+    args = tuple(target.cast_input(j) if isinstance(j, torch.Tensor) else j for j in jc.inputs)
+    return target.local_backward(private_copy(module), args, jc.grad_output)

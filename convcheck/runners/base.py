@@ -1,0 +1,228 @@
+"""The runner interface: everything that differs between kinds of target, in one place.
+
+A ``Runner`` wraps one parsed target. It owns availability, description,
+placing weights and batches, forward + loss + backward (AMP loss scaling
+included), the optimizer step, setting and restoring the global flags it
+needs, and its precision model. Callers (parity, train, the judge) never
+branch on a mode string: they ask the runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from convcheck.capture import tensors_in
+from convcheck.errors import TargetUnavailable
+from convcheck.runners.flags import preserved_global_flags
+from convcheck.runners.precision import PrecisionModel
+from convcheck.runners.registry import runnable_specs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from convcheck.targets import Target
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The loss scale of parity's one fixed-scale step for runners with a GradScaler
+# (GradScaler's default initial scale, 2^16).
+PARITY_LOSS_SCALE = 2.0**16
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The default loss: cross-entropy on class logits; half-precision logits are upcast first."""
+    if output.dtype in (torch.float16, torch.bfloat16):
+        output = output.float()
+    return F.cross_entropy(output, target)
+
+
+class Runner:
+    """One kind of target. Subclasses set ``modes``/``devices`` and override what differs."""
+
+    modes: ClassVar[tuple[str, ...]] = ()
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "mps")
+    descriptions: ClassVar[dict[str, str]] = {}
+    # (parameter dtype, compute dtype) per mode
+    dtypes: ClassVar[dict[str, tuple[torch.dtype, torch.dtype]]] = {}
+
+    def __init__(self, target: "Target"):
+        self.target = target
+
+    # -- spec and description -------------------------------------------------------
+
+    @classmethod
+    def runnable_here(cls) -> list[str]:
+        """Specs of this kind that this machine can run (for error messages and listings)."""
+        return []
+
+    @classmethod
+    def wrong_device_message(cls, mode: str, device: str) -> str:
+        return f"mode {mode!r} exists only on {' and '.join(cls.devices)}"
+
+    def describe(self) -> str:
+        """Device and precision in words, e.g. ``cuda:0, autocast float16 + GradScaler``."""
+        return f"{self.torch_device}, {self.descriptions[self.target.mode]}"
+
+    # -- numerics -----------------------------------------------------------------------
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the weights and of the inputs fed to the model."""
+        return self.dtypes[self.target.mode][0]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype the matmuls and convolutions work in (autocast's dtype for AMP)."""
+        return self.dtypes[self.target.mode][1]
+
+    @property
+    def precision(self) -> PrecisionModel:
+        raise NotImplementedError
+
+    @property
+    def unit_roundoff(self) -> float:
+        return self.precision.working
+
+    @property
+    def ulp(self) -> float:
+        """Relative size of one ulp of the working precision (2u): the envelope's nudge."""
+        return 2.0 * self.unit_roundoff
+
+    @property
+    def is_float64(self) -> bool:
+        """A float64 run: the only kind that may judge."""
+        return False
+
+    @property
+    def half_storage(self) -> bool:
+        """Weights stored in a 16-bit format (small updates can be lost in them)."""
+        return self.param_dtype.itemsize == 2
+
+    @property
+    def half_compute(self) -> bool:
+        """Matmuls/convs in a 16-bit format (gradients can underflow)."""
+        return self.compute_dtype.itemsize == 2
+
+    @property
+    def mixed_precision(self) -> bool:
+        """16-bit compute over float32 weights (autocast)."""
+        return self.half_compute and not self.half_storage
+
+    @property
+    def tf32_like(self) -> bool:
+        """Matmul/conv operands rounded to TF32 (the remedy is to turn TF32 off)."""
+        p = self.precision
+        return max(p.matmul.operand, p.conv.operand) == 2.0**-11 and not self.half_compute
+
+    # -- availability -------------------------------------------------------------------
+
+    @property
+    def torch_device(self) -> torch.device:
+        t = self.target
+        if t.device == "cpu":
+            return torch.device("cpu")
+        return torch.device(t.device, t.index if t.index is not None else 0)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this machine cannot run the target, or None when it can."""
+        t = self.target
+        if t.device == "cpu":
+            return None
+        if t.device == "mps":
+            backend = getattr(torch.backends, "mps", None)
+            return None if backend is not None and backend.is_available() else "no Apple MPS device"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU is visible to torch"
+        if (t.index or 0) >= torch.cuda.device_count():
+            return f"only {torch.cuda.device_count()} CUDA device(s) visible"
+        return None
+
+    def check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise TargetUnavailable(f"target {self.target} cannot run here ({reason}); "
+                                    f"targets that can: {', '.join(runnable_specs())}")
+
+    # -- flags --------------------------------------------------------------------------
+
+    def _enter(self, stack: contextlib.ExitStack) -> None:
+        """Set this kind's global flags / modes (restored by ``applied``)."""
+
+    @contextlib.contextmanager
+    def applied(self):
+        """Set the global math flags this target needs; restore all of them on exit."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(preserved_global_flags())
+            self._enter(stack)
+            yield self
+
+    def autocast(self):
+        """The autocast context for the forward pass (a no-op unless the kind is AMP)."""
+        return contextlib.nullcontext()
+
+    # -- placing ------------------------------------------------------------------------
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """Move and cast a model (floating parameters and buffers) to this target, in place."""
+        return model.to(device=self.torch_device, dtype=self.param_dtype)
+
+    def cast_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor made once on the CPU (a batch, a recorded input), cast and moved for this target."""
+        if x.is_floating_point():
+            return x.to(device=self.torch_device, dtype=self.param_dtype)
+        return x.to(device=self.torch_device)
+
+    # -- forward, loss, backward, step --------------------------------------------------
+
+    @property
+    def parity_loss_scale(self) -> float:
+        """The fixed loss scale of parity's single step (1 unless the kind scales its loss)."""
+        return 1.0
+
+    def make_grad_scaler(self):
+        """The GradScaler a training loop of this kind uses, or None."""
+        return None
+
+    def forward_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = cross_entropy):
+        """``(output, loss)``: the batch cast for this target, forward and loss under its precision rules."""
+        with self.autocast():
+            out = model(self.cast_input(x))
+            loss = loss_fn(out, self.cast_input(y))
+        return out, loss
+
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def train_backward(self, loss: torch.Tensor, optimizer, scaler) -> None:
+        """Backward of a training step; with a GradScaler, scaled and then unscaled in the optimizer."""
+        if scaler is None:
+            loss.backward()
+            return
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer, scaler) -> tuple[float, bool]:
+        """Step (a non-finite step is a result too: it poisons the weights as it would);
+        ``(loss scale after the step or NaN, whether the step was skipped)``."""
+        if scaler is None:
+            optimizer.step()
+            return float("nan"), False
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        after = scaler.get_scale()
+        return after, after < before
+
+    def local_backward(self, module: nn.Module, args: tuple, grad_output: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter gradients of ``module`` (a private copy on this target) for ``args`` and the
+        given output gradient, at this kind's parity loss scale, returned unscaled."""
+        scale = self.parity_loss_scale
+        for p in module.parameters():
+            p.grad = None
+        with torch.enable_grad(), self.autocast():
+            out = tensors_in(module(*args))[0]
+        out.backward(grad_output.to(device=out.device, dtype=out.dtype) * scale)
+        return {n: p.grad.detach() / scale for n, p in module.named_parameters() if p.grad is not None}

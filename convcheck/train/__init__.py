@@ -1,0 +1,114 @@
+"""Lockstep training on every arm, and the perturbation envelope; per-step curves.
+
+Every arm (the two targets, the judge, and the envelope runs of the
+lower-precision target) starts from the same initial weights and sees the same
+batches in the same order, one step at a time. Per step and arm we keep
+scalars only: the loss, the global and per-layer gradient norms, the relative
+parameter distance to the judge (and, for envelope runs, to the target they
+perturb), non-finite flags, the GradScaler's scale and skipped steps, and the
+activation statistics the training-problem detectors read. Every step goes
+through the arm's runner (``convcheck.runners``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pandas as pd
+
+from convcheck.metrics import param_distance
+from convcheck.runners import cross_entropy
+from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.train.arm_state import ArmState
+from convcheck.train.arms import Arm, lower_precision, make_arms, perturb_
+from convcheck.train.result import (
+    CONVERGED_RULE, ArmOutcome, EnvelopeSummary, TrainConfig, TrainResult, arm_outcome, converged, envelope_summary,
+)
+
+Progress = Callable[[int, int], None]
+
+OPTIMIZERS = ("sgd", "adam")
+
+CURVE_COLUMNS = [
+    "arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref", "dist_other",
+    "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio",
+]
+
+__all__ = [
+    "Arm", "ArmOutcome", "CONVERGED_RULE", "CURVE_COLUMNS", "EnvelopeSummary", "OPTIMIZERS", "TrainConfig",
+    "TrainResult", "converged", "lower_precision", "make_arms", "perturb_", "run_training",
+]
+
+_SEED_MOD = 2**63  # torch seeds are 64-bit: derived seeds wrap instead of overflowing
+
+
+def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerances: Tolerances = DEFAULT_TOLERANCES,
+                 progress: Progress | None = None, loss_fn=cross_entropy) -> TrainResult:
+    """Train every arm for ``cfg.steps`` steps in lockstep; return per-step curves and outcomes."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+    states = [ArmState(arm, build, cfg, loss_fn) for arm in arms]
+    rows, grad_rows, act_rows = [], [], []
+    try:
+        for step in range(cfg.steps):
+            x, y = batches[step % len(batches)]
+            step_seed = (cfg.seed * 100003 + step) % _SEED_MOD
+            results = {}
+            for i, s in enumerate(states):
+                s.step_index = step
+                results[s.arm.name] = s.step(x, y, step_seed, (step_seed * 16 + i) % _SEED_MOD)
+                if progress:
+                    progress(step * len(states) + i + 1, cfg.steps * len(states))
+            _record(states, step, results, rows, grad_rows, act_rows)
+    finally:
+        for s in states:
+            s.close()
+    judge = next((a.name for a in arms if a.role == "judge"), "")
+    result = TrainResult(
+        curves=pd.DataFrame(rows, columns=CURVE_COLUMNS),
+        layer_grads=pd.DataFrame(grad_rows, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
+        activations=pd.DataFrame(act_rows, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
+        arms=arms, config=cfg, judge=judge, nonfinite_producer={s.arm.name: s.producer for s in states},
+    )
+    result.outcomes = {a.name: arm_outcome(a, result.arm_curve(a.name), tolerances)
+                       for a in arms if a.role != "envelope"}
+    result.envelope = envelope_summary(result, tolerances)
+    targets = [a.target for a in arms if a.role == "target"]
+    if len(targets) == 1:  # the other target is the judge itself (cpu,cpu:float64)
+        targets.append(next(a.target for a in arms if a.role == "judge"))
+    result.lower_precision = str(lower_precision(targets)) if len(targets) == 2 else None
+    return result
+
+
+def _partners(states: list[ArmState]) -> dict[str, tuple]:
+    """Per arm: (judge state, the envelope run's reference state, the other target's state)."""
+    by_name = {s.arm.name: s for s in states}
+    judge = next((s for s in states if s.arm.role == "judge"), None)
+    pair = [s for s in states if s.arm.role == "target"]
+    other = {a.arm.name: b for a, b in zip(pair, reversed(pair))} if len(pair) == 2 else {}
+    if len(pair) == 1 and judge is not None:  # the other target is the judge itself (cpu,cpu:float64)
+        other = {pair[0].arm.name: judge}
+    return {s.arm.name: (judge if s is not judge else None, by_name.get(s.arm.reference) if s.arm.reference else None,
+                         other.get(s.arm.name)) for s in states}
+
+
+def _record(states, step, results, rows, grad_rows, act_rows) -> None:
+    partners = _partners(states)
+    for s in states:
+        r = results[s.arm.name]
+        judge, ref, other = partners[s.arm.name]
+        rows.append(dict(
+            arm=s.arm.name, role=s.arm.role, target=str(s.arm.target), step=step,
+            loss=r["loss"], grad_norm=r["grad_norm"],
+            dist_judge=param_distance(s.model, judge.model) if judge else 0.0,
+            dist_ref=param_distance(s.model, ref.model) if ref else math.nan,
+            dist_other=param_distance(s.model, other.model) if other else math.nan,
+            nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],
+            loss_scale=r["loss_scale"], skipped=r["skipped"], update_ratio=r["update_ratio"],
+        ))
+        for (layer, norm), zf in zip(r["layer_norms"], r["zero_fracs"]):
+            grad_rows.append(dict(arm=s.arm.name, step=step, layer=layer, grad_norm=norm, zero_frac=zf))
+        for layer, kind, dead, sat in r["acts"]:
+            act_rows.append(dict(arm=s.arm.name, step=step, layer=layer, kind=kind,
+                                 dead_frac=dead, saturated_frac=sat))

@@ -1,0 +1,121 @@
+"""One arm's model, optimizer and monitors; ``step`` runs one training step through its runner."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from convcheck.capture import SharedDropoutMasks, leaf_modules, tensors_in
+from convcheck.thresholds import SATURATED_ABS
+from convcheck.train.arms import Arm, perturb_
+
+SGD_MOMENTUM = 0.9
+
+
+def make_optimizer(name: str, params, lr: float):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """One reduction instead of an elementwise isfinite: a NaN/Inf anywhere makes the sum non-finite."""
+    if not t.is_floating_point():
+        return True
+    return math.isfinite(float(t.detach().sum(dtype=torch.float64)))
+
+
+class ArmState:
+    def __init__(self, arm: Arm, build, cfg, loss_fn):
+        self.arm = arm
+        self.runner = arm.target.runner
+        self.model = build(arm.target)
+        if arm.perturb_seed is not None:
+            perturb_(self.model, self.runner.ulp, arm.perturb_seed)
+        self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
+        self.scaler = self.runner.make_grad_scaler()
+        self.loss_fn = loss_fn
+        self.layers = [(n, m) for n, m in leaf_modules(self.model)
+                       if any(True for _ in m.parameters(recurse=False))]
+        self.acts: list[tuple[str, str, float, float]] = []
+        self.step_index = 0
+        self.producer: tuple[int, str] | None = None
+        self.masks = SharedDropoutMasks(self.model, 0)
+        self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
+        self._hooks = [m.register_forward_hook(self._act_hook(n))
+                       for n, m in leaf_modules(self.model)
+                       if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
+        self._hooks += [m.register_forward_hook(self._finite_hook(n)) for n, m in leaf_modules(self.model)]
+
+    def _finite_hook(self, name):
+        def hook(module, inputs, output):
+            if self.producer is not None or not torch.is_grad_enabled():
+                return
+            outs = tensors_in(output)
+            if outs and not all(all_finite(t) for t in outs):
+                if all(all_finite(t) for t in tensors_in(inputs)):
+                    self.producer = (self.step_index, name)
+        return hook
+
+    def _act_hook(self, name):
+        def hook(module, inputs, output):
+            if not torch.is_grad_enabled():
+                return
+            with torch.no_grad():
+                if isinstance(module, nn.ReLU):
+                    dead = float((output <= 0).float().mean())
+                    self.acts.append((name, "relu", dead, math.nan))
+                else:  # saturated sigmoid/tanh: pre-activations outside +-SATURATED_ABS (DeepDiagnosis)
+                    sat = float((inputs[0].abs() > SATURATED_ABS).float().mean())
+                    self.acts.append((name, type(module).__name__.lower(), math.nan, sat))
+        return hook
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+        self.masks.__exit__(None, None, None)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, seed: int, rng_seed: int) -> dict:
+        runner = self.runner
+        self.acts = []
+        self.masks.seed = seed  # dropout masks: the same on every arm at this step
+        self.masks._calls = 0
+        with runner.applied():
+            # Any other random draw differs per arm, as it would on another device;
+            # parity's probe names the layers that make such draws.
+            torch.manual_seed(rng_seed)
+            self.opt.zero_grad(set_to_none=True)
+            _, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
+            loss_value = float(loss.detach())
+            runner.train_backward(loss, self.opt, self.scaler)
+            stats = self._grad_stats()
+            scale, skipped = runner.optimizer_step(self.opt, self.scaler)
+        return dict(
+            loss=loss_value, nonfinite_loss=not math.isfinite(loss_value),
+            nonfinite_grad=not math.isfinite(stats["grad_norm"]) and self.scaler is None,
+            loss_scale=scale, skipped=skipped, acts=list(self.acts), **stats,
+        )
+
+    def _grad_stats(self) -> dict:
+        """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|."""
+        layer_norms, zero_fracs = [], []
+        total_sq = 0.0
+        for name, m in self.layers:
+            grads = [p.grad.detach() for p in m.parameters(recurse=False) if p.grad is not None]
+            if not grads:
+                continue
+            sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+            total_sq += sq
+            zeros = sum(int((g == 0).sum()) for g in grads)
+            layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
+            zero_fracs.append(zeros / max(1, sum(g.numel() for g in grads)))
+        grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf
+        weight_sq = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
+                        for p in self.model.parameters())
+        lr = self.opt.param_groups[0]["lr"]
+        update_ratio = lr * grad_norm / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
+        return dict(grad_norm=grad_norm, update_ratio=update_ratio, layer_norms=layer_norms, zero_fracs=zero_fracs)

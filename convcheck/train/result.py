@@ -1,0 +1,108 @@
+"""What training hands to the verdict: per-step curves, typed per-arm outcomes, the envelope summary."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from convcheck.thresholds import CONVERGED_TAIL, FRAGILE_MARGIN
+from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+
+CONVERGED_RULE = "converged = every loss finite and mean(last 3 losses) < {ratio:g} x first loss"
+
+
+def converged(losses: list[float], tol: Tolerances = DEFAULT_TOLERANCES) -> bool:
+    """The rule: every loss finite, and the mean of the last three losses is below
+    ``tol.converged_loss_ratio`` times the first loss."""
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return False
+    tail = losses[-CONVERGED_TAIL:] if len(losses) > CONVERGED_TAIL else losses[-1:]
+    return sum(tail) / len(tail) < tol.converged_loss_ratio * losses[0]
+
+
+@dataclass(frozen=True)
+class ArmOutcome:
+    """How one arm's training ended (targets and judge; envelope runs are summarised apart)."""
+
+    name: str
+    role: str  # "target" | "judge"
+    converged: bool
+    first_loss: float
+    final_loss: float
+    first_nonfinite_step: int | None
+    skipped_steps: int
+    final_loss_scale: float
+    final_dist_judge: float
+
+
+@dataclass(frozen=True)
+class EnvelopeSummary:
+    """The perturbed runs of the lower-precision target, and how they ended."""
+
+    reference: str  # the target they perturb (the lower-precision one)
+    runs: int
+    converged: int
+    failed: int  # failed clearly: non-finite, or unconverged and > FRAGILE_MARGIN above the reference
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 30
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    curves: pd.DataFrame  # one row per (arm, step)
+    layer_grads: pd.DataFrame  # arm, step, layer, grad_norm, zero_frac
+    activations: pd.DataFrame  # arm, step, layer, kind, dead_frac, saturated_frac
+    arms: list
+    config: TrainConfig
+    judge: str = "cpu:float64"
+    outcomes: dict[str, ArmOutcome] = field(default_factory=dict)
+    envelope: EnvelopeSummary | None = None
+    lower_precision: str | None = None  # the target with the larger unit roundoff
+    # Per arm: (step, layer) where a leaf module first turned finite inputs into a
+    # non-finite output during training, or None.
+    nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
+
+    def arm_curve(self, name: str) -> pd.DataFrame:
+        return self.curves[self.curves["arm"] == name]
+
+
+def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
+    losses = [float(v) for v in curve["loss"]]
+    bad = curve[curve["nonfinite_loss"] | curve["nonfinite_grad"]]
+    last = (lambda col: float(curve[col].iloc[-1]) if len(curve) else math.nan)
+    return ArmOutcome(
+        name=arm.name, role=arm.role, converged=converged(losses, tol),
+        first_loss=losses[0] if losses else math.nan, final_loss=losses[-1] if losses else math.nan,
+        first_nonfinite_step=int(bad["step"].iloc[0]) if len(bad) else None,
+        skipped_steps=int(curve["skipped"].sum()), final_loss_scale=last("loss_scale"),
+        final_dist_judge=last("dist_judge"),
+    )
+
+
+def envelope_summary(result: TrainResult, tol: Tolerances) -> EnvelopeSummary | None:
+    """Envelope runs that converge, and those that fail *clearly*: non-finite, or not converged and
+    ending more than ``FRAGILE_MARGIN`` above the run they perturb (a run that only just misses the
+    convergence rule next to a target that only just meets it is the same outcome)."""
+    runs = [a for a in result.arms if a.role == "envelope"]
+    if not runs:
+        return None
+    ok = failed = 0
+    for a in runs:
+        losses = [float(v) for v in result.arm_curve(a.name)["loss"]]
+        if converged(losses, tol):
+            ok += 1
+            continue
+        mine = losses[-1] if losses else math.nan
+        ref_curve = result.arm_curve(a.reference)["loss"]
+        ref = float(ref_curve.iloc[-1]) if len(ref_curve) else math.nan
+        if not math.isfinite(mine) or not math.isfinite(ref) or mine > ref * (1 + FRAGILE_MARGIN):
+            failed += 1
+    return EnvelopeSummary(reference=runs[0].reference, runs=len(runs), converged=ok, failed=failed)
