@@ -82,33 +82,8 @@ def _probe_gpu(nvml, index: int) -> GPU:
     pci = calls("PCI info", "nvmlDeviceGetPciInfo", h)
     ecc = calls("ECC mode", "nvmlDeviceGetEccMode", h)
 
-    values: dict = {}
-    if ecc is not None:
-        corrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)
-        uncorrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
-        volatile = _const(nvml, "NVML_VOLATILE_ECC", 0)
-        aggregate = _const(nvml, "NVML_AGGREGATE_ECC", 1)
-        for key, etype, counter in (
-            ("ecc_volatile_corrected", corrected, volatile),
-            ("ecc_volatile_uncorrected", uncorrected, volatile),
-            ("ecc_aggregate_corrected", corrected, aggregate),
-            ("ecc_aggregate_uncorrected", uncorrected, aggregate),
-        ):
-            values[key] = _int(calls(key.replace("_", " "), "nvmlDeviceGetTotalEccErrors", h, etype, counter))
-        sbe = calls("retired pages (SBE)", "nvmlDeviceGetRetiredPages", h,
-                    _const(nvml, "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", 0))
-        dbe = calls("retired pages (DBE)", "nvmlDeviceGetRetiredPages", h,
-                    _const(nvml, "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR", 1))
-        values["retired_pages_sbe"] = None if sbe is None else len(sbe)
-        values["retired_pages_dbe"] = None if dbe is None else len(dbe)
-        values["retired_pages_pending"] = _bool(
-            calls("retired pages pending", "nvmlDeviceGetRetiredPagesPendingStatus", h))
-
-    rows = calls("remapped rows", "nvmlDeviceGetRemappedRows", h)  # Ampere and later
-    if rows is not None:
-        corr, unc, pending, failed = rows
-        values.update(remapped_rows_correctable=int(corr), remapped_rows_uncorrectable=int(unc),
-                      remap_pending=bool(pending), remap_failed=bool(failed))
+    values = _ecc_values(nvml, calls, h) if ecc is not None else {}
+    values.update(_remap_values(calls, h))
 
     reasons = calls("clock event reasons",
                     ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
@@ -143,6 +118,41 @@ def _probe_gpu(nvml, index: int) -> GPU:
         unreadable=tuple(calls.refused),
         **values,
     )
+
+
+def _ecc_values(nvml, calls: _Calls, h) -> dict:
+    """ECC error counters and retired pages, as ``GPU`` fields (asked only when ECC mode is readable)."""
+    values: dict = {}
+    corrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_CORRECTED", 0)
+    uncorrected = _const(nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
+    volatile = _const(nvml, "NVML_VOLATILE_ECC", 0)
+    aggregate = _const(nvml, "NVML_AGGREGATE_ECC", 1)
+    for key, etype, counter in (
+        ("ecc_volatile_corrected", corrected, volatile),
+        ("ecc_volatile_uncorrected", uncorrected, volatile),
+        ("ecc_aggregate_corrected", corrected, aggregate),
+        ("ecc_aggregate_uncorrected", uncorrected, aggregate),
+    ):
+        values[key] = _int(calls(key.replace("_", " "), "nvmlDeviceGetTotalEccErrors", h, etype, counter))
+    sbe = calls("retired pages (SBE)", "nvmlDeviceGetRetiredPages", h,
+                _const(nvml, "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", 0))
+    dbe = calls("retired pages (DBE)", "nvmlDeviceGetRetiredPages", h,
+                _const(nvml, "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR", 1))
+    values["retired_pages_sbe"] = None if sbe is None else len(sbe)
+    values["retired_pages_dbe"] = None if dbe is None else len(dbe)
+    values["retired_pages_pending"] = _bool(
+        calls("retired pages pending", "nvmlDeviceGetRetiredPagesPendingStatus", h))
+    return values
+
+
+def _remap_values(calls: _Calls, h) -> dict:
+    """Row remapping state (Ampere and later), as ``GPU`` fields; empty when NVML has none."""
+    rows = calls("remapped rows", "nvmlDeviceGetRemappedRows", h)
+    if rows is None:
+        return {}
+    corr, unc, pending, failed = rows
+    return dict(remapped_rows_correctable=int(corr), remapped_rows_uncorrectable=int(unc),
+                remap_pending=bool(pending), remap_failed=bool(failed))
 
 
 def _init_failure(nvml, exc) -> Driver:
