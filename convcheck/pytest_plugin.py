@@ -3,18 +3,20 @@
 Declares the ``--convcheck-*`` options (the same ones ``convcheck compare``
 takes), the ``convcheck`` marker, and the ``convcheck_compare`` fixture::
 
+    @pytest.mark.convcheck(bound_factor=4, steps=10)
     def test_parity(convcheck_compare):
         result = convcheck_compare("lenet", targets="cpu,cpu:emulate-tf32")
         convcheck.assert_parity(result)
 
-Registered through the ``pytest11`` entry point.
+The marker and the fixture take the CLI's option names (``bound_factor``,
+``min_error``, ``judge``, ...). Registered through the ``pytest11`` entry point.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from convcheck.options import declare_compare_options, tolerances_from
+from convcheck.options import config_from_options, declare_compare_options
 
 PREFIX = "convcheck-"
 
@@ -26,29 +28,22 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "convcheck(**options): default keyword arguments for the convcheck_compare fixture")
+        "markers", "convcheck(**options): default options for the convcheck_compare fixture "
+                   "(the names of convcheck compare's options: targets, judge, steps, bound_factor, ...)")
 
 
 @pytest.fixture
 def convcheck_compare(request):
-    """``run(model, targets=None, **kwargs) -> CompareResult`` with the session's --convcheck-* defaults."""
+    """``run(model, targets=None, **options) -> CompareResult`` with the session's --convcheck-* defaults."""
+    from convcheck.config import with_options
     from convcheck.pipeline import compare
 
-    opts = {k: v for k, v in vars(request.config.option).items() if k.startswith("convcheck_")}
-    defaults = dict(
-        targets=opts["convcheck_targets"], steps=opts["convcheck_steps"],
-        batch_size=opts["convcheck_batch_size"], optimizer=opts["convcheck_optimizer"],
-        lr=opts["convcheck_lr"], seed=opts["convcheck_seed"], envelope=opts["convcheck_envelope"],
-        data=opts["convcheck_data"], tolerances=tolerances_from(opts, PREFIX),
-    )
+    config = config_from_options(vars(request.config.option), PREFIX)
     marker = request.node.get_closest_marker("convcheck")
     if marker:
-        defaults.update(marker.kwargs)
+        config = with_options(config, **marker.kwargs)
 
-    def run(model, targets=None, **kwargs):
-        args = {**defaults, **kwargs}
-        if targets is not None:
-            args["targets"] = targets
-        return compare(model, **args)
+    def run(model, targets=None, **options):
+        return compare(model, targets, config=config, **options)
 
     return run

@@ -174,14 +174,14 @@ def test_amp_fp16_records_the_grad_scaler_scale_in_the_curves():
     # GradScaler starts at 2^16 and only halves (on a skipped step) or doubles after 2000 steps.
     assert ((scales > 0) & (scales <= 2.0**16)).all(), list(scales)
     assert plain["loss_scale"].astype(float).isna().all(), "no scaler, no scale"
-    final = result.training.per_target["cuda:amp-fp16"]["final_loss_scale"]
+    final = result.training.outcomes["cuda:amp-fp16"].final_loss_scale
     assert final is not None and math.isfinite(final) and final == scales.iloc[-1]
     # A skipped step (Inf/NaN in the scaled gradients) is exactly a halving of the scale.
     previous = [2.0**16] + list(scales.iloc[:-1])
     for prev, scale, skipped in zip(previous, scales, amp["skipped"].astype(bool)):
         assert scale == (prev / 2 if skipped else prev), (prev, scale, skipped)
-    assert result.training.per_target["cuda:amp-fp16"]["skipped_steps"] == int(amp["skipped"].astype(bool).sum())
-    assert result.training.per_target["cuda:amp-fp16"]["skipped_steps"] < 4, "fp16 LeNet should train"
+    assert result.training.outcomes["cuda:amp-fp16"].skipped_steps == int(amp["skipped"].astype(bool).sum())
+    assert result.training.outcomes["cuda:amp-fp16"].skipped_steps < 4, "fp16 LeNet should train"
     losses = result.parity.losses
     assert math.isfinite(losses["cuda:amp-fp16"])
     assert abs(losses["cuda:amp-fp16"] - losses["cuda"]) < 1e-2 * abs(losses["cuda"])

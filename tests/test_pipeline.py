@@ -42,7 +42,7 @@ def test_result_fields(lenet_run):
     assert r.config.steps == 4 and r.config.batch_size == 8 and r.config.envelope == 1
     assert isinstance(r.parity, ParityResult) and isinstance(r.training, TrainResult)
     assert r.parity.first_flagged == {"cpu": None, "cpu:emulate-tf32": None}
-    assert set(r.training.per_target) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
+    assert set(r.training.outcomes) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
     assert len(r.training.curves) == 4 * 4  # two targets, the judge, one envelope run
     assert r.data_source == "synthetic"
     assert set(r.timings) >= {"setup_s", "parity_s", "train_s"}
@@ -124,7 +124,7 @@ def test_default_targets_without_a_gpu_come_with_a_note(monkeypatch):
     r = compare("lenet", steps=1, batch_size=2, envelope=0, env_findings=[])
     assert [str(t) for t in r.targets] == ["cpu", "cpu:float64"]
     assert any("no GPU" in n for n in r.notes)
-    assert set(r.training.per_target) == {"cpu", "cpu:float64"}
+    assert set(r.training.outcomes) == {"cpu", "cpu:float64"}
     assert r.to_summary()["notes"] == r.notes
 
 
@@ -178,8 +178,8 @@ def test_a_model_that_produces_nan_is_a_result():
     r = compare(nan_net, "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
     assert not r
     for name in ("cpu", "cpu:bf16", "cpu:float64"):
-        assert r.training.per_target[name]["first_nonfinite_step"] == 0
-        assert r.training.per_target[name]["converged"] is False
+        assert r.training.outcomes[name].first_nonfinite_step == 0
+        assert r.training.outcomes[name].converged is False
     s = r.to_summary()
     json.dumps(s, allow_nan=False)
     assert s["training"]["per_target"]["cpu"]["first_nonfinite_step"] == 0
@@ -256,6 +256,6 @@ def test_resnet50_one_parity_step_and_two_training_steps():
     assert fwd["local"].max() < 1e-5
     assert grads["propagated"].map(math.isfinite).all()
     assert len(r.training.curves) == 2 * 2
-    for info in r.training.per_target.values():
-        assert info["first_nonfinite_step"] is None
-    assert math.isfinite(r.training.per_target["cpu"]["final_dist_judge"])
+    for info in r.training.outcomes.values():
+        assert info.first_nonfinite_step is None
+    assert math.isfinite(r.training.outcomes["cpu"].final_dist_judge)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from convcheck.errors import ConvcheckError, TargetUnavailable, UsageError
 from convcheck.metrics import rel_l2
 from convcheck.targets import (
-    JUDGE,
+    CPU_JUDGE,
     EmulateTF32,
     Target,
     default_targets,
@@ -66,10 +66,10 @@ def test_aliases_and_case(alias, canonical):
     assert str(t) == canonical
 
 
-def test_the_judge_is_cpu_float64():
-    assert JUDGE == Target.parse("cpu:float64")
-    assert JUDGE.is_judge and not Target.parse("cpu").is_judge
-    assert JUDGE.param_dtype == torch.float64
+def test_the_cpu_judge_is_cpu_float64():
+    assert CPU_JUDGE == Target.parse("cpu:float64")
+    assert CPU_JUDGE.runner.is_float64 and not Target.parse("cpu").runner.is_float64
+    assert CPU_JUDGE.param_dtype == torch.float64
 
 
 @pytest.mark.parametrize("spec, param, compute, u", [
@@ -92,10 +92,11 @@ def test_numeric_properties(spec, param, compute, u):
 
 
 def test_amp_and_grad_scaler_properties():
-    assert Target.parse("cuda:amp-fp16").uses_grad_scaler
-    assert Target.parse("cpu:amp-bf16").is_amp and not Target.parse("cpu:amp-bf16").uses_grad_scaler
-    assert not Target.parse("cpu:bf16").is_amp
-    assert Target.parse("cpu:amp-bf16").make_grad_scaler() is None
+    assert Target.parse("cuda:amp-fp16").runner.parity_loss_scale == 2.0**16
+    amp_bf16 = Target.parse("cpu:amp-bf16").runner
+    assert amp_bf16.mixed_precision and amp_bf16.parity_loss_scale == 1.0
+    assert not Target.parse("cpu:bf16").runner.mixed_precision
+    assert amp_bf16.make_grad_scaler() is None
 
 
 @pytest.mark.parametrize("spec", TABLE_SPECS + MORE_SPECS)

@@ -12,7 +12,7 @@ from convcheck.pipeline import initial_state, model_builder
 from convcheck.data import load_batches
 from convcheck.metrics import Tolerances
 from convcheck.models import resolve_model
-from convcheck.targets import JUDGE, Target, snapshot_global_flags
+from convcheck.targets import CPU_JUDGE as JUDGE, Target, snapshot_global_flags
 from convcheck.train import (
     TrainConfig,
     converged,
@@ -40,7 +40,7 @@ def lenet_run():
     """LeNet on synthetic data, cpu vs cpu:emulate-tf32, the judge and one envelope run of emulated TF32."""
     steps = 8
     build, batches = _setup(steps=steps)
-    arms = make_arms([T("cpu"), T("cpu:emulate-tf32")], envelope=1, seed=0)
+    arms = make_arms([T("cpu"), T("cpu:emulate-tf32")], envelope=1, seed=0, judge=JUDGE)
     before = snapshot_global_flags()
     result = run_training(build, batches, arms, TrainConfig(steps=steps, optimizer="adam", lr=3e-3))
     after = snapshot_global_flags()
@@ -69,12 +69,12 @@ def test_loss_falls_on_every_arm(lenet_run):
         loss = list(r.arm_curve(arm.name)["loss"])
         assert all(math.isfinite(v) for v in loss)
         assert sum(loss[-3:]) / 3 < 0.9 * loss[0], (arm.name, loss)
-    assert set(r.per_target) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}  # envelope runs are not targets
-    for name, info in r.per_target.items():
-        assert info["converged"] is True, name
-        assert info["first_nonfinite_step"] is None
-        assert info["final_loss"] < info["first_loss"]
-        assert info["skipped_steps"] == 0
+    assert set(r.outcomes) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}  # envelope runs are not targets
+    for name, info in r.outcomes.items():
+        assert info.converged is True, name
+        assert info.first_nonfinite_step is None
+        assert info.final_loss < info.first_loss
+        assert info.skipped_steps == 0
 
 
 def test_all_arms_start_from_the_same_weights_and_batch(lenet_run):
@@ -92,7 +92,7 @@ def test_distance_to_the_judge(lenet_run):
     assert cpu.max() < 1e-5 and cpu.iloc[-1] > 0
     assert tf32.min() > 1e-4
     assert (tf32.values > 100 * cpu.values).all()
-    assert r.per_target["cpu"]["final_dist_judge"] == pytest.approx(cpu.iloc[-1])
+    assert r.outcomes["cpu"].final_dist_judge == pytest.approx(cpu.iloc[-1])
 
 
 def test_envelope_run_measures_distance_to_its_reference(lenet_run):
@@ -145,18 +145,18 @@ def test_converged_rule():
 
 def test_absurd_learning_rate_gives_a_first_nonfinite_step_not_an_exception():
     build, batches = _setup(steps=3, batch_size=4)
-    arms = make_arms([T("cpu"), JUDGE], envelope=0, seed=0)
+    arms = make_arms([T("cpu"), JUDGE], envelope=0, seed=0, judge=JUDGE)
     assert [a.name for a in arms] == ["cpu", "cpu:float64"]
     r = run_training(build, batches, arms, TrainConfig(steps=3, optimizer="sgd", lr=1e8))
     assert len(r.curves) == 3 * 2  # every step is still recorded
-    info = r.per_target["cpu"]
-    step = info["first_nonfinite_step"]
+    info = r.outcomes["cpu"]
+    step = info.first_nonfinite_step
     assert isinstance(step, int) and 0 <= step < 3, info
-    assert info["converged"] is False
-    for name, info in r.per_target.items():
+    assert info.converged is False
+    for name, info in r.outcomes.items():
         c = r.arm_curve(name)
         bad = c["nonfinite_loss"] | c["nonfinite_grad"]
-        step = info["first_nonfinite_step"]
+        step = info.first_nonfinite_step
         if step is None:  # the float64 judge may survive what overflows float32
             assert not bad.any()
         else:
@@ -167,7 +167,7 @@ def test_the_judge_trains_in_float64_throughout():
     import torch.nn.functional as F
 
     build, batches = _setup(steps=1, batch_size=8)
-    r = run_training(build, batches, make_arms([T("cpu"), JUDGE], 0, 0), TrainConfig(steps=1))
+    r = run_training(build, batches, make_arms([T("cpu"), JUDGE], 0, 0, JUDGE), TrainConfig(steps=1))
     x, y = batches[0]
     model = build(JUDGE)
     with torch.no_grad():
@@ -214,15 +214,15 @@ def test_make_arms_and_lower_precision():
     assert str(lower_precision([T("cpu:bf16"), T("cpu")])) == "cpu:bf16"
     assert str(lower_precision([T("cpu"), T("cpu:float64")])) == "cpu"
     assert str(lower_precision([T("cpu:emulate-tf32"), T("cpu")])) == "cpu:emulate-tf32"
-    arms = make_arms([T("cpu"), T("cpu:emulate-tf32")], envelope=3, seed=5)
+    arms = make_arms([T("cpu"), T("cpu:emulate-tf32")], envelope=3, seed=5, judge=JUDGE)
     env = [a for a in arms if a.role == "envelope"]
     assert [a.name for a in env] == ["cpu:emulate-tf32~1", "cpu:emulate-tf32~2", "cpu:emulate-tf32~3"]
     assert all(a.reference == "cpu:emulate-tf32" for a in env)
     assert len({a.perturb_seed for a in env}) == 3
-    assert [a.role for a in make_arms([T("cpu"), T("cpu:bf16")], 0, 0)] == ["target", "target", "judge"]
+    assert [a.role for a in make_arms([T("cpu"), T("cpu:bf16")], 0, 0, JUDGE)] == ["target", "target", "judge"]
 
 
 def test_unknown_optimizer_is_refused():
     build, batches = _setup(steps=1, batch_size=2)
     with pytest.raises(ValueError, match="optimizer"):
-        run_training(build, batches, make_arms([T("cpu"), JUDGE], 0, 0), TrainConfig(steps=1, optimizer="lbfgs"))
+        run_training(build, batches, make_arms([T("cpu"), JUDGE], 0, 0, JUDGE), TrainConfig(steps=1, optimizer="lbfgs"))

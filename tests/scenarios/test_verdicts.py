@@ -34,7 +34,7 @@ def test_healthy_reference_models_are_ok(model, targets, clean_env):
     r = compare(model, targets, steps=30, envelope=3, env_findings=clean_env)
     assert r.verdict.category == "ok", r.verdict.headline
     assert r
-    assert all(v["converged"] for v in r.training.per_target.values())
+    assert all(v.converged for v in r.training.outcomes.values())
     assert "agree with the float64 judge" in r.verdict.headline
 
 
@@ -66,7 +66,7 @@ def test_learning_rate_far_too_high_is_setup(clean_env):
     assert v.category == "setup", v.headline
     assert v.sub_cause in ("non-finite loss", "exploding gradients / learning rate too high")
     assert "learning rate" in " ".join(v.remedies)
-    assert not any(info["converged"] for info in r.training.per_target.values())
+    assert not any(info.converged for info in r.training.outcomes.values())
 
 
 def test_deep_sigmoid_stack_is_setup_vanishing(clean_env):
