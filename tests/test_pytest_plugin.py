@@ -134,3 +134,36 @@ def test_bad_target(convcheck_compare):
 ''')
     result = pytester.runpytest(*FAST, "--convcheck-targets=cpu,cpu:fp8")
     result.assert_outcomes(passed=1)
+
+
+def test_marker_takes_the_cli_option_names(pytester):
+    pytester.makepyfile(test_user=MODELS + '''
+from convcheck.errors import UsageError
+
+
+@pytest.mark.convcheck(bound_factor=1e9, min_error=0.5, judge="cpu:float64", batch_size=8)
+def test_marker_tolerances(convcheck_compare):
+    result = convcheck_compare(offset_net, targets="cpu,cpu:bf16", **SMALL)
+    assert result.config.tolerances.bound_factor == 1e9 and result.config.tolerances.min_error == 0.5
+    assert str(result.config.judge) == "cpu:float64" and result.config.batch_size == 8
+    assert result.parity.first_flagged["cpu:bf16"] is None
+
+
+@pytest.mark.convcheck(bound_facter=2)
+def test_marker_typo(convcheck_compare):
+    pass
+''')
+    result = pytester.runpytest(*FAST)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*unknown convcheck option 'bound_facter'*bound_factor*"])
+
+
+def test_a_nan_tolerance_is_refused_not_a_pass(pytester):
+    pytester.makepyfile(test_user=MODELS + '''
+
+def test_culprit(convcheck_compare):
+    convcheck_compare(offset_net, targets="cpu,cpu:bf16", **SMALL)
+''')
+    result = pytester.runpytest(*FAST, "--convcheck-bound-factor=nan")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*tolerance bound_factor must be a positive number, got nan*"])
