@@ -12,9 +12,70 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from convcheck.thresholds import (  # noqa: F401 - thresholds live in one place
-    LOSS_NAN_LIKE, EXPLODING_LAYER_RATIO, VANISHING_LAYER_RATIO, VANISHING_FIRST_NORM, DEAD_RELU_FRACTION, SATURATED_FRACTION, UPDATE_RATIO_HIGH, PLATEAU_TOLERANCE, PLATEAU_MIN_DROP, PLATEAU_MIN_STEPS, OSCILLATION_SWING, OSCILLATION_SHARE, INPUT_ABS_MAX, INPUT_STD_MAX, FP16_MAX, UNDERFLOW_EXTRA_ZEROS, SKIP_RATE_HIGH, SCALE_COLLAPSED, ENVELOPE_BENIGN, ENVELOPE_FAR, ENVELOPE_RUN, OUTCOME_SPREADS, OUTCOME_RELATIVE, SATURATED_ABS,
+from convcheck.thresholds import (
+    ACTIVATION_TAIL_STEPS,
+    DEAD_RELU_FRACTION,
+    ENVELOPE_BENIGN,
+    ENVELOPE_FAR,
+    ENVELOPE_RUN,
+    ENVELOPE_SPREAD_FLOOR,
+    EXPLODING_LAYER_RATIO,
+    FP16_MAX,
+    INPUT_ABS_MAX,
+    INPUT_STD_MAX,
+    LOSS_NAN_LIKE,
+    LOSS_RISE_FACTOR,
+    OSCILLATION_MIN_STEPS,
+    OSCILLATION_NOT_FALLING,
+    OSCILLATION_SHARE,
+    OSCILLATION_SWING,
+    OUTCOME_SPREADS,
+    OUTCOME_RELATIVE,
+    PLATEAU_MIN_DROP,
+    PLATEAU_MIN_STEPS,
+    PLATEAU_TOLERANCE,
+    SATURATED_ABS,
+    SATURATED_FRACTION,
+    SCALE_COLLAPSED,
+    SKIP_RATE_HIGH,
+    TINY_NORM,
+    UNDERFLOW_EXTRA_ZEROS,
+    UPDATE_RATIO_HIGH,
+    VANISHING_FIRST_NORM,
+    VANISHING_LAYER_RATIO,
 )
+
+# --- symptom kinds: every Symptom.name, and the verdict's own symptom names ----------------
+# Training problems (any arm; the judge's decide a "setup" verdict).
+NONFINITE_LOSS = "non-finite loss"
+EXPLODING_GRADIENTS = "exploding gradients / learning rate too high"
+VANISHING_GRADIENTS = "vanishing gradients"
+SATURATED_ACTIVATIONS = "saturated activations"
+DEAD_RELUS = "dead ReLUs"
+LOSS_PLATEAU = "loss plateau"
+OSCILLATING_LOSS = "oscillating loss"
+INPUT_OUT_OF_RANGE = "input data out of range"  # about the data, not an arm
+# Target symptoms (a target against the judge, or against the other target's envelope).
+NONFINITE_FORWARD = "non-finite forward"
+NONFINITE_BACKWARD = "non-finite backward"
+GRADSCALER_COLLAPSE = "GradScaler collapse"
+LAYER_ERROR = "layer error"
+GRADIENT_UNDERFLOW = "gradient underflow"
+SMALL_UPDATES_LOST = "small updates lost"
+DRIFT = "drift beyond envelope"
+DRIFT_WITHIN = "drift within envelope"  # evidence for an ok verdict, never a target symptom
+OUTCOME_OUTSIDE_ENVELOPE = "outcome outside envelope"
+NO_CONVERGENCE = "no convergence"
+# Symptoms only the verdict names (no detector returns them).
+STOCHASTIC_LAYER = "stochastic layer"
+ENVELOPE_RUNS_FAIL = "envelope runs fail"
+SELF_DIFFERENCE = "self difference"
+
+NONFINITE_TENSORS = (NONFINITE_FORWARD, NONFINITE_BACKWARD)
+TRAINING_PROBLEMS = (NONFINITE_LOSS, EXPLODING_GRADIENTS, VANISHING_GRADIENTS, SATURATED_ACTIVATIONS,
+                     DEAD_RELUS, LOSS_PLATEAU, OSCILLATING_LOSS, INPUT_OUT_OF_RANGE)
+TARGET_SYMPTOMS = (NONFINITE_FORWARD, NONFINITE_BACKWARD, GRADSCALER_COLLAPSE, LAYER_ERROR, GRADIENT_UNDERFLOW,
+                   SMALL_UPDATES_LOST, DRIFT, OUTCOME_OUTSIDE_ENVELOPE, NO_CONVERGENCE)
 
 
 @dataclass(frozen=True)
@@ -43,7 +104,7 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or v >= LOSS_NAN_LIKE]
     if bad:
         step = int(c["step"].iloc[bad[0]])
-        out.append(Symptom("non-finite loss", arm, f"loss {losses[bad[0]]:.3g} at step {step} "
+        out.append(Symptom(NONFINITE_LOSS, arm, f"loss {losses[bad[0]]:.3g} at step {step} "
                            f"(non-finite or >= {LOSS_NAN_LIKE:g}, AUTOTRAINER's NaN-like rule)", step=step))
     g = layer_grads[layer_grads["arm"] == arm]
     out += _gradient_problems(c, g, arm, lr, losses)
@@ -54,16 +115,16 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     if (len(half) >= PLATEAU_MIN_STEPS and math.isfinite(chance)
             and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half)
             and half[0] - half[-1] < PLATEAU_MIN_DROP * chance):
-        out.append(Symptom("loss plateau", arm, f"loss stays at {half[-1]:.3f}, within "
+        out.append(Symptom(LOSS_PLATEAU, arm, f"loss stays at {half[-1]:.3f}, within "
                            f"{PLATEAU_TOLERANCE:.0%} of chance ln({num_classes}) = {chance:.3f}, "
                            f"over the last {len(half)} steps", value=half[-1]))
-    if len(finite) >= 6:
+    if len(finite) >= OSCILLATION_MIN_STEPS:
         mean = sum(finite) / len(finite)
         swings = sum(1 for a, b, d in zip(finite, finite[1:], finite[2:])
                      if (b - a) * (d - b) < 0 and min(abs(b - a), abs(d - b)) >= OSCILLATION_SWING * mean)
         share = swings / (len(finite) - 2)
-        if share >= OSCILLATION_SHARE and finite[-1] >= 0.9 * finite[0]:
-            out.append(Symptom("oscillating loss", arm, f"the loss changes direction by >= "
+        if share >= OSCILLATION_SHARE and finite[-1] >= OSCILLATION_NOT_FALLING * finite[0]:
+            out.append(Symptom(OSCILLATING_LOSS, arm, f"the loss changes direction by >= "
                                f"{OSCILLATION_SWING:.0%} in {share:.0%} of the steps without falling",
                                value=share))
     return out
@@ -74,23 +135,23 @@ def _gradient_problems(c: pd.DataFrame, g: pd.DataFrame, arm: str, lr: float, lo
     norms = [float(v) for v in c["grad_norm"]]
     nonfinite = [i for i, v in enumerate(norms) if not math.isfinite(v)]
     ratios = [float(v) for v in c["update_ratio"] if math.isfinite(v)]
-    rising = all(math.isfinite(v) for v in losses[-1:]) and losses[-1] > losses[0] * 1.5
+    rising = all(math.isfinite(v) for v in losses[-1:]) and losses[-1] > losses[0] * LOSS_RISE_FACTOR
     finite_norms = [v for v in norms if math.isfinite(v)]
-    grew = len(finite_norms) >= 2 and max(finite_norms) > EXPLODING_LAYER_RATIO * max(finite_norms[0], 1e-30)
+    grew = len(finite_norms) >= 2 and max(finite_norms) > EXPLODING_LAYER_RATIO * max(finite_norms[0], TINY_NORM)
     if nonfinite or grew or rising or (ratios and max(ratios) > UPDATE_RATIO_HIGH and rising):
         step = int(c["step"].iloc[nonfinite[0]]) if nonfinite else None
         why = []
         if nonfinite:
             why.append(f"gradient norm non-finite from step {step}")
         if grew:
-            why.append(f"gradient norm grew {max(finite_norms) / max(finite_norms[0], 1e-30):.3g}x "
+            why.append(f"gradient norm grew {max(finite_norms) / max(finite_norms[0], TINY_NORM):.3g}x "
                        f"(> {EXPLODING_LAYER_RATIO:g}x)")
         if rising:
             why.append(f"loss rose from {losses[0]:.3g} to {losses[-1]:.3g}")
         if ratios:
             why.append(f"largest update ratio lr*|g|/|W| = {max(ratios):.3g} (DeepDiagnosis: > {UPDATE_RATIO_HIGH:g} "
                        "is too high)")
-        out.append(Symptom("exploding gradients / learning rate too high", arm, "; ".join(why), step=step,
+        out.append(Symptom(EXPLODING_GRADIENTS, arm, "; ".join(why), step=step,
                            value=max(ratios) if ratios else None, extra={"lr": lr}))
     if len(g):
         layers = list(dict.fromkeys(g["layer"]))
@@ -102,7 +163,7 @@ def _gradient_problems(c: pd.DataFrame, g: pd.DataFrame, arm: str, lr: float, lo
                     and gf[s] / gl[s] < VANISHING_LAYER_RATIO and gf[s] < VANISHING_FIRST_NORM]
         if steps and len(vanished) >= max(1, len(steps) // 2):
             s = vanished[-1]
-            out.append(Symptom("vanishing gradients", arm,
+            out.append(Symptom(VANISHING_GRADIENTS, arm,
                                f"gradient norm of the first layer '{first}' is {gf[s]:.2e}, "
                                f"{gf[s] / gl[s]:.2e} of the last layer '{last}' ({gl[s]:.2e}) in "
                                f"{len(vanished)}/{len(steps)} steps (AUTOTRAINER: ratio < {VANISHING_LAYER_RATIO:g} "
@@ -114,21 +175,21 @@ def _activation_problems(a: pd.DataFrame, arm: str) -> list[Symptom]:
     out: list[Symptom] = []
     if not len(a):
         return out
-    last_steps = sorted(a["step"].unique())[-3:]
+    last_steps = sorted(a["step"].unique())[-ACTIVATION_TAIL_STEPS:]
     tail = a[a["step"].isin(last_steps)]
     relu = tail[tail["kind"] == "relu"].groupby("layer", sort=False)["dead_frac"].mean()
     dead = relu[relu >= DEAD_RELU_FRACTION]
     if len(dead):
         layer = dead.idxmax()
-        out.append(Symptom("dead ReLUs", arm, f"{dead.max():.0%} of the outputs of '{layer}' are <= 0 over the "
+        out.append(Symptom(DEAD_RELUS, arm, f"{dead.max():.0%} of the outputs of '{layer}' are <= 0 over the "
                            f"last {len(last_steps)} steps (DeepDiagnosis: >= {DEAD_RELU_FRACTION:.0%}); "
                            f"{len(dead)} ReLU layer(s) affected", layer=layer, value=float(dead.max())))
     sat = tail[tail["kind"] != "relu"].groupby("layer", sort=False)["saturated_frac"].mean()
     sat = sat[sat > SATURATED_FRACTION]
     if len(sat):
         layer = sat.idxmax()
-        out.append(Symptom("saturated activations", arm, f"{sat.max():.0%} of the pre-activations of '{layer}' "
-                           f"lie outside +-5 (DeepDiagnosis: > {SATURATED_FRACTION:.0%})", layer=layer,
+        out.append(Symptom(SATURATED_ACTIVATIONS, arm, f"{sat.max():.0%} of the pre-activations of '{layer}' "
+                           f"lie outside +-{SATURATED_ABS:g} (DeepDiagnosis: > {SATURATED_FRACTION:.0%})", layer=layer,
                            value=float(sat.max())))
     return out
 
@@ -140,7 +201,7 @@ def data_problems(stats: dict) -> list[Symptom]:
     big = max(abs(stats.get("x_min", 0.0)), abs(stats.get("x_max", 0.0)))
     std = stats.get("x_std", 0.0)
     if big > INPUT_ABS_MAX or std > INPUT_STD_MAX:
-        return [Symptom("input data out of range", "data",
+        return [Symptom(INPUT_OUT_OF_RANGE, "data",
                         f"inputs span [{stats['x_min']:.3g}, {stats['x_max']:.3g}] with std {std:.3g} "
                         f"(expected roughly standardised values, |x| < {INPUT_ABS_MAX:g})", value=big)]
     return []
@@ -160,7 +221,7 @@ def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
                 f"in the forward pass")
         if overflow:
             what += f"; the judge's values there reach {r['ref_absmax']:.4g}, above the float16 maximum {FP16_MAX:g}"
-        return Symptom("non-finite forward", target, what, layer=r["layer"], step=0,
+        return Symptom(NONFINITE_FORWARD, target, what, layer=r["layer"], step=0,
                        value=float(r["ref_absmax"]), extra={"overflow": bool(overflow)})
     fwd_rows = t[t["kind"] == "forward"]
     back = fwd_rows[fwd_rows["grad_out_nonfinite"] == 0].sort_values("order")
@@ -170,7 +231,7 @@ def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
         # output gradient is still finite but whose parameter gradients are not
         cand = poisoned[poisoned["layer"].isin(set(back["layer"]))].sort_values("order")
         r = (cand if len(cand) else poisoned.sort_values("order")).iloc[-1]
-        return Symptom("non-finite backward", target,
+        return Symptom(NONFINITE_BACKWARD, target,
                        f"the gradient of '{r['param']}' holds {int(r['nan'])} NaN / {int(r['inf'])} Inf while the "
                        f"gradient reaching '{r['layer']}' is finite", layer=r["layer"], step=0)
     return None
@@ -184,7 +245,7 @@ def grad_scaler_problems(curves: pd.DataFrame, target: str) -> Symptom | None:
     skipped = int(c["skipped"].sum())
     rate = skipped / max(1, len(c))
     if rate > SKIP_RATE_HIGH or scales[-1] < SCALE_COLLAPSED:
-        return Symptom("GradScaler collapse", target,
+        return Symptom(GRADSCALER_COLLAPSE, target,
                        f"GradScaler skipped {skipped}/{len(c)} steps ({rate:.0%}); scale ended at {scales[-1]:.3g} "
                        f"(from {scales[0]:.3g}); a scale below 1 means the forward pass itself overflows",
                        value=scales[-1], extra={"skip_rate": rate})
@@ -199,7 +260,7 @@ def underflow(layer_grads: pd.DataFrame, target: str, judge: str) -> Symptom | N
     worst = extra[extra > UNDERFLOW_EXTRA_ZEROS]
     if len(worst):
         layer = worst.idxmax()
-        return Symptom("gradient underflow", target,
+        return Symptom(GRADIENT_UNDERFLOW, target,
                        f"{g[target][layer]:.0%} of the gradient entries of '{layer}' are exactly zero against "
                        f"{g[judge][layer]:.0%} for the judge", layer=layer, value=float(worst.max()))
     return None
@@ -215,7 +276,7 @@ def lost_updates(curves: pd.DataFrame, target: str, unit_roundoff: float, weight
         return None
     median = ratios[len(ratios) // 2]
     if median < unit_roundoff:
-        return Symptom("small updates lost", target,
+        return Symptom(SMALL_UPDATES_LOST, target,
                        f"median update ratio lr*|g|/|W| = {median:.2e} is below the weights' unit roundoff "
                        f"{unit_roundoff:.2e}: most updates round away", value=median)
     return None
@@ -233,8 +294,8 @@ def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str) -> 
         return None
     spread = env.groupby("step")["dist_ref"].max()
     steps = sorted(set(spread.index) & set(pair.index))
-    ratio = {s: (float(pair[s]) / max(float(spread[s]), 1e-300)) if math.isfinite(pair[s]) else math.inf
-             for s in steps}
+    ratio = {s: (float(pair[s]) / max(float(spread[s]), ENVELOPE_SPREAD_FLOOR)) if math.isfinite(pair[s])
+             else math.inf for s in steps}
     window = steps[: max(ENVELOPE_RUN, len(steps) // 2)]
     run, start = 0, None
     for s in window:
@@ -242,14 +303,14 @@ def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str) -> 
         if run == 1:
             start = s
         if run >= min(ENVELOPE_RUN, len(window)):
-            return Symptom("drift beyond envelope", reference,
+            return Symptom(DRIFT, reference,
                            f"parameter distance between {targets[0]} and {targets[1]} is {ratio[s]:.3g}x the spread "
                            f"of {reference}'s one-ulp envelope from step {start} (> {ENVELOPE_FAR:g}x for "
                            f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s])
     worst = max(ratio.values())
     size = ("rounding noise" if worst <= ENVELOPE_BENIGN
             else f"above {ENVELOPE_BENIGN:g}x at times but not {ENVELOPE_FAR:g}x early and for long")
-    return Symptom("drift within envelope", reference,
+    return Symptom(DRIFT_WITHIN, reference,
                    f"drift between {targets[0]} and {targets[1]} stays within {worst:.3g}x the spread of "
                    f"{reference}'s one-ulp envelope ({size})", value=worst)
 
@@ -268,6 +329,6 @@ def outcome_vs_envelope(curves: pd.DataFrame, target: str) -> Symptom | None:
     lo, hi = min(finals), max(finals)
     margin = OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * abs(sum(finals) / len(finals))
     if not math.isfinite(value) or value > hi + margin:
-        return Symptom("outcome outside envelope", target,
+        return Symptom(OUTCOME_OUTSIDE_ENVELOPE, target,
                        f"final loss {value:.4g} against {lo:.4g}..{hi:.4g} for the envelope runs", value=value)
     return None

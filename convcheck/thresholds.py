@@ -17,6 +17,9 @@ VANISHING_FIRST_NORM = 1e-4
 DEAD_RELU_FRACTION = 0.7
 SATURATED_FRACTION = 0.5
 SATURATED_ABS = 5.0
+# Dead/saturated fractions are averaged over the last 3 recorded steps (convcheck's choice:
+# one step is noisy, and DeepDiagnosis judges the state at the end of training).
+ACTIVATION_TAIL_STEPS = 3
 # DeepDiagnosis: effective learning rate lr*||dW||/||W|| outside [1e-5, 0.1].
 UPDATE_RATIO_HIGH = 0.1
 # Plateau: the loss stays within 10% of chance, ln(C), over the second half of the run and
@@ -27,6 +30,15 @@ PLATEAU_MIN_STEPS = 5  # a half-run shorter than this says nothing about a plate
 # AUTOTRAINER oscillation: swings of >= 3% in >= 20% of the checks.
 OSCILLATION_SWING = 0.03
 OSCILLATION_SHARE = 0.2
+# convcheck's own additions to that rule (f10b515, no paper): it needs at least 6 finite
+# losses (4 direction checks), and the loss must not be falling: the last finite loss is still
+# >= 0.9x the first (the same factor as the default convergence ratio, CONVERGED_LOSS_RATIO).
+OSCILLATION_MIN_STEPS = 6
+OSCILLATION_NOT_FALLING = 0.9
+# Learning rate too high: the last loss is above 1.5x the first ("loss rose"). convcheck's own
+# factor (f10b515), next to AUTOTRAINER's gradient-growth factor below; a loss that rises by half
+# its starting value is not noise.
+LOSS_RISE_FACTOR = 1.5
 # Un-normalised input: features far outside the usual standardised range (raw 0..255 pixels).
 INPUT_ABS_MAX = 20.0
 INPUT_STD_MAX = 10.0
@@ -45,16 +57,26 @@ SCALE_COLLAPSED = 1.0
 ENVELOPE_BENIGN = 4.0
 ENVELOPE_FAR = 10.0
 ENVELOPE_RUN = 3
+# An envelope spread of exactly zero (identical runs) is floored at this before dividing by it,
+# so the drift ratio is huge but finite; far below any float64 spread (smallest normal 2.2e-308).
+ENVELOPE_SPREAD_FLOOR = 1e-300
 # Outcome: a final loss outside the envelope runs' range widened by this many spreads
 # (plus 5% of their mean) is a different outcome.
 OUTCOME_SPREADS = 3.0
 OUTCOME_RELATIVE = 0.05
+# Without an envelope, an unconverged target is only a finding when its final loss is above the
+# judge's by OUTCOME_RELATIVE plus this absolute slack (1db6312): a judge that reaches a loss of
+# exactly 0 does not make any positive rounding residue "worse".
+OUTCOME_ABSOLUTE = 1e-12
 
 # Convergence: every loss finite and the mean of the last three losses below this fraction of
 # the first (Tolerances.converged_loss_ratio is the user's knob; this is its default).
 CONVERGED_LOSS_RATIO = 0.9
 CONVERGED_TAIL = 3
+# Convergence is judged from this many steps on: one loss value says nothing about it.
+CONVERGENCE_MIN_STEPS = 2
 # An envelope run counts as failed when it ends this much (relative) above the run it perturbs.
 FRAGILE_MARGIN = 0.10
-# Below this a norm counts as zero (a relative error of a cancelled reference is meaningless).
+# Below this a norm counts as zero (a relative error of a cancelled reference is meaningless;
+# a first gradient norm below it is floored at it before the growth factor is taken).
 TINY_NORM = 1e-30
