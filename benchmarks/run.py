@@ -63,13 +63,15 @@ from convcheck.pipeline import compare, initial_state, model_builder  # noqa: E4
 from convcheck.data import load_batches  # noqa: E402
 from convcheck.models import resolve_model  # noqa: E402
 from convcheck.parity import run_parity  # noqa: E402
-from convcheck.targets import JUDGE, Target, default_targets  # noqa: E402
+from convcheck.targets import Target, default_judge, default_targets  # noqa: E402
 from convcheck.train import TrainConfig, make_arms, run_training  # noqa: E402
+from convcheck.train.arm_state import SGD_MOMENTUM  # noqa: E402
 
 SCHEMA = 1
 SEED = 0
 LR = TrainConfig().lr
-MOMENTUM = TrainConfig().momentum
+MOMENTUM = SGD_MOMENTUM
+JUDGE = default_judge()[0]  # the judge compare() would choose on this machine
 OPTIMIZER = TrainConfig().optimizer
 DEFAULT_MODELS = ("lenet", "cifar_cnn", "resnet18")
 PARITY_TARGETS = ("cpu", "cpu:bf16", "cpu:emulate-tf32")
@@ -261,11 +263,11 @@ def _memory_probe(spec: dict) -> dict:
     elif what.startswith("parity:"):
         target = Target.parse(what.split(":", 1)[1])
         build = model_builder(resolved, initial_state(resolved, SEED))
-        run = lambda: run_parity(build, batches[0], [target], seed=SEED)  # noqa: E731
+        run = lambda: run_parity(build, batches[0], [target], judge=JUDGE, seed=SEED)  # noqa: E731
     elif what == "train":
         pair = [Target.parse(s) for s in spec["train_targets"]]
         build = model_builder(resolved, initial_state(resolved, SEED))
-        arms = make_arms(pair, spec["envelope"], SEED)
+        arms = make_arms(pair, spec["envelope"], SEED, JUDGE)
         cfg = TrainConfig(steps=steps, lr=LR, seed=SEED)
         run = lambda: run_training(build, batches, arms, cfg)  # noqa: E731
     else:
@@ -370,12 +372,13 @@ class Bench:
         for spec in self.args.parity_targets:
             target = Target.parse(spec)
             _log(f"{self.name}: parity {spec}")
-            samples = self.repeat(lambda: run_parity(self.build, self.batches[0], [target], seed=SEED), target)
+            samples = self.repeat(lambda: run_parity(self.build, self.batches[0], [target], judge=JUDGE, seed=SEED),
+                                  target)
             out["parity"][spec] = dict(seconds=_median(samples), samples=samples)
 
         # lockstep training on all arms
         pair = [Target.parse(s) for s in self.args.train_targets]
-        arms = make_arms(pair, self.args.envelope, SEED)
+        arms = make_arms(pair, self.args.envelope, SEED, JUDGE)
         cfg = TrainConfig(steps=self.steps, lr=LR, seed=SEED)
         _log(f"{self.name}: training {len(arms)} arms x {self.steps} steps")
         samples = self.repeat(lambda: run_training(self.build, self.batches, arms, cfg))

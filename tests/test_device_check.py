@@ -87,7 +87,9 @@ def test_cpu_only_run_says_no_gpu_records_every_step_and_exits_0(tmp_path):
     assert {s["name"] for s in gpu_steps} >= {
         "compare-lenet-cpu_cuda", "compare-lenet-tf32_no-tf32", "compare-lenet-cuda_amp-fp16",
         "compare-lenet-cuda_amp-bf16", "compare-cifar_cnn-tf32_emulate-tf32", "compare-resnet50-cpu_cuda",
+        "compare-resnet50-gpu-judge",
     }
+    assert "--judge cuda:float64" in steps["compare-resnet50-gpu-judge"]["command"]
     assert all(s["status"] == "skipped" and "no CUDA GPU" in s["detail"] for s in gpu_steps)
     assert "cuda:tf32,cpu:emulate-tf32" in steps["compare-cifar_cnn-tf32_emulate-tf32"]["command"]
     assert steps["pytest-gpu"]["status"] in ("ok", "unavailable")
