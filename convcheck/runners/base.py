@@ -10,7 +10,7 @@ branch on a mode string: they ask the runner.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -21,9 +21,6 @@ from convcheck.errors import TargetUnavailable
 from convcheck.runners.flags import preserved_global_flags
 from convcheck.runners.precision import PrecisionModel
 from convcheck.runners.registry import runnable_specs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from convcheck.targets import Target
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,8 +45,8 @@ class Runner:
     # (parameter dtype, compute dtype) per mode
     dtypes: ClassVar[dict[str, tuple[torch.dtype, torch.dtype]]] = {}
 
-    def __init__(self, target: "Target"):
-        self.target = target
+    def __init__(self, target):
+        self.target = target  # a convcheck.targets.Target (the spec); runners never import it
 
     # -- spec and description -------------------------------------------------------
 
