@@ -1,0 +1,52 @@
+"""The verdict: rules over parity, curves, symptoms and environment findings.
+
+Categories (ARCHITECTURE.md, "Verdict categories"): ``ok``, ``numerics``,
+``layer``, ``version``, ``hardware``, ``setup``, ``nondeterminism``.
+``diagnose(result)`` gathers the evidence once (``evidence.gather``), then runs
+the registered rules (``rules``) by priority; the first that applies decides:
+
+==== ===== ================ ================ ==================================================
+id   prio  name             category         fires when
+==== ===== ================ ================ ==================================================
+V001 10    stochastic-layer nondeterminism   a layer draws random numbers no mask is shared for
+V002 20    judge-fails      setup            the judge does not converge either (and one-step
+                                             parity names no target-only cause)
+V003 30    fragile-envelope setup            every target converges, envelope runs fail
+V004 40    self-difference  nondeterminism   a target differs from itself run to run
+V005 50    hardware-finding hardware         a target symptom with a hardware finding
+V006 60    version-finding  version          a target symptom with a version finding
+V007 70    layer-error      layer            the main target symptom: a layer's local error far
+                                             above its bound
+V008 80    precision-effect numerics         any other target symptom (NaN/Inf producer,
+                                             GradScaler collapse, underflow, lost updates,
+                                             drift beyond the envelope, a failed outcome)
+==== ===== ================ ================ ==================================================
+
+When none fires the verdict is ``ok``. Diagnose never runs a model and never
+calls into ``convcheck.train``: everything it reads is in the comparison result.
+
+Layout: ``verdict`` (``Verdict``, ``CATEGORIES``), ``evidence`` (``Evidence``,
+``gather``), ``registry`` (``VerdictRule``, ``@verdict_rule``, ``RULES``,
+``decide``), ``rules`` (the rules and ``ok_verdict``).
+"""
+
+from __future__ import annotations
+
+from convcheck.diagnose.evidence import Evidence, LayerMargin, TargetFacts, gather
+from convcheck.diagnose.registry import RULES, VerdictRule, decide, verdict_rule
+from convcheck.diagnose.verdict import CATEGORIES, Verdict
+from convcheck.diagnose import rules  # noqa: E402,I001 - importing the rules registers them
+from convcheck.diagnose.rules import ok_verdict
+
+RULE_IDS: dict[str, str] = {r.id: r.name for r in RULES}
+
+
+def diagnose(result) -> Verdict:
+    """Turn one comparison's evidence into a verdict."""
+    return decide(gather(result), ok_verdict)
+
+
+__all__ = [
+    "CATEGORIES", "RULES", "RULE_IDS", "Evidence", "LayerMargin", "TargetFacts", "Verdict", "VerdictRule",
+    "decide", "diagnose", "gather", "ok_verdict", "rules", "verdict_rule",
+]

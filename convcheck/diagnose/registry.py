@@ -1,0 +1,78 @@
+"""The verdict rule registry: ``VerdictRule``, the ``@verdict_rule`` decorator, ``RULES``, ``decide``.
+
+A leaf of the ``diagnose`` package next to ``verdict`` and ``evidence``: ``rules``
+imports it, it imports no rule. A rule is a small function ``(Evidence) ->
+Verdict | None`` registered with a stable id, a priority (lower runs first), the
+category it decides, its headline template and its remedies. ``decide`` runs
+the rules by priority; the first verdict wins, ``ok`` when none fires.
+
+The decorator returns the registered ``VerdictRule`` (callable like the
+function), so a rule fills its own templates: ``my_rule.verdict(lines, fields,
+...)`` inside ``def my_rule``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.verdict import CATEGORIES, Verdict
+
+Check = Callable[[Evidence], "Verdict | None"]
+
+
+@dataclass(frozen=True)
+class VerdictRule:
+    id: str  # "V001"
+    name: str  # "stochastic-layer"
+    priority: int  # lower runs first
+    category: str  # the category of every verdict it returns
+    headline: str  # str.format template (fields named by the rule); variants are noted in ``doc``
+    remedies: tuple[str, ...]  # templates; the default a rule may replace from the evidence
+    check: Check
+    doc: str = ""
+
+    def __call__(self, ev: Evidence) -> Verdict | None:
+        return self.check(ev)
+
+    def verdict(self, evidence: list[str], fields: dict | None = None, *, headline: str | None = None,
+                remedies: list[str] | None = None, **kw) -> Verdict:
+        """This rule's verdict: its category, its headline and remedies filled from ``fields``
+        unless given (a variant headline, remedies chosen from the evidence)."""
+        fields = fields or {}
+        return Verdict(
+            self.category, self.headline.format(**fields) if headline is None else headline, list(evidence),
+            [r.format(**fields) for r in self.remedies] if remedies is None else list(remedies), **kw)
+
+
+RULES: list[VerdictRule] = []
+
+
+def verdict_rule(rule_id: str, name: str, *, priority: int, category: str, headline: str,
+                 remedies: tuple[str, ...] = ()) -> Callable[[Check], VerdictRule]:
+    """Register ``fn`` as a verdict rule; ids, names and priorities are unique."""
+    if category not in CATEGORIES or category == "ok":
+        raise ValueError(f"verdict rule {rule_id}: category {category!r} is not a verdict a rule can return")
+
+    def register(fn: Check) -> VerdictRule:
+        for r in RULES:
+            if rule_id == r.id or name == r.name or priority == r.priority:
+                raise ValueError(f"verdict rule {rule_id} ({name}, {priority}) clashes with {r.id} "
+                                 f"({r.name}, {r.priority})")
+        doc = (fn.__doc__ or "").strip()
+        spec = VerdictRule(rule_id, name, priority, category, headline, tuple(remedies), fn, doc)
+        RULES.append(spec)
+        RULES.sort(key=lambda r: r.priority)
+        return spec
+
+    return register
+
+
+def decide(ev: Evidence, otherwise: Callable[[Evidence], Verdict]) -> Verdict:
+    """The first verdict of the rules in priority order; ``otherwise(ev)`` when none fires."""
+    for r in RULES:
+        v = r.check(ev)
+        if v is not None:
+            return v
+    return otherwise(ev)
