@@ -1,0 +1,140 @@
+"""Evidence gathered from a result (a tiny fake: DataFrames and namespaces, no model), and the
+hygiene of the verdict's inputs: no training import, symptom names and thresholds in one place.
+The rules themselves are tested on hand-built evidence in test_diagnose_rules.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+import convcheck.symptoms as S
+from convcheck.diagnose import Evidence, diagnose, gather
+from convcheck.train.result import ArmOutcome
+
+PACKAGE = Path(__file__).resolve().parents[1] / "convcheck"
+JUDGE = "cpu:float64"
+
+
+def outcome(name: str, first: float, final: float) -> ArmOutcome:
+    return ArmOutcome(name=name, role="judge" if name == JUDGE else "target", converged=final < 0.9 * first,
+                      first_loss=first, final_loss=final, first_nonfinite_step=None, skipped_steps=0,
+                      final_loss_scale=math.nan, final_dist_judge=0.0)
+
+
+@dataclass(frozen=True)
+class FakeTarget:
+    name: str
+    runner: SimpleNamespace = field(default_factory=lambda: runner())
+    unit_roundoff: float = 2.0**-24
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def runner(**flags) -> SimpleNamespace:
+    return SimpleNamespace(**{"half_compute": False, "half_storage": False, "mixed_precision": False,
+                              "tf32_like": False, **flags})
+
+
+def parity_row(target, order, layer, local, bound=1e-3) -> dict:
+    return dict(target=target, order=order, kind="forward", layer=layer, module="Linear", param="", K=64,
+                u=2.0**-8, bound=bound, propagated=local, local=local, nan=0, inf=0, input_nonfinite=0,
+                grad_out_nonfinite=0, ref_absmax=3.0, flagged=local > 8 * bound)
+
+
+def fake_result(local_bf16: float = 2e-3, steps: int = 5, stochastic=()) -> SimpleNamespace:
+    cpu, bf16, judge = FakeTarget("cpu"), FakeTarget("cpu:bf16", runner(half_compute=True)), FakeTarget(JUDGE)
+    layers = pd.DataFrame([parity_row("cpu", 0, "fc1", 1e-7), parity_row("cpu", 1, "fc2", 2e-7),
+                           parity_row("cpu:bf16", 0, "fc1", local_bf16), parity_row("cpu:bf16", 1, "fc2", 1e-3)])
+    flagged = {t: (rows[rows["flagged"]]["layer"].iloc[0] if rows["flagged"].any() else None)
+               for t, rows in layers.groupby("target")}
+    parity = SimpleNamespace(layers=layers, first_flagged=flagged, stochastic_layers=list(stochastic),
+                             self_difference={"cpu": 0.0, "cpu:bf16": 0.0},
+                             flagged=lambda t: layers[layers["flagged"] & (layers["target"] == t)])
+    losses = [2.3 * 0.8**s for s in range(steps)]
+    curves = pd.DataFrame([dict(arm=a, role="judge" if a == JUDGE else "target", target=a, step=s, loss=v,
+                                grad_norm=1.0, dist_judge=0.0, dist_ref=0.0, dist_other=1e-6,
+                                nonfinite_loss=False, nonfinite_grad=False, loss_scale=math.nan, skipped=0,
+                                update_ratio=1e-3)
+                           for a in ("cpu", "cpu:bf16", JUDGE) for s, v in enumerate(losses)])
+    outcomes = {a: outcome(a, losses[0], losses[-1]) for a in ("cpu", "cpu:bf16", JUDGE)}
+    training = SimpleNamespace(
+        curves=curves, outcomes=outcomes, envelope=None, lower_precision="cpu:bf16",
+        layer_grads=pd.DataFrame(columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
+        activations=pd.DataFrame(columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
+        nonfinite_producer={"cpu": None, "cpu:bf16": None, JUDGE: None})
+    config = SimpleNamespace(targets=(cpu, bf16), judge=judge, steps=steps, lr=1e-3, optimizer="adam",
+                             envelope=0, tolerances=Evidence().tolerances)
+    return SimpleNamespace(config=config, parity=parity, training=training, data_stats={},
+                           model=SimpleNamespace(num_classes=10), findings=[])
+
+
+def test_gather_reads_a_result_and_a_clean_one_is_ok():
+    ev = gather(fake_result())
+    assert ev.targets == ("cpu", "cpu:bf16") and ev.judge == JUDGE and ev.steps == 5
+    assert ev.target_symptoms == () and ev.drift is None and ev.judge_problems == ()
+    assert ev.target_facts["cpu:bf16"].half_compute and not ev.target_facts["cpu"].half_compute
+    assert [(m.target, m.layer) for m in ev.closest_layers] == [("cpu", "fc2"), ("cpu:bf16", "fc1")]
+    v = diagnose(fake_result())
+    assert v.category == "ok"
+    assert ("cpu:bf16: every layer within its bound; the closest is 'fc1' with local error 2.00e-03, 2x its bound "
+            "1.00e-03") in v.evidence
+
+
+def test_gather_turns_a_flagged_layer_into_a_layer_verdict():
+    ev = gather(fake_result(local_bf16=0.5))
+    assert [s.name for s in ev.target_symptoms] == [S.LAYER_ERROR]
+    assert ev.target_symptoms[0].layer == "fc1" and ev.flagged_layers["cpu:bf16"] == "fc1"
+    v = diagnose(fake_result(local_bf16=0.5))
+    assert v.category == "layer" and v.layer == "fc1" and v.target == "cpu:bf16"
+    assert "local error of 'fc1' (Linear) is 0.5, 500x its expected bound 1.00e-03" in v.evidence[0]
+
+
+def test_one_step_is_not_judged_for_convergence():
+    v = diagnose(fake_result(steps=1))
+    assert v.category == "ok"
+    assert v.evidence[-1] == "convergence is not judged from 1 step; run --steps 2 or more for that"
+
+
+def test_gather_passes_stochastic_layers_on():
+    v = diagnose(fake_result(stochastic=("drop",)))
+    assert v.category == "nondeterminism" and v.layer == "drop"
+
+
+# --- hygiene: no training import, symptom names in one place, no float thresholds ----------
+
+def test_diagnose_imports_neither_training_nor_torch():
+    code = ("import sys, convcheck.diagnose; "
+            "bad = [m for m in ('convcheck.train', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _symptom_names() -> dict[str, str]:
+    return {k: v for k, v in vars(S).items() if k.isupper() and isinstance(v, str)}
+
+
+def test_symptom_names_are_written_once():
+    names = _symptom_names()
+    assert len(set(names.values())) == len(names)
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "symptoms.py":
+            continue
+        strings = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)}
+        assert not strings & set(names.values()), f"{path}: symptom name written as a literal"
+
+
+@pytest.mark.parametrize("path", [PACKAGE / "symptoms.py", *sorted((PACKAGE / "diagnose").glob("*.py"))],
+                         ids=lambda p: p.name)
+def test_no_threshold_literal_outside_thresholds(path):
+    floats = [n.value for n in ast.walk(ast.parse(path.read_text()))
+              if isinstance(n, ast.Constant) and isinstance(n.value, float) and n.value not in (0.0, 1.0)]
+    assert floats == [], f"{path.name}: threshold literals {floats} belong in convcheck/thresholds.py"

@@ -1,0 +1,298 @@
+"""Verdict rules on hand-built evidence: every rule fires on one case and stays quiet on another.
+
+No model runs here: ``Evidence`` is built by hand, so each case reads as "this
+comparison, but with X". Gathering evidence from a result is tested in
+test_diagnose_evidence.py; the end-to-end verdicts on real models are in tests/scenarios.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+import convcheck.symptoms as S
+from convcheck.diagnose import (
+    RULE_IDS, RULES, Evidence, LayerMargin, TargetFacts, Verdict, decide, ok_verdict,
+    verdict_rule,
+)
+from convcheck.diagnose import rules as R
+from convcheck.env import Finding
+from convcheck.train.result import ArmOutcome, EnvelopeSummary
+
+JUDGE = "cpu:float64"
+
+
+def outcome(name: str, converged: bool = True, first: float = 2.3, final: float = 0.5,
+            role: str = "target") -> ArmOutcome:
+    return ArmOutcome(name=name, role=role, converged=converged, first_loss=first, final_loss=final,
+                      first_nonfinite_step=None, skipped_steps=0, final_loss_scale=math.nan,
+                      final_dist_judge=0.0)
+
+
+def evidence(low: str = "cpu:bf16", converged=(True, True, True), **kw) -> Evidence:
+    """cpu and ``low`` against the judge, all converged unless told; ``kw`` replaces fields."""
+    names = ("cpu", low)
+    outcomes = {n: outcome(n, c) for n, c in zip(names, converged[:2])}
+    outcomes[JUDGE] = outcome(JUDGE, converged[2], role="judge")
+    base = Evidence(targets=names, judge=JUDGE, steps=30, lr=1e-3, optimizer="adam", envelope_runs=3,
+                    target_facts={"cpu": TargetFacts(), low: TargetFacts(half_compute=True)},
+                    outcomes=outcomes, envelope=EnvelopeSummary(low, 3, 3, 0))
+    return replace(base, **kw)
+
+
+def layer_error(arm="cpu:bf16", layer="2") -> S.Symptom:
+    return S.Symptom(S.LAYER_ERROR, arm, f"local error of '{layer}' (NaiveNorm) is 0.3, 900x its bound",
+                     layer=layer, value=0.3)
+
+
+def nonfinite(arm="cpu:fp16", layer="3", overflow=True, name=S.NONFINITE_FORWARD) -> S.Symptom:
+    return S.Symptom(name, arm, f"'{layer}' turns finite inputs into NaN/Inf", layer=layer, step=0,
+                     value=2.1e5, extra={"overflow": overflow})
+
+
+def drift(arm="cpu:emulate-tf32", beyond=True) -> S.Symptom:
+    return S.Symptom(S.DRIFT if beyond else S.DRIFT_WITHIN, arm, "parameter distance is 40x the spread",
+                     step=2, value=40.0)
+
+
+ECC = Finding("ECC002", "critical", "hardware", "GPU 0 reports 12 uncorrected ECC errors.",
+              "replace or reset the GPU", "NVML nvmlDeviceGetTotalEccErrors")
+DRV = Finding("DRV001", "critical", "version", "NVIDIA driver 470 is older than 525",
+              "Upgrade the driver.", "NVIDIA CUDA release notes")
+MATH = Finding("MATH001", "warn", "numerics", "TF32 matmuls are on", "turn TF32 off", "torch docs")
+PROBE = Finding("PROBE001", "info", "info", "NVML not available", "", "pynvml")
+
+
+# --- every rule: one case where it fires, one where it stays quiet ---------------------------
+
+# rule id -> (evidence it fires on, evidence it stays quiet on, category, target, layer, headline part)
+CASES = {
+    "V001": (evidence(stochastic_layers=("3", "5")), evidence(),
+             "nondeterminism", None, "3", "layer '3' draws its own random numbers"),
+    "V002": (evidence(converged=(False, False, False), judge_problems=(
+                 S.Symptom(S.VANISHING_GRADIENTS, JUDGE, "first layer's gradient 1e-9", layer="1"),)),
+             evidence(converged=(False, False, True)),
+             "setup", None, "1", "training setup: vanishing gradients in '1' (every arm fails"),
+    "V003": (evidence(envelope=EnvelopeSummary("cpu:bf16", 3, 1, 2)),
+             evidence(envelope=EnvelopeSummary("cpu:bf16", 3, 3, 0)),
+             "setup", None, None, "2 of 3 envelope runs of the lower-precision target fail"),
+    "V004": (evidence(self_difference={"cpu": 0.0, "cpu:bf16": 0.02}), evidence(self_difference={"cpu": 1e-5}),
+             "nondeterminism", "cpu:bf16", None, "cpu:bf16 gives different results for the same input and seed "
+             "(relative difference 2.00e-02)"),
+    "V005": (evidence(target_symptoms=(layer_error(),), findings=(ECC,)),
+             evidence(target_symptoms=(layer_error(),), findings=(replace(ECC, severity="info"),)),
+             "hardware", "cpu:bf16", "2", "ECC002: GPU 0 reports 12 uncorrected ECC errors - and cpu:bf16 shows "
+             "layer error in '2'"),
+    "V006": (evidence(target_symptoms=(layer_error(),), findings=(DRV,)), evidence(findings=(DRV,)),
+             "version", "cpu:bf16", "2", "DRV001: NVIDIA driver 470 is older than 525 - and cpu:bf16 shows layer"),
+    "V007": (evidence(target_symptoms=(layer_error(),)), evidence(target_symptoms=(nonfinite(),)),
+             "layer", "cpu:bf16", "2", "layer '2' computes something else on cpu:bf16"),
+    "V008": (evidence(low="cpu:fp16", target_symptoms=(nonfinite(),)),
+             evidence(low="cpu:fp16", drift=drift(beyond=False)),
+             "numerics", "cpu:fp16", "3", "float16 overflow in '3' on cpu:fp16"),
+}
+
+
+def test_every_registered_rule_has_a_case():
+    assert set(CASES) == set(RULE_IDS)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.id}-{r.name}")
+def test_rule_fires(rule):
+    fires, _, category, target, layer, headline = CASES[rule.id]
+    v = rule(fires)
+    assert isinstance(v, Verdict)
+    assert v.category == category == rule.category
+    assert v.target == target
+    assert v.layer == layer
+    assert headline in v.headline
+    assert v.remedies and v.evidence
+    assert decide(fires, ok_verdict) == v  # and no rule of higher priority takes the case
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.id}-{r.name}")
+def test_rule_stays_quiet(rule):
+    quiet = CASES[rule.id][1]
+    assert rule(quiet) is None
+
+
+def test_no_rule_fires_on_a_clean_comparison():
+    ev = evidence(closest_layers=(LayerMargin("cpu:bf16", "fc1", 2e-3, 0.45, 4.4e-3),),
+                  drift=drift(beyond=False), self_difference={"cpu": 1e-6}, findings=(PROBE, MATH))
+    assert all(r(ev) is None for r in RULES)
+    v = decide(ev, ok_verdict)
+    assert v.category == "ok" and v.symptoms == [] and v.remedies == []
+    assert v.headline == ("both targets train alike: cpu and cpu:bf16 agree with the float64 judge within the "
+                          "expected rounding")
+    assert ("cpu:bf16: every layer within its bound; the closest is 'fc1' with local error 2.00e-03, 0.45x its "
+            "bound 4.40e-03") in v.evidence
+    assert "parameter distance is 40x the spread" in v.evidence  # the drift within the envelope
+    assert "MATH001: TF32 matmuls are on" in v.evidence and not any("PROBE001" in e for e in v.evidence)
+    assert "cpu differs from itself run to run by 1.00e-06 (below 0.001: benign)" in v.evidence
+
+
+# --- rule details --------------------------------------------------------------------------
+
+def test_stochastic_layer_lists_every_layer():
+    v = R.stochastic_layer(CASES["V001"][0])
+    assert v.sub_cause == "stochastic layer without shared masks" and v.symptoms == [S.STOCHASTIC_LAYER]
+    assert "'3', '5'" in v.evidence[0]
+    assert any("nn.Dropout" in r for r in v.remedies)
+
+
+def test_judge_fails_names_the_learning_rate_when_gradients_explode():
+    exploding = S.Symptom(S.EXPLODING_GRADIENTS, JUDGE, "gradient norm grew 1e9x", step=3)
+    plateau = S.Symptom(S.LOSS_PLATEAU, JUDGE, "loss stays at 2.30")
+    ev = evidence(converged=(True, True, False), lr=20.0, judge_problems=(plateau, exploding))
+    v = R.judge_fails(ev)
+    assert v.headline == ("training setup: learning rate 20 is too high, gradients explode "
+                          "(the float64 judge fails too, so the setup, not the device)")
+    assert v.sub_cause == S.EXPLODING_GRADIENTS and v.symptoms == [S.EXPLODING_GRADIENTS, S.LOSS_PLATEAU]
+    assert v.remedies == R.SETUP_REMEDIES[S.EXPLODING_GRADIENTS]
+
+
+def test_judge_fails_with_data_out_of_range_and_no_symptom():
+    data = S.Symptom(S.INPUT_OUT_OF_RANGE, "data", "inputs span [0, 255]", value=255.0)
+    v = R.judge_fails(evidence(converged=(False, False, False), data_symptoms=(data,)))
+    assert v.sub_cause == S.INPUT_OUT_OF_RANGE and "normalise the inputs" in v.remedies[0]
+    v = R.judge_fails(evidence(converged=(False, False, False), steps=12))
+    assert v.headline == ("training setup: no arm converges in 12 steps "
+                          "(every arm fails, the float64 judge included)")
+    assert v.sub_cause == S.NO_CONVERGENCE and v.layer is None
+    assert v.remedies == ["train longer or raise the learning rate", "check data, labels and loss"]
+
+
+@pytest.mark.parametrize("change", [
+    dict(steps=1),  # one step says nothing about convergence
+    dict(target_symptoms=(layer_error(),)),  # one-step parity names a target-only cause
+    dict(target_symptoms=(nonfinite(arm="cpu:bf16"),)),
+    dict(outcomes={}),  # no judge outcome
+])
+def test_judge_fails_stays_quiet_when_a_target_only_cause_or_no_judgement(change):
+    assert R.judge_fails(evidence(converged=(False, False, False), **change)) is None
+
+
+def test_fragile_envelope_needs_every_target_converged_and_two_steps():
+    failing = EnvelopeSummary("cpu:bf16", 3, 1, 2)
+    assert R.fragile_envelope(evidence(envelope=failing, converged=(True, False, True))) is None
+    assert R.fragile_envelope(evidence(envelope=failing, steps=1)) is None
+    assert R.fragile_envelope(evidence(envelope=None)) is None
+    v = R.fragile_envelope(evidence(envelope=failing))
+    assert v.sub_cause == "fragile setup" and v.evidence[0] == "2/3 perturbed runs did not converge"
+
+
+def test_self_difference_at_min_error_is_benign():
+    assert R.self_difference(evidence(self_difference={"cpu": 1e-3})) is None
+    v = R.self_difference(CASES["V004"][0])
+    assert v.symptoms == [S.SELF_DIFFERENCE] and "CUBLAS_WORKSPACE_CONFIG" in v.remedies[1]
+
+
+def test_environment_verdicts_cite_findings_and_use_their_remedies():
+    ev = evidence(target_symptoms=(layer_error(),), findings=(PROBE, ECC, replace(ECC, id="ECC001")))
+    v = R.hardware_finding(ev)
+    assert v.sub_cause == "ECC002" and v.remedies == ["replace or reset the GPU"] * 2
+    assert v.evidence[0] == ("ECC002 (critical): GPU 0 reports 12 uncorrected ECC errors. "
+                             "[source: NVML nvmlDeviceGetTotalEccErrors]")
+    assert v.symptoms == [S.LAYER_ERROR]
+    assert R.version_finding(evidence(target_symptoms=(layer_error(),), findings=(ECC, MATH))) is None
+
+
+def test_an_environment_finding_takes_the_drift_beyond_the_envelope_as_symptom():
+    ev = evidence(low="cpu:emulate-tf32", drift=drift(), findings=(DRV,))
+    v = decide(ev, ok_verdict)
+    assert v.category == "version" and v.target == "cpu:emulate-tf32"
+    assert v.headline.endswith("- and cpu:emulate-tf32 shows drift beyond envelope")
+
+
+def test_layer_error_evidence_carries_numerics_findings():
+    v = R.layer_error(evidence(target_symptoms=(layer_error(),), findings=(MATH,)))
+    assert v.sub_cause == "local error above bound"
+    assert "MATH001: TF32 matmuls are on" in v.evidence
+    assert any("E[x^2]" in r for r in v.remedies) and "run '2' in float32" in v.remedies[0]
+
+
+@pytest.mark.parametrize("symptom, low, facts, headline, remedy", [
+    (nonfinite(overflow=False, name=S.NONFINITE_BACKWARD), "cpu:fp16", TargetFacts(half_compute=True),
+     "'3' produces the first NaN/Inf on cpu:fp16 from finite inputs",
+     "keep '3' in float32, or normalise its input so values stay below 65504"),
+    (nonfinite(arm="cpu:amp-bf16"), "cpu:amp-bf16", TargetFacts(mixed_precision=True, half_compute=True),
+     "float16 overflow in '3' on cpu:amp-bf16: it produces the first Inf (values reach 2.1e+05 > 65504)",
+     "keep '3' in float32 under autocast"),
+    (drift(), "cpu:emulate-tf32", TargetFacts(tf32_like=True),
+     "cpu:emulate-tf32 drifts from the other target 40x beyond the one-ulp noise envelope from step 2",
+     "disable TF32"),
+    (S.Symptom(S.GRADIENT_UNDERFLOW, "cpu:fp16", "60% zeros", layer="fc"), "cpu:fp16",
+     TargetFacts(half_compute=True), "gradient underflow on cpu:fp16 in 'fc'", "torch.amp.GradScaler"),
+    (S.Symptom(S.SMALL_UPDATES_LOST, "cpu:bf16", "median 1e-5"), "cpu:bf16", TargetFacts(half_compute=True),
+     "small updates lost on cpu:bf16", "keep float32 master weights"),
+    (S.Symptom(S.GRADSCALER_COLLAPSE, "cpu:fp16", "skipped 20/30"), "cpu:fp16", TargetFacts(half_compute=True),
+     "GradScaler collapse on cpu:fp16", "scale activations down"),
+    (S.Symptom(S.NO_CONVERGENCE, "cpu:bf16", "did not converge"), "cpu:bf16", TargetFacts(half_compute=True),
+     "no convergence on cpu:bf16", "run the sensitive layers in float32"),
+    (S.Symptom(S.OUTCOME_OUTSIDE_ENVELOPE, "cpu:bf16", "final loss 2.3"), "cpu:bf16", TargetFacts(),
+     "outcome outside envelope on cpu:bf16", "compare with --targets using the higher precision"),
+    (S.Symptom("an unlisted symptom", "cpu:bf16", "x"), "cpu:bf16", TargetFacts(),
+     "an unlisted symptom on cpu:bf16", "rerun in float32 (cpu:float32 vs your target)"),
+])
+def test_precision_effect_headlines_and_remedies(symptom, low, facts, headline, remedy):
+    drift_field = {"drift": symptom} if symptom.name == S.DRIFT else {"target_symptoms": (symptom,)}
+    ev = evidence(low=low, target_facts={"cpu": TargetFacts(), low: facts}, **drift_field)
+    v = R.precision_effect(ev)
+    assert v.category == "numerics" and v.target == symptom.arm and v.sub_cause == symptom.name
+    assert headline in v.headline
+    assert any(remedy in r for r in v.remedies), v.remedies
+
+
+# --- priority order ------------------------------------------------------------------------
+
+def test_rules_run_in_priority_order_with_unique_ids():
+    assert [r.priority for r in RULES] == sorted(r.priority for r in RULES)
+    assert len({r.id for r in RULES}) == len({r.priority for r in RULES}) == len(RULES)
+    assert [r.id for r in RULES] == [f"V00{i}" for i in range(1, 9)]
+
+
+def test_a_clashing_rule_is_refused():
+    with pytest.raises(ValueError, match="clashes with V001"):
+        verdict_rule("V001", "another", priority=999, category="setup", headline="x")(lambda ev: None)
+    with pytest.raises(ValueError, match="not a verdict a rule can return"):
+        verdict_rule("V999", "another", priority=999, category="ok", headline="x")
+    assert len(RULES) == len(RULE_IDS)
+
+
+def test_a_stochastic_layer_outranks_a_failing_setup_and_every_symptom():
+    ev = evidence(converged=(False, False, False), stochastic_layers=("3",),
+                  target_symptoms=(layer_error(),), findings=(ECC,))
+    assert decide(ev, ok_verdict).category == "nondeterminism"
+
+
+def test_a_failing_setup_outranks_nondeterministic_kernels_and_late_symptoms():
+    late = S.Symptom(S.GRADSCALER_COLLAPSE, "cpu:bf16", "skipped 20/30", step=None)
+    ev = evidence(converged=(False, False, False), self_difference={"cpu": 0.5}, target_symptoms=(late,))
+    assert decide(ev, ok_verdict).category == "setup"
+    assert decide(replace(ev, target_symptoms=(layer_error(),)), ok_verdict).category == "nondeterminism"
+
+
+def test_nondeterministic_kernels_outrank_target_symptoms():
+    ev = evidence(self_difference={"cpu:bf16": 0.5}, target_symptoms=(layer_error(),), findings=(ECC,))
+    assert decide(ev, ok_verdict).category == "nondeterminism"
+
+
+@pytest.mark.parametrize("findings, category", [
+    ((), "layer"), ((MATH, PROBE), "layer"), ((ECC,), "hardware"), ((DRV,), "version"), ((DRV, ECC), "hardware"),
+])
+def test_an_environment_finding_turns_a_target_symptom_into_its_kind(findings, category):
+    v = decide(evidence(target_symptoms=(layer_error(),), findings=findings), ok_verdict)
+    assert v.category == category and v.layer == "2" and v.target == "cpu:bf16"
+
+
+def test_an_environment_finding_alone_is_no_verdict():
+    assert decide(evidence(findings=(ECC, DRV)), ok_verdict).category == "ok"
+
+
+def test_the_main_symptom_is_the_first_one_the_drift_last():
+    ev = evidence(target_symptoms=(nonfinite(arm="cpu:bf16"), layer_error()), drift=drift(arm="cpu:bf16"))
+    assert [s.name for s in ev.symptoms] == [S.NONFINITE_FORWARD, S.LAYER_ERROR, S.DRIFT]
+    v = decide(ev, ok_verdict)
+    assert v.category == "numerics" and v.symptoms == [S.NONFINITE_FORWARD, S.LAYER_ERROR, S.DRIFT]
