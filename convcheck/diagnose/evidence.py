@@ -157,14 +157,13 @@ def _target_symptoms(result) -> tuple[S.Symptom, ...]:
     out: list[S.Symptom] = []
     for t in cfg.targets:
         if t != cfg.judge:
-            out += _symptoms_of(result, t, out)
+            out += _symptoms_of(result, t)
     return tuple(sorted(out, key=lambda s: _TARGET_RANK.get(s.name, _UNRANKED)))
 
 
-def _symptoms_of(result, t, earlier: list[S.Symptom]) -> list[S.Symptom]:
-    """One target's symptoms. ``earlier`` (the targets before it) counts for "this layer is
-    already named" (a flagged layer is no second symptom) and, with these, for "this arm
-    already has a symptom" (an unconverged run is then no extra one)."""
+def _symptoms_of(result, t) -> list[S.Symptom]:
+    """One target's symptoms. A flagged layer this target's other symptoms already name is no
+    second symptom; a target with a symptom gets no extra one for not converging."""
     parity, training, cfg = result.parity, result.training, result.config
     name, judge = str(t), str(cfg.judge)
     out = _nonfinite_symptoms(result, name)
@@ -177,9 +176,9 @@ def _symptoms_of(result, t, earlier: list[S.Symptom]) -> list[S.Symptom]:
     out.append(lost if info is not None and not info.converged else None)
     out = [s for s in out if s]
     flagged = parity.first_flagged.get(name)
-    if flagged and not any(s.layer == flagged for s in earlier + out):
+    if flagged and not any(s.layer == flagged for s in out):
         out.append(_layer_error(parity, name, flagged))
-    if not any(s.arm == name for s in earlier + out):
+    if not out:
         out += _outcome_symptoms(result, name)
     return out
 

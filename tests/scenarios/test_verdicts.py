@@ -28,7 +28,7 @@ def clean_env():
     return []
 
 
-@pytest.mark.parametrize("model", ["lenet", "cifar_cnn"])
+@pytest.mark.parametrize("model", ["lenet", pytest.param("cifar_cnn", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("targets", ["cpu,cpu:float64", "cpu,cpu:emulate-tf32"])
 def test_healthy_reference_models_are_ok(model, targets, clean_env):
     r = compare(model, targets, steps=30, envelope=3, env_findings=clean_env)
