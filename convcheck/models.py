@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
-import importlib
-import importlib.util
 import operator
 import os
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
 
 from convcheck.errors import UsageError
+from convcheck.user_code import import_module, load_file, one_line
 
 # Square image sizes tried, smallest first, when a model does not declare its
 # input: MNIST, CIFAR, 64px, STL-10, ImageNet.
@@ -134,10 +130,10 @@ def _resolve_user(spec: str, input_shape, num_classes) -> ResolvedModel:
 
 def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_classes) -> ResolvedModel:
     if location.endswith(".py") or "/" in location or "\\" in location:
-        module, source, short = _load_file(location), "file", Path(location).stem
+        module, source, short = load_file(location, "model"), "file", Path(location).stem
         where = f"file {location!r}"
     elif all(p.isidentifier() for p in location.split(".")):
-        module, source, short = _import_module(location), "module", location.rpartition(".")[2]
+        module, source, short = import_module(location, "model"), "module", location.rpartition(".")[2]
         where = f"module {location!r}"
     else:
         raise UsageError(f"model {spec!r} is not {_FORMS}")
@@ -161,41 +157,6 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
                          num_classes=num_classes, source=source, spec=spec)
 
 
-def _import_module(module_name: str):
-    try:
-        with _on_sys_path(os.getcwd()):
-            return importlib.import_module(module_name)
-    except Exception as exc:
-        hint = ""
-        if isinstance(exc, ModuleNotFoundError) and exc.name and \
-                module_name.startswith(exc.name):
-            hint = "; is it installed, or on PYTHONPATH?"
-        raise UsageError(f"cannot import module {module_name!r}: {_one_line(exc)}{hint}") from None
-
-
-def _load_file(location: str):
-    path = Path(location).expanduser()
-    if not path.is_file():
-        raise UsageError(f"model file {location!r} not found")
-    if path.suffix != ".py":
-        raise UsageError(f"model file {location!r} is not a Python file (.py)")
-    resolved = path.resolve()
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
-    module_name = f"_convcheck_model_{_identifier(path.stem)}_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running, as a normal import would (dataclasses need it);
-    # the file's folder is importable while it runs, for its sibling imports.
-    sys.modules[module_name] = module
-    try:
-        with _on_sys_path(str(resolved.parent)):
-            spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise UsageError(f"cannot load model file {location!r}: {_one_line(exc)}") from None
-    return module
-
-
 def _lookup(module, attr: str, where: str):
     obj = module
     for part in attr.split("."):
@@ -216,7 +177,7 @@ def _build(raw: Callable, spec: str) -> nn.Module:
     try:
         model = raw()
     except Exception as exc:
-        raise UsageError(f"model factory {spec!r} raised {_one_line(exc)}") from None
+        raise UsageError(f"model factory {spec!r} raised {one_line(exc)}") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"model factory {spec!r} returned {type(model).__name__}, "
                          f"not a torch.nn.Module")
@@ -287,7 +248,7 @@ def _forward_problem(model: nn.Module, input_shape, num_classes: int | None,
         out = _forward(model, input_shape, dtype)
     except Exception as exc:
         # torch reports shape mismatches as RuntimeError; its text says it all.
-        return _one_line(exc, with_type=not isinstance(exc, RuntimeError))
+        return one_line(exc, with_type=not isinstance(exc, RuntimeError))
     if not isinstance(out, torch.Tensor):
         return f"output is a {type(out).__name__}, not a tensor"
     if out.ndim != 2 or out.shape[0] != 2 or (num_classes is not None and out.shape[1] != num_classes):
@@ -314,30 +275,3 @@ def _positive_int(value) -> int:
 
 def _shape_text(shape) -> str:
     return "x".join(str(d) for d in shape)
-
-
-def _one_line(exc: BaseException, with_type: bool = True) -> str:
-    lines = str(exc).strip().splitlines()
-    if not lines:
-        return type(exc).__name__
-    return f"{type(exc).__name__}: {lines[0]}" if with_type else lines[0]
-
-
-def _identifier(text: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in text)
-
-
-@contextmanager
-def _on_sys_path(folder: str) -> Iterator[None]:
-    """Make ``folder`` importable for the duration, without leaving it on sys.path."""
-    if folder in sys.path:
-        yield
-        return
-    sys.path.insert(0, folder)
-    try:
-        yield
-    finally:
-        try:
-            sys.path.remove(folder)
-        except ValueError:
-            pass
