@@ -65,14 +65,15 @@ from convcheck.models import resolve_model  # noqa: E402
 from convcheck.parity import run_parity  # noqa: E402
 from convcheck.targets import Target, default_judge, default_targets  # noqa: E402
 from convcheck.train import TrainConfig, make_arms, run_training  # noqa: E402
-from convcheck.train.arm_state import SGD_MOMENTUM  # noqa: E402
+from convcheck.config import CompareConfig  # noqa: E402
+from convcheck.recipe import SGD_DEFAULT_MOMENTUM as SGD_MOMENTUM  # noqa: E402
 
 SCHEMA = 1
 SEED = 0
-LR = TrainConfig().lr
+LR = CompareConfig().lr
 MOMENTUM = SGD_MOMENTUM
 JUDGE = default_judge()[0]  # the judge compare() would choose on this machine
-OPTIMIZER = TrainConfig().optimizer
+OPTIMIZER = CompareConfig().optimizer
 DEFAULT_MODELS = ("lenet", "cifar_cnn", "resnet18")
 PARITY_TARGETS = ("cpu", "cpu:bf16", "cpu:emulate-tf32")
 
@@ -143,7 +144,7 @@ class BareModel:
         x, y = self.batches[(self.i if i is None else i) % len(self.batches)]
         t = self.target
         with t.applied():
-            with t.autocast():
+            with t.runner.autocast():
                 out = self.model(x)
             _loss(out, y).backward()
 
@@ -268,7 +269,7 @@ def _memory_probe(spec: dict) -> dict:
         pair = [Target.parse(s) for s in spec["train_targets"]]
         build = model_builder(resolved, initial_state(resolved, SEED))
         arms = make_arms(pair, spec["envelope"], SEED, JUDGE)
-        cfg = TrainConfig(steps=steps, lr=LR, seed=SEED)
+        cfg = TrainConfig(steps=steps, seed=SEED)
         run = lambda: run_training(build, batches, arms, cfg)  # noqa: E731
     else:
         raise ValueError(f"unknown memory probe {what!r}")
@@ -379,7 +380,7 @@ class Bench:
         # lockstep training on all arms
         pair = [Target.parse(s) for s in self.args.train_targets]
         arms = make_arms(pair, self.args.envelope, SEED, JUDGE)
-        cfg = TrainConfig(steps=self.steps, lr=LR, seed=SEED)
+        cfg = TrainConfig(steps=self.steps, seed=SEED)
         _log(f"{self.name}: training {len(arms)} arms x {self.steps} steps")
         samples = self.repeat(lambda: run_training(self.build, self.batches, arms, cfg))
         out["training"] = dict(seconds=_median(samples), samples=samples, arms=[a.name for a in arms],

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from convcheck.errors import UsageError
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 
-OPTIMIZERS = ("sgd", "adam")
+# The optimizers most runs use; any torch.optim class name is accepted (convcheck.recipe).
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop")
 
 # Option names (as the CLI spells them, dashes or underscores) that are not config fields.
 _TOLERANCE_OPTIONS = {"bound_factor", "min_error"}
@@ -34,27 +35,64 @@ class CompareConfig:
     judge: object = None
     steps: int = 30
     batch_size: int = 32
-    optimizer: str = "adam"
-    lr: float = 1e-3
     seed: int = 0
     envelope: int = 3  # perturbed runs of the lower-precision target; 0 turns the envelope off
-    data: str | None = None  # synthetic (None), mnist:DIR or npz:PATH
+    data: str | None = None  # synthetic (None), mnist:DIR, npz:PATH, digits, or FILE.py:factory
     tolerances: Tolerances = DEFAULT_TOLERANCES
+    # The training recipe (convcheck.recipe): the user's loss, optimizer, schedule, clipping.
+    loss: object = None  # None: cross-entropy on class logits; FILE.py:fn, package.module:fn or a callable
+    optimizer: object = "adam"  # a torch.optim class name (any case), FILE.py:factory or a callable
+    lr: float = 1e-3
+    momentum: float | None = None  # None: 0.9 for SGD, the optimizer's own default otherwise
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: tuple | None = None
+    eps: float | None = None
+    schedule: object = "constant"  # constant, cosine, step:EVERY:GAMMA, onecycle, FILE.py:factory or a callable
+    warmup: int = 0  # linear warm-up steps before the schedule
+    clip_grad_norm: float | None = None
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1)
         _need_int("batch size", self.batch_size, 1)
         _need_int("envelope", self.envelope, 0)
         _need_int("seed", self.seed, 0)
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"unknown optimizer {self.optimizer!r} (expected {' or '.join(OPTIMIZERS)})")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, numbers.Real) or not (
-                math.isfinite(self.lr) and self.lr > 0):
-            raise UsageError(f"learning rate must be a positive number, got {self.lr!r}")
+        if self.seed > SEED_MAX:
+            raise UsageError(f"seed must be at most 2^63-1, got {self.seed}")
+        _need_int("warmup", self.warmup, 0)
+        _need_real("learning rate", self.lr, lambda v: v > 0, "a positive number")
+        _need_real("weight decay", self.weight_decay, lambda v: v >= 0, "a number of at least 0")
+        for name in ("momentum", "eps", "clip_grad_norm"):
+            value = getattr(self, name)
+            if value is not None:
+                least = (lambda v: v >= 0) if name == "momentum" else (lambda v: v > 0)
+                _need_real(name.replace("_", " "), value, least, "a number of at least 0" if name == "momentum"
+                           else "a positive number")
+        if not isinstance(self.nesterov, bool):
+            raise UsageError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.betas is not None:
+            if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+                raise UsageError(f"betas must be two numbers, got {self.betas!r}")
+            for b in self.betas:
+                _need_real("each of betas", b, lambda v: 0 <= v < 1, "a number in [0, 1)")
+        for name in ("optimizer", "schedule", "loss"):
+            value = getattr(self, name)
+            if not (callable(value) or (isinstance(value, str) and value.strip())
+                    or (value is None and name == "loss")):
+                raise UsageError(f"{name} must be a name, FILE.py:factory or a callable, got {value!r}")
         if self.data is not None and not isinstance(self.data, str):
-            raise UsageError(f"data must be a source string (mnist:DIR, npz:PATH), not {type(self.data).__name__}")
+            raise UsageError(f"data must be a source string (mnist:DIR, npz:PATH, FILE.py:factory), "
+                             f"not {type(self.data).__name__}")
         if not isinstance(self.tolerances, Tolerances):
             raise UsageError(f"tolerances must be a convcheck.Tolerances, not {type(self.tolerances).__name__}")
+
+
+SEED_MAX = 2**63 - 1
+
+
+def _need_real(what: str, value, ok, expected: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise UsageError(f"{what} must be {expected}, got {value!r}")
 
 
 def _need_int(what: str, value, least: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable

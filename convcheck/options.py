@@ -12,8 +12,9 @@ from __future__ import annotations
 from convcheck.config import OPTIMIZERS, CompareConfig, default, with_options
 
 # option name -> config field it sets (tolerance options map onto CompareConfig.tolerances)
-OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "optimizer", "lr", "seed", "envelope", "data",
-                "bound-factor", "min-error")
+OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "bound-factor", "min-error",
+                "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
+                "warmup", "clip-grad-norm")
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:
@@ -29,8 +30,23 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "(default: cuda:float64 on a GPU with fast float64, else cpu:float64)")
     opt("steps", type=int, help="lockstep training steps (default %(default)s)")
     opt("batch-size", type=int, help="batch size (default %(default)s)")
-    opt("optimizer", choices=list(OPTIMIZERS), help="optimizer (default %(default)s)")
+    opt("loss", metavar="FILE.py:fn",
+        help="your loss, fn(output, target) -> scalar tensor (FILE.py:fn or package.module:fn; "
+             "default: cross-entropy on class logits)")
+    opt("optimizer", metavar="NAME",
+        help=f"any torch.optim class by name, case-insensitive ({', '.join(OPTIMIZERS)}, ...), or "
+             "FILE.py:factory taking the parameters (default %(default)s)")
     opt("lr", type=float, help="learning rate (default %(default)s)")
+    opt("momentum", type=float, help="momentum (default: 0.9 for sgd, the optimizer's own otherwise)")
+    opt("nesterov", action="store_true", help="Nesterov momentum (sgd)")
+    opt("weight-decay", type=float, help="weight decay (default %(default)s)")
+    opt("betas", type=_betas, metavar="B1,B2", help="Adam-style betas, e.g. 0.9,0.999")
+    opt("eps", type=float, help="the optimizer's eps")
+    opt("schedule", metavar="SCHEDULE",
+        help="learning-rate schedule: constant, cosine, step:EVERY:GAMMA, onecycle, or FILE.py:factory "
+             "taking (optimizer, steps) (default %(default)s)")
+    opt("warmup", type=int, metavar="N", help="linear warm-up steps before the schedule (default %(default)s)")
+    opt("clip-grad-norm", type=float, metavar="X", help="clip the gradient norm to X before every step")
     opt("seed", type=int, help="seed for weights and batches (default %(default)s)")
     opt("envelope", type=int,
         help="perturbed runs of the lower-precision target for the noise envelope; 0 turns it off "
@@ -40,6 +56,16 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
     opt("bound-factor", type=float,
         help="flag a layer whose local error exceeds this many times its expected bound (default %(default)s)")
     opt("min-error", type=float, help="...and exceeds this relative error (default %(default)s)")
+
+
+def _betas(text: str) -> tuple[float, float]:
+    import argparse
+
+    try:
+        b1, b2 = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers B1,B2, got {text!r}") from None
+    return b1, b2
 
 
 def config_from_options(values: dict, prefix: str = "", base: CompareConfig | None = None) -> CompareConfig:

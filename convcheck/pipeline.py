@@ -24,6 +24,7 @@ from convcheck.data import hash_state_dict, load_batches
 from convcheck.errors import RunFailed, UsageError
 from convcheck.models import ResolvedModel, check_input_shape, resolve_model
 from convcheck.parity import ParityResult, run_parity
+from convcheck.recipe import Recipe, build_recipe
 from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
 from convcheck.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms, run_training
 
@@ -48,6 +49,7 @@ class CompareResult:
     verdict: object | None = None
     timings: dict[str, float] = field(default_factory=dict)
     judge_reason: str = ""
+    recipe: Recipe | None = None  # the loss, optimizer and schedule as built
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -174,9 +176,19 @@ def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig
     return dataclasses.replace(cfg, targets=pair, judge=judge), reason
 
 
+def _resolve_recipe(cfg: CompareConfig) -> tuple[CompareConfig, Recipe]:
+    """The loss, optimizer and schedule, built (and checked) before any work; a built-in optimizer
+    is recorded by its lower-case torch.optim name."""
+    recipe = build_recipe(cfg)
+    if isinstance(cfg.optimizer, str) and ":" not in cfg.optimizer:
+        cfg = dataclasses.replace(cfg, optimizer=recipe.optimizer_name.lower())
+    return cfg, recipe
+
+
 def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progress) -> CompareResult:
     notes: list[str] = []
     cfg, judge_reason = _resolve_config(cfg, notes)
+    cfg, recipe = _resolve_recipe(cfg)
     resolved = _as_resolved(model, input_shape, num_classes)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -190,9 +202,10 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
     timings["setup_s"] = time.perf_counter() - t0
     try:
         parity = _timed(timings, "parity_s", progress, "parity", lambda: run_parity(
-            build, batches.batches[0], list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed))
+            build, batches.batches[0], list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
+            loss_fn=recipe.loss))
         arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
-        train_cfg = TrainConfig(steps=cfg.steps, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
+        train_cfg = TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe)
         training = _timed(timings, "train_s", None, "train", lambda: run_training(
             build, list(batches.batches), arms, train_cfg, tolerances=cfg.tolerances,
             progress=(lambda done, total: progress("train", done, total)) if progress else None))
@@ -203,7 +216,7 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
     result = CompareResult(
         model=resolved, config=cfg, parity=parity, training=training,
         data_source=batches.source, batch_hashes=tuple(batches.hashes), init_hash=hash_state_dict(state),
-        data_stats=batches.stats(), notes=notes, timings=timings, judge_reason=judge_reason,
+        data_stats=batches.stats(), notes=notes, timings=timings, judge_reason=judge_reason, recipe=recipe,
     )
     _attach_env_and_verdict(result, env_findings, fingerprint)
     return result

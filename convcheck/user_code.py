@@ -26,7 +26,10 @@ FORMS = "package.module:name or path/to/file.py:name"
 def is_user_spec(text: str) -> bool:
     """``a.b:c`` or ``x/y.py:c``: a reference to the user's code rather than a built-in name."""
     location, sep, attr = text.rpartition(":")
-    return bool(sep and location and attr)
+    if not (sep and location and attr and all(p.isidentifier() for p in attr.split("."))):
+        return False
+    return (location.endswith(".py") or "/" in location or "\\" in location
+            or all(p.isidentifier() for p in location.split(".")))
 
 
 def load_object(spec: str, what: str):

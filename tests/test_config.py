@@ -44,7 +44,9 @@ def test_with_options_takes_cli_and_field_names():
 
 @pytest.mark.parametrize("field, value", [
     ("steps", 0), ("steps", 2.5), ("steps", True), ("batch_size", -1), ("envelope", -1), ("seed", -3),
-    ("lr", 0.0), ("lr", math.nan), ("lr", math.inf), ("lr", "0.1"), ("optimizer", "lbfgs"), ("data", 3),
+    ("lr", 0.0), ("lr", math.nan), ("lr", math.inf), ("lr", "0.1"), ("optimizer", ""), ("optimizer", 3), ("data", 3),
+    ("momentum", -0.1), ("weight_decay", math.nan), ("betas", (0.9,)), ("betas", (0.9, 1.0)), ("eps", 0.0),
+    ("warmup", -1), ("clip_grad_norm", 0.0), ("nesterov", "yes"), ("seed", 2**63), ("schedule", ""),
 ])
 def test_bad_numbers_are_usage_errors(field, value):
     with pytest.raises(UsageError) as info:

@@ -13,6 +13,8 @@ from convcheck.data import load_batches
 from convcheck.metrics import Tolerances
 from convcheck.models import resolve_model
 from convcheck.targets import CPU_JUDGE as JUDGE, Target, snapshot_global_flags
+from convcheck.config import CompareConfig
+from convcheck.recipe import build_recipe
 from convcheck.train import (
     TrainConfig,
     converged,
@@ -23,6 +25,10 @@ from convcheck.train import (
 )
 
 T = Target.parse
+
+
+def _recipe(**kw):
+    return build_recipe(CompareConfig(**kw))
 CORE_COLUMNS = {"arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref",
                 "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio"}
 
@@ -42,7 +48,7 @@ def lenet_run():
     build, batches = _setup(steps=steps)
     arms = make_arms([T("cpu"), T("cpu:emulate-tf32")], envelope=1, seed=0, judge=JUDGE)
     before = snapshot_global_flags()
-    result = run_training(build, batches, arms, TrainConfig(steps=steps, optimizer="adam", lr=3e-3))
+    result = run_training(build, batches, arms, TrainConfig(steps=steps, recipe=_recipe(optimizer="adam", lr=3e-3)))
     after = snapshot_global_flags()
     return result, before, after
 
@@ -147,7 +153,7 @@ def test_absurd_learning_rate_gives_a_first_nonfinite_step_not_an_exception():
     build, batches = _setup(steps=3, batch_size=4)
     arms = make_arms([T("cpu"), JUDGE], envelope=0, seed=0, judge=JUDGE)
     assert [a.name for a in arms] == ["cpu", "cpu:float64"]
-    r = run_training(build, batches, arms, TrainConfig(steps=3, optimizer="sgd", lr=1e8))
+    r = run_training(build, batches, arms, TrainConfig(steps=3, recipe=_recipe(optimizer="sgd", lr=1e8)))
     assert len(r.curves) == 3 * 2  # every step is still recorded
     info = r.outcomes["cpu"]
     step = info.first_nonfinite_step
@@ -223,6 +229,15 @@ def test_make_arms_and_lower_precision():
 
 
 def test_unknown_optimizer_is_refused():
-    build, batches = _setup(steps=1, batch_size=2)
-    with pytest.raises(ValueError, match="optimizer"):
-        run_training(build, batches, make_arms([T("cpu"), JUDGE], 0, 0, JUDGE), TrainConfig(steps=1, optimizer="lbfgs"))
+    from convcheck.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown optimizer 'lbfgz'"):
+        _recipe(optimizer="lbfgz")
+
+
+def test_data_that_runs_out_is_a_usage_error():
+    from convcheck.errors import UsageError
+
+    build, batches = _setup(steps=2, batch_size=2)
+    with pytest.raises(UsageError, match="ran out after 2 batches; 3 steps need 3"):
+        run_training(build, list(batches)[:2], make_arms([T("cpu"), JUDGE], 0, 0, JUDGE), TrainConfig(steps=3))

@@ -33,6 +33,20 @@ def _clean(value):
     return str(value)
 
 
+def _recipe_dict(result) -> dict:
+    """The training recipe as run: the user's callables by name, every number as given."""
+    cfg, recipe = result.config, getattr(result, "recipe", None)
+    return {
+        "loss": recipe.loss_name if recipe else None,
+        "optimizer": recipe.optimizer_name.lower() if recipe and isinstance(cfg.optimizer, str)
+        and ":" not in cfg.optimizer else (recipe.optimizer_name if recipe else cfg.optimizer),
+        "lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov, "weight_decay": cfg.weight_decay,
+        "betas": list(cfg.betas) if cfg.betas else None, "eps": cfg.eps,
+        "schedule": recipe.schedule_name.split(" + ")[0] if recipe else cfg.schedule, "warmup": cfg.warmup,
+        "clip_grad_norm": cfg.clip_grad_norm,
+    }
+
+
 def summary_dict(result) -> dict:
     """The whole comparison as a JSON-safe dict."""
     cfg = result.config
@@ -51,8 +65,8 @@ def summary_dict(result) -> dict:
         "judge_reason": result.judge_reason,
         "seed": cfg.seed,
         "config": {
-            "steps": cfg.steps, "batch_size": cfg.batch_size, "optimizer": cfg.optimizer,
-            "lr": cfg.lr, "envelope": cfg.envelope, "tolerances": cfg.tolerances,
+            "steps": cfg.steps, "batch_size": cfg.batch_size, "envelope": cfg.envelope, "tolerances": cfg.tolerances,
+            **_recipe_dict(result),
         },
         "data": {"source": result.data_source, "batch_sha256": list(result.batch_hashes),
                  "stats": result.data_stats},

@@ -17,8 +17,8 @@ from typing import Callable
 
 import pandas as pd
 
+from convcheck.errors import UsageError
 from convcheck.metrics import param_distance
-from convcheck.runners import cross_entropy
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
 from convcheck.train.arms import Arm, lower_precision, make_arms, perturb_
@@ -28,15 +28,13 @@ from convcheck.train.result import (
 
 Progress = Callable[[int, int], None]
 
-OPTIMIZERS = ("sgd", "adam")
-
 CURVE_COLUMNS = [
     "arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref", "dist_other",
-    "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio",
+    "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio", "lr", "clipped",
 ]
 
 __all__ = [
-    "Arm", "ArmOutcome", "CONVERGED_RULE", "CURVE_COLUMNS", "EnvelopeSummary", "OPTIMIZERS", "TrainConfig",
+    "Arm", "ArmOutcome", "CONVERGED_RULE", "CURVE_COLUMNS", "EnvelopeSummary", "TrainConfig",
     "TrainResult", "converged", "lower_precision", "make_arms", "perturb_", "run_training",
 ]
 
@@ -44,15 +42,20 @@ _SEED_MOD = 2**63  # torch seeds are 64-bit: derived seeds wrap instead of overf
 
 
 def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerances: Tolerances = DEFAULT_TOLERANCES,
-                 progress: Progress | None = None, loss_fn=cross_entropy) -> TrainResult:
-    """Train every arm for ``cfg.steps`` steps in lockstep; return per-step curves and outcomes."""
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
-    states = [ArmState(arm, build, cfg, loss_fn) for arm in arms]
+                 progress: Progress | None = None) -> TrainResult:
+    """Train every arm for ``cfg.steps`` steps in lockstep; return per-step curves and outcomes.
+
+    ``batches`` is any iterable of ``(inputs, target)`` batches (a stream: one is held at a time)."""
+    recipe = cfg.recipe if cfg.recipe is not None else _default_recipe()
+    states = [ArmState(arm, build, cfg.steps, recipe) for arm in arms]
     rows, grad_rows, act_rows = [], [], []
+    stream = iter(batches)
     try:
         for step in range(cfg.steps):
-            x, y = batches[step % len(batches)]
+            try:
+                x, y = next(stream)
+            except StopIteration:
+                raise UsageError(f"the data ran out after {step} batches; {cfg.steps} steps need {cfg.steps}") from None
             step_seed = (cfg.seed * 100003 + step) % _SEED_MOD
             results = {}
             for i, s in enumerate(states):
@@ -81,6 +84,13 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     return result
 
 
+def _default_recipe():
+    from convcheck.config import CompareConfig
+    from convcheck.recipe import build_recipe
+
+    return build_recipe(CompareConfig())
+
+
 def _partners(states: list[ArmState]) -> dict[str, tuple]:
     """Per arm: (judge state, the envelope run's reference state, the other target's state)."""
     by_name = {s.arm.name: s for s in states}
@@ -106,6 +116,7 @@ def _record(states, step, results, rows, grad_rows, act_rows) -> None:
             dist_other=param_distance(s.model, other.model) if other else math.nan,
             nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],
             loss_scale=r["loss_scale"], skipped=r["skipped"], update_ratio=r["update_ratio"],
+            lr=r["lr"], clipped=r["clipped"],
         ))
         for (layer, norm), zf in zip(r["layer_norms"], r["zero_fracs"]):
             grad_rows.append(dict(arm=s.arm.name, step=step, layer=layer, grad_norm=norm, zero_frac=zf))

@@ -11,17 +11,6 @@ from convcheck.capture import SharedDropoutMasks, leaf_modules, tensors_in
 from convcheck.thresholds import SATURATED_ABS
 from convcheck.train.arms import Arm, perturb_
 
-SGD_MOMENTUM = 0.9
-
-
-def make_optimizer(name: str, params, lr: float):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}")
-
-
 def all_finite(t: torch.Tensor) -> bool:
     """One reduction instead of an elementwise isfinite: a NaN/Inf anywhere makes the sum non-finite."""
     if not t.is_floating_point():
@@ -30,15 +19,17 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 class ArmState:
-    def __init__(self, arm: Arm, build, cfg, loss_fn):
+    def __init__(self, arm: Arm, build, steps: int, recipe):
         self.arm = arm
         self.runner = arm.target.runner
         self.model = build(arm.target)
         if arm.perturb_seed is not None:
             perturb_(self.model, self.runner.ulp, arm.perturb_seed)
-        self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
+        self.opt = recipe.make_optimizer(self.model.parameters())
+        self.schedule = recipe.make_schedule(self.opt, steps)
+        self.clip = recipe.clip_grad_norm
         self.scaler = self.runner.make_grad_scaler()
-        self.loss_fn = loss_fn
+        self.loss_fn = recipe.loss
         self.layers = [(n, m) for n, m in leaf_modules(self.model)
                        if any(True for _ in m.parameters(recurse=False))]
         self.acts: list[tuple[str, str, float, float]] = []
@@ -93,12 +84,23 @@ class ArmState:
             loss_value = float(loss.detach())
             runner.train_backward(loss, self.opt, self.scaler)
             stats = self._grad_stats()
+            lr = self.opt.param_groups[0]["lr"]
+            clipped = self._clip(stats["grad_norm"])
             scale, skipped = runner.optimizer_step(self.opt, self.scaler)
+            if self.schedule is not None:
+                self.schedule.step()
         return dict(
             loss=loss_value, nonfinite_loss=not math.isfinite(loss_value),
             nonfinite_grad=not math.isfinite(stats["grad_norm"]) and self.scaler is None,
-            loss_scale=scale, skipped=skipped, acts=list(self.acts), **stats,
+            loss_scale=scale, skipped=skipped, acts=list(self.acts), lr=lr, clipped=clipped, **stats,
         )
+
+    def _clip(self, grad_norm: float) -> bool:
+        """Clip the (unscaled) gradients to ``clip_grad_norm``; whether this step was clipped."""
+        if self.clip is None:
+            return False
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        return math.isfinite(grad_norm) and grad_norm > self.clip
 
     def _grad_stats(self) -> dict:
         """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|."""

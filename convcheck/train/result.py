@@ -50,9 +50,8 @@ class EnvelopeSummary:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 30
-    optimizer: str = "adam"
-    lr: float = 1e-3
     seed: int = 0
+    recipe: object = None  # a convcheck.recipe.Recipe; None: the default (Adam, lr 1e-3, cross-entropy)
 
 
 @dataclass
