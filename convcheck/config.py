@@ -37,7 +37,8 @@ class CompareConfig:
     batch_size: int = 32
     seed: int = 0
     envelope: int = 3  # perturbed runs of the lower-precision target; 0 turns the envelope off
-    data: str | None = None  # synthetic (None), mnist:DIR, npz:PATH, digits, or FILE.py:factory
+    data: object = None  # synthetic (None), mnist:DIR, npz:PATH, digits, FILE.py:factory or a callable
+    workers: int = 0  # DataLoader worker processes for a Dataset from a data factory
     tolerances: Tolerances = DEFAULT_TOLERANCES
     # The training recipe (convcheck.recipe): the user's loss, optimizer, schedule, clipping.
     loss: object = None  # None: cross-entropy on class logits; FILE.py:fn, package.module:fn or a callable
@@ -80,9 +81,10 @@ class CompareConfig:
             if not (callable(value) or (isinstance(value, str) and value.strip())
                     or (value is None and name == "loss")):
                 raise UsageError(f"{name} must be a name, FILE.py:factory or a callable, got {value!r}")
-        if self.data is not None and not isinstance(self.data, str):
-            raise UsageError(f"data must be a source string (mnist:DIR, npz:PATH, FILE.py:factory), "
-                             f"not {type(self.data).__name__}")
+        _need_int("workers", self.workers, 0)
+        if self.data is not None and not isinstance(self.data, str) and not callable(self.data):
+            raise UsageError(f"data must be a source (mnist:DIR, npz:PATH, digits, FILE.py:factory) or a "
+                             f"factory, not {type(self.data).__name__}")
         if not isinstance(self.tolerances, Tolerances):
             raise UsageError(f"tolerances must be a convcheck.Tolerances, not {type(self.tolerances).__name__}")
 

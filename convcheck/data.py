@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
+import math
 import os
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -30,6 +33,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from convcheck.batch import batch_hash as _batch_hash
 from convcheck.errors import UsageError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -39,6 +43,8 @@ SYNTHETIC_NOISE_STD = 1.0  # white noise, relative to a unit-std prototype
 MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
 _IMAGES_MAGIC = 2051
+# The most an IDX file (or a gzip member's content) may hold: EMNIST's largest file is 0.55 GiB.
+MAX_IDX_BYTES = 1 << 30
 _LABELS_MAGIC = 2049
 
 
@@ -104,18 +110,7 @@ def load_batches(
     kind, sep, arg = spec.partition(":")
     if kind == "synthetic" and not sep:
         return _synthetic(input_shape, num_classes, batch_size, num_batches, seed)
-    if kind not in ("mnist", "npz"):
-        raise UsageError(
-            f"unknown data source {source!r}: use 'synthetic', 'mnist:DIR' or 'npz:PATH'"
-        )
-    if not arg:
-        raise UsageError(f"data source {source!r} needs a path after '{kind}:'")
-    path = os.path.abspath(os.path.expanduser(arg))
-    if kind == "mnist":
-        x, y, origin = _read_mnist(path, input_shape)
-    else:
-        x, y, origin = _read_npz(path, input_shape)
-    _check_labels(y, num_classes, origin)
+    x, y, origin, kind, path = _read_source(source, kind, arg, input_shape, num_classes)
     return _sample(f"{kind}:{path}", x, y, origin, batch_size, num_batches, seed, kind == "mnist")
 
 
@@ -138,10 +133,7 @@ def hash_state_dict(module_or_state_dict: Union[torch.nn.Module, Mapping]) -> st
 
 def batch_hash(x: torch.Tensor, y: torch.Tensor) -> str:
     """SHA-256 of one batch: the bytes of ``x`` then of ``y`` (contiguous, on the CPU)."""
-    h = hashlib.sha256()
-    for t in (x, y):
-        h.update(memoryview(t.detach().cpu().contiguous().numpy()).cast("B"))
-    return h.hexdigest()
+    return _batch_hash(x, y)
 
 
 # ---------------------------------------------------------------- helpers
@@ -197,54 +189,93 @@ def _prototype(shape: tuple[int, int, int], seed: int, label: int) -> torch.Tens
 
 
 def _synthetic(shape, num_classes, batch_size, num_batches, seed) -> Batches:
-    g = _generator(seed, "samples")
+    note, open_iter = _synthetic_source(shape, num_classes, batch_size, seed)
+    return _finish("synthetic", list(itertools.islice(open_iter(), num_batches)), note)
+
+
+def _synthetic_source(shape, num_classes, batch_size, seed):
+    """(note, open_iter): ``open_iter()`` yields the synthetic batches from the first, without end."""
     note = None
     if num_classes > SYNTHETIC_MAX_CLASSES:
-        pool = torch.randperm(num_classes, generator=g)[:SYNTHETIC_MAX_CLASSES].sort().values
+        pool = torch.randperm(num_classes, generator=_generator(seed, "samples"))[:SYNTHETIC_MAX_CLASSES].sort().values
         note = (
             f"synthetic labels use {SYNTHETIC_MAX_CLASSES} of the {num_classes} classes "
             f"({', '.join(str(int(c)) for c in pool)}) so that a short run can learn them"
         )
     else:
         pool = torch.arange(num_classes)
-    prototypes: dict[int, torch.Tensor] = {}  # made lazily: only classes that occur
-    scale = (1.0 + SYNTHETIC_NOISE_STD**2) ** -0.5
-    batches = []
-    for _ in range(num_batches):
-        y = pool[torch.randint(len(pool), (batch_size,), generator=g)].to(torch.int64)
-        noise = torch.randn((batch_size, *shape), generator=g, dtype=torch.float64)
-        for label in y.tolist():
-            if label not in prototypes:
-                prototypes[label] = _prototype(shape, seed, label)
-        x = torch.stack([prototypes[label] for label in y.tolist()])
-        x.add_(noise, alpha=SYNTHETIC_NOISE_STD).mul_(scale)
-        batches.append((x, y))
-    return _finish("synthetic", batches, note)
 
+    def open_iter():
+        g = _generator(seed, "samples")
+        if num_classes > SYNTHETIC_MAX_CLASSES:
+            torch.randperm(num_classes, generator=g)  # the draw that chose the pool
+        prototypes: dict[int, torch.Tensor] = {}  # made lazily: only classes that occur
+        scale = (1.0 + SYNTHETIC_NOISE_STD**2) ** -0.5
+        while True:
+            y = pool[torch.randint(len(pool), (batch_size,), generator=g)].to(torch.int64)
+            noise = torch.randn((batch_size, *shape), generator=g, dtype=torch.float64)
+            for label in y.tolist():
+                if label not in prototypes:
+                    prototypes[label] = _prototype(shape, seed, label)
+            x = torch.stack([prototypes[label] for label in y.tolist()])
+            x.add_(noise, alpha=SYNTHETIC_NOISE_STD).mul_(scale)
+            yield x.contiguous(), y.contiguous()
 
-# ---------------------------------------------------------------- files
+    return note, open_iter
 
 
 def _sample(source, x, y, origin, batch_size, num_batches, seed, is_mnist) -> Batches:
-    """Take the first batch_size*num_batches samples of a seeded shuffle, cycling if short."""
+    note, open_iter = _sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist)
+    return _finish(source, list(itertools.islice(open_iter(), num_batches)), note)
+
+
+def _sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist):
+    """(note, open_iter): batches of a seeded shuffle of the samples, cycling through it if short.
+    Only the order (N integers) is held; each batch is gathered and converted when it is needed."""
     n = len(y)
     need = batch_size * num_batches
-    g = _generator(seed, "order")
-    order = torch.randperm(n, generator=g)
-    note = None
-    if need > n:
-        order = order.repeat((need + n - 1) // n)
-        note = f"{origin} has only {n} samples; cycled through them to fill {need}"
-    order = order[:need].numpy()
-    x_sel = torch.from_numpy(np.ascontiguousarray(x[order])).to(torch.float64)
-    if is_mnist:
-        x_sel = (x_sel / 255.0 - MNIST_MEAN) / MNIST_STD
-    y_sel = torch.from_numpy(np.ascontiguousarray(y[order])).to(torch.int64)
-    batches = [
-        (x_sel[i * batch_size:(i + 1) * batch_size], y_sel[i * batch_size:(i + 1) * batch_size])
-        for i in range(num_batches)
-    ]
-    return _finish(source, batches, note)
+    order = torch.randperm(n, generator=_generator(seed, "order")).numpy()
+    note = f"{origin} has only {n} samples; cycled through them to fill {need}" if need > n else None
+
+    def open_iter():
+        for start in itertools.count(0, batch_size):
+            idx = order[np.arange(start, start + batch_size) % n]
+            xb = torch.from_numpy(np.ascontiguousarray(x[idx])).to(torch.float64)
+            if is_mnist:
+                xb = (xb / 255.0 - MNIST_MEAN) / MNIST_STD
+            yield xb.contiguous(), torch.from_numpy(np.ascontiguousarray(y[idx])).to(torch.int64)
+
+    return note, open_iter
+
+
+def open_builtin(source, *, input_shape, num_classes, batch_size, steps, seed):
+    """``(source name, note, open_iter)`` of a built-in source: synthetic, mnist:DIR or npz:PATH."""
+    input_shape = _check_args(input_shape, num_classes, batch_size, steps)
+    spec = "synthetic" if source is None else source.strip()
+    kind, sep, arg = spec.partition(":")
+    if kind == "synthetic" and not sep:
+        note, open_iter = _synthetic_source(input_shape, num_classes, batch_size, seed)
+        return "synthetic", note, open_iter
+    x, y, origin, kind, path = _read_source(source, kind, arg, input_shape, num_classes)
+    note, open_iter = _sample_source(x, y, origin, batch_size, steps, seed, kind == "mnist")
+    return f"{kind}:{path}", note, open_iter
+
+
+def _read_source(source, kind, arg, input_shape, num_classes):
+    if kind not in ("mnist", "npz"):
+        raise UsageError(
+            f"unknown data source {source!r}: use 'synthetic', 'digits', 'mnist:DIR', 'npz:PATH' "
+            "or path/file.py:factory"
+        )
+    if not arg:
+        raise UsageError(f"data source {source!r} needs a path after '{kind}:'")
+    path = os.path.abspath(os.path.expanduser(arg))
+    if kind == "mnist":
+        x, y, origin = _read_mnist(path, input_shape)
+    else:
+        x, y, origin = _read_npz(path, input_shape)
+    _check_labels(y, num_classes, origin)
+    return x, y, origin, kind, path
 
 
 def _check_labels(y: np.ndarray, num_classes: int, origin: str) -> None:
@@ -298,28 +329,33 @@ def _read_mnist(directory: str, input_shape) -> tuple[np.ndarray, np.ndarray, st
 
 
 def _read_idx(path: str, magic: int) -> np.ndarray:
-    """Read an unsigned-byte IDX file (images: magic 2051, 3 dims; labels: 2049, 1 dim)."""
-    try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-    except (OSError, EOFError) as e:
-        raise UsageError(f"{path}: cannot read ({e})") from None
+    """Read an unsigned-byte IDX file (images: magic 2051, 3 dims; labels: 2049, 1 dim).
+
+    The header is read first; at most what it describes (plus one byte, to notice
+    more) is then read or decompressed, and never more than ``MAX_IDX_BYTES``: a
+    small gzip that expands to gigabytes ends in a one-line error, not in memory.
+    """
     ndim = magic - 2048
     header = 4 + 4 * ndim
-    if len(data) < header:
-        raise UsageError(f"{path}: truncated, only {len(data)} bytes (header needs {header})")
-    found = int.from_bytes(data[:4], "big")
-    if found != magic:
-        raise UsageError(
-            f"{path}: bad magic number {found}, expected {magic} "
-            f"({'images' if magic == _IMAGES_MAGIC else 'labels'} IDX file)"
-        )
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-    expected = header + int(np.prod(dims))
+    try:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            data = f.read(header)
+            if len(data) < header:
+                raise UsageError(f"{path}: truncated, only {len(data)} bytes (header needs {header})")
+            found = int.from_bytes(data[:4], "big")
+            if found != magic:
+                raise UsageError(
+                    f"{path}: bad magic number {found}, expected {magic} "
+                    f"({'images' if magic == _IMAGES_MAGIC else 'labels'} IDX file)"
+                )
+            dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+            expected = header + math.prod(dims)
+            if expected > MAX_IDX_BYTES:
+                raise UsageError(f"{path}: its header ({'x'.join(map(str, dims))}) describes {expected} bytes, "
+                                 f"more than the {MAX_IDX_BYTES >> 30} GiB convcheck reads")
+            data += f.read(expected - header + 1)
+    except (OSError, EOFError, zlib.error) as e:
+        raise UsageError(f"{path}: cannot read ({e})") from None
     if len(data) < expected:
         raise UsageError(
             f"{path}: truncated, {len(data)} bytes but its header ({'x'.join(map(str, dims))}) "

@@ -43,20 +43,21 @@ _FORMS = "a zoo name, package.module:factory or path/to/file.py:factory"
 class ResolvedModel:
     name: str                           # short name for reports and folder names
     factory: Callable[[], nn.Module]    # builds a fresh model (default dtype, CPU)
-    input_shape: tuple[int, int, int]   # C, H, W of one sample
-    num_classes: int
+    input_shape: tuple[int, int, int] | None  # C, H, W of one sample (None: the user's data defines it)
+    num_classes: int | None
     source: str                         # "zoo", "module" or "file"
     spec: str = ""                      # the --model text as given (record it to rebuild)
 
 
 def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,
-                  num_classes: int | None = None) -> ResolvedModel:
+                  num_classes: int | None = None, infer: bool = True) -> ResolvedModel:
     """Resolve a zoo name, ``package.module:factory`` or ``path/to/file.py:factory``.
 
     ``input_shape`` and ``num_classes`` (from ``--input-shape`` / ``--classes``)
     override whatever the model declares. A user factory is called once here
     (without disturbing the global RNG) to check it and to infer what was not
-    given. Call ``check_input_shape`` on a built model to confirm the spec.
+    given (``infer=False``: the user's data defines the inputs, so what a user model does not
+    declare stays None). Call ``check_input_shape`` on a built model to confirm the spec.
     """
     if input_shape is not None:
         input_shape = _as_shape(input_shape, f"input shape for model {name!r}")
@@ -67,7 +68,7 @@ def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,
             raise UsageError(f"number of classes must be a positive integer, got {num_classes!r}") from None
     if ":" not in name:
         return _resolve_zoo(name, input_shape, num_classes)
-    return _resolve_user(name, input_shape, num_classes)
+    return _resolve_user(name, input_shape, num_classes, infer)
 
 
 def parse_input_shape(text: str) -> tuple[int, int, int]:
@@ -117,17 +118,18 @@ def _resolve_zoo(name: str, input_shape, num_classes) -> ResolvedModel:
 
 # --- user models -------------------------------------------------------------------
 
-def _resolve_user(spec: str, input_shape, num_classes) -> ResolvedModel:
+def _resolve_user(spec: str, input_shape, num_classes, infer: bool = True) -> ResolvedModel:
     location, _, attr = spec.rpartition(":")
     if not location or not attr or not all(p.isidentifier() for p in attr.split(".")):
         raise UsageError(f"model {spec!r} is not {_FORMS}")
     # User code may draw random numbers when imported or built; the caller's
     # seeded generator must not notice.
     with torch.random.fork_rng(devices=[]):
-        return _resolve_user_code(spec, location, attr, input_shape, num_classes)
+        return _resolve_user_code(spec, location, attr, input_shape, num_classes, infer)
 
 
-def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_classes) -> ResolvedModel:
+def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_classes,
+                       infer: bool = True) -> ResolvedModel:
     if location.endswith(".py") or "/" in location or "\\" in location:
         module, source, short = load_file(location, "model"), "file", Path(location).stem
         where = f"file {location!r}"
@@ -143,11 +145,14 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
 
     if num_classes is None:
         num_classes = _declared(raw, model, "num_classes", spec)
-    if num_classes is None:
+    if num_classes is None and infer:
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         num_classes = linears[-1].out_features if linears else None
     if input_shape is None:
         input_shape = _declared(raw, model, "input_shape", spec)
+    if not infer:
+        return ResolvedModel(name=f"{short}.{attr}", factory=factory, input_shape=input_shape,
+                             num_classes=num_classes, source=source, spec=spec)
     if input_shape is None:
         input_shape = _infer_input_shape(model, num_classes, spec)
     if num_classes is None:

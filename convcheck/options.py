@@ -12,7 +12,8 @@ from __future__ import annotations
 from convcheck.config import OPTIMIZERS, CompareConfig, default, with_options
 
 # option name -> config field it sets (tolerance options map onto CompareConfig.tolerances)
-OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "bound-factor", "min-error",
+OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "workers", "bound-factor",
+                "min-error",
                 "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
                 "warmup", "clip-grad-norm")
 
@@ -52,7 +53,10 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
         help="perturbed runs of the lower-precision target for the noise envelope; 0 turns it off "
              "(default %(default)s)")
     opt("data", metavar="SOURCE",
-        help="synthetic (default), mnist:DIR (IDX files, raw or .gz) or npz:PATH (arrays x, y)")
+        help="synthetic (default), mnist:DIR (IDX files, raw or .gz), npz:PATH (arrays x, y), digits "
+             "(scikit-learn's 8x8 digits, upsampled), or FILE.py:factory returning a Dataset or an "
+             "iterable of batches")
+    opt("workers", type=int, metavar="N", help="DataLoader workers for a Dataset (default %(default)s)")
     opt("bound-factor", type=float,
         help="flag a layer whose local error exceeds this many times its expected bound (default %(default)s)")
     opt("min-error", type=float, help="...and exceeds this relative error (default %(default)s)")

@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from convcheck.capture import disable_inplace
 from convcheck.config import CompareConfig, with_options
-from convcheck.data import hash_state_dict, load_batches
+from convcheck.data import hash_state_dict
+from convcheck.datasets import is_user_data, open_data
 from convcheck.errors import RunFailed, UsageError
 from convcheck.models import ResolvedModel, check_input_shape, resolve_model
 from convcheck.parity import ParityResult, run_parity
@@ -50,6 +51,7 @@ class CompareResult:
     timings: dict[str, float] = field(default_factory=dict)
     judge_reason: str = ""
     recipe: Recipe | None = None  # the loss, optimizer and schedule as built
+    batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -70,11 +72,13 @@ class CompareResult:
         return summary_dict(self)
 
 
-def _as_resolved(model: ModelArg, input_shape, num_classes) -> ResolvedModel:
+def _as_resolved(model: ModelArg, input_shape, num_classes, need_io: bool = True) -> ResolvedModel:
+    """The model as a factory plus its input spec; ``need_io=False`` (the user's own data defines the
+    inputs) leaves an input shape / class count the model does not declare unknown."""
     if isinstance(model, ResolvedModel):
         return model
     if isinstance(model, str):
-        return resolve_model(model, input_shape=input_shape, num_classes=num_classes)
+        return resolve_model(model, input_shape=input_shape, num_classes=num_classes, infer=need_io)
     if isinstance(model, nn.Module):
         template = model
         factory = lambda: copy.deepcopy(template)  # noqa: E731
@@ -83,10 +87,10 @@ def _as_resolved(model: ModelArg, input_shape, num_classes) -> ResolvedModel:
         factory, name = model, getattr(model, "__name__", "model")
     else:
         raise UsageError(f"model must be a name, an nn.Module or a factory, not {type(model).__name__}")
-    if input_shape is None or num_classes is None:
+    if need_io and (input_shape is None or num_classes is None):
         raise UsageError(f"model {name!r}: pass input_shape=(C, H, W) and num_classes for a model object")
-    return ResolvedModel(name=name, factory=factory, input_shape=tuple(input_shape),
-                         num_classes=int(num_classes), source="object")
+    return ResolvedModel(name=name, factory=factory, input_shape=tuple(input_shape) if input_shape else None,
+                         num_classes=int(num_classes) if num_classes else None, source="object")
 
 
 def initial_state(model: ResolvedModel, seed: int) -> dict[str, torch.Tensor]:
@@ -189,25 +193,18 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
     notes: list[str] = []
     cfg, judge_reason = _resolve_config(cfg, notes)
     cfg, recipe = _resolve_recipe(cfg)
-    resolved = _as_resolved(model, input_shape, num_classes)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    state = initial_state(resolved, cfg.seed)
-    build = model_builder(resolved, state)
-    check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes)
-    batches = load_batches(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,
-                           batch_size=cfg.batch_size, num_batches=cfg.steps, seed=cfg.seed)
-    if batches.note:
-        notes.append(batches.note)
+    resolved, state, build, stream = _prepare(model, cfg, input_shape, num_classes, notes)
     timings["setup_s"] = time.perf_counter() - t0
     try:
         parity = _timed(timings, "parity_s", progress, "parity", lambda: run_parity(
-            build, batches.batches[0], list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
+            build, stream.first(), list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
             loss_fn=recipe.loss))
         arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
         train_cfg = TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe)
         training = _timed(timings, "train_s", None, "train", lambda: run_training(
-            build, list(batches.batches), arms, train_cfg, tolerances=cfg.tolerances,
+            build, stream, arms, train_cfg, tolerances=cfg.tolerances,
             progress=(lambda done, total: progress("train", done, total)) if progress else None))
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
         raise RunFailed(f"out of GPU memory: {str(exc).splitlines()[0]} (try a smaller --batch-size)") from None
@@ -215,11 +212,27 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
         raise RunFailed("out of memory (try a smaller --batch-size)") from None
     result = CompareResult(
         model=resolved, config=cfg, parity=parity, training=training,
-        data_source=batches.source, batch_hashes=tuple(batches.hashes), init_hash=hash_state_dict(state),
-        data_stats=batches.stats(), notes=notes, timings=timings, judge_reason=judge_reason, recipe=recipe,
+        data_source=stream.source, batch_hashes=stream.hashes, init_hash=hash_state_dict(state),
+        data_stats=stream.stats(), notes=notes, timings=timings, judge_reason=judge_reason, recipe=recipe,
+        batches_hash=stream.all_hash,
     )
     _attach_env_and_verdict(result, env_findings, fingerprint)
     return result
+
+
+def _prepare(model, cfg: CompareConfig, input_shape, num_classes, notes: list[str]):
+    """The model, its shared initial weights, ``build(target)`` and the stream of batches."""
+    user_data = is_user_data(cfg.data)
+    resolved = _as_resolved(model, input_shape, num_classes, need_io=not user_data)
+    state = initial_state(resolved, cfg.seed)
+    build = model_builder(resolved, state)
+    if not user_data:  # the built-in sources make inputs of the model's declared shape
+        check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes)
+    stream = open_data(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,
+                       batch_size=cfg.batch_size, steps=cfg.steps, seed=cfg.seed, workers=cfg.workers)
+    if stream.note:
+        notes.append(stream.note)
+    return resolved, state, build, stream
 
 
 def _timed(timings: dict, key: str, progress, stage: str, work):

@@ -111,7 +111,7 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     out += _activation_problems(acts[acts["arm"] == arm], arm)
     finite = [v for v in losses if math.isfinite(v)]
     half = finite[len(finite) // 2:]
-    chance = math.log(num_classes) if num_classes > 1 else math.nan
+    chance = math.log(num_classes) if num_classes and num_classes > 1 else math.nan
     if (len(half) >= PLATEAU_MIN_STEPS and math.isfinite(chance)
             and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half)
             and half[0] - half[-1] < PLATEAU_MIN_DROP * chance):

@@ -58,7 +58,8 @@ def summary_dict(result) -> dict:
         "schema": SUMMARY_SCHEMA,
         "model": {
             "name": result.model.name, "source": result.model.source,
-            "input_shape": list(result.model.input_shape), "num_classes": result.model.num_classes,
+            "input_shape": list(result.model.input_shape) if result.model.input_shape else None,
+            "num_classes": result.model.num_classes,
         },
         "targets": [str(t) for t in cfg.targets],
         "judge": str(cfg.judge),
@@ -69,6 +70,7 @@ def summary_dict(result) -> dict:
             **_recipe_dict(result),
         },
         "data": {"source": result.data_source, "batch_sha256": list(result.batch_hashes),
+                 "batches": result.config.steps, "all_batches_sha256": result.batches_hash,
                  "stats": result.data_stats},
         "initial_weights_sha256": result.init_hash,
         "notes": result.notes,

@@ -26,7 +26,7 @@ def render_html(result, images: dict[str, bytes]) -> str:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>convcheck: {e(m.name)}</title>"
              f"<style>{_CSS}</style></head><body>"]
     parts.append(f"<h1>convcheck compare: {e(m.name)} on {e(' vs '.join(str(t) for t in cfg.targets))}</h1>")
-    parts.append(f"<p>{e(m.source)} model, input {'x'.join(map(str, m.input_shape))}, {m.num_classes} classes; "
+    parts.append(f"<p>{e(m.source)} model, input {'x'.join(map(str, m.input_shape)) if m.input_shape else 'from the data'}, {m.num_classes or '?'} classes; "
                  f"seed {cfg.seed}; {cfg.steps} steps of {e(cfg.optimizer)} at lr {cfg.lr:g}, batch {cfg.batch_size}; "
                  f"data {e(result.data_source)}; judge {e(str(cfg.judge))} ({e(result.judge_reason)}); envelope {cfg.envelope} runs.</p>")
     for note in result.notes:

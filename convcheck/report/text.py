@@ -54,9 +54,9 @@ def render_compare(result, console: Console | None = None) -> None:
     c = console or make_console()
     cfg = result.config
     m = result.model
-    shape = "x".join(map(str, m.input_shape))
+    shape = "x".join(map(str, m.input_shape)) if m.input_shape else "inputs from the data"
     c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {shape}, "
-            f"{m.num_classes} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
+            f"{m.num_classes or '?'} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
             f"batch {cfg.batch_size}  data {escape(str(result.data_source))}")
     c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
     for note in result.notes:
