@@ -89,5 +89,5 @@ def stochastic_layers(model: nn.Module, x, calls: dict, judge: Runner, seed: int
     torch.manual_seed(seed + 7777)
     with judge.applied(), torch.no_grad():
         with SharedDropoutMasks(model, seed), LeafCalls(model, on_call):
-            model(judge.cast_input(x))
+            judge.forward(model, x)
     return found

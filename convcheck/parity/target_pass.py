@@ -10,6 +10,7 @@ import math
 
 import torch.nn as nn
 
+from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, SharedDropoutMasks, is_shared_dropout, tensors_in
 from convcheck.metrics import expected_bound, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
 from convcheck.parity.local import grad_terms_norm, intrinsic_forward, local_forward, local_grads
@@ -39,8 +40,9 @@ class TargetPass:
             with self.masks, LeafCalls(model, self._on_call):
                 out, loss = self.runner.forward_loss(model, x, y, loss_fn)
             self.runner.backward(loss, scale)
-            self._grad_rows(model, x.shape[0], scale)
-        first_run = [out.detach()] + [p.grad.detach() for p in model.parameters() if p.grad is not None]
+            self._grad_rows(model, batch_size_of(x), scale)
+        first_run = [t.detach() for t in tensors_of(out)] + [p.grad.detach() for p in model.parameters()
+                                                             if p.grad is not None]
         return float(loss.detach()), first_run
 
     # -- forward rows -----------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from convcheck.batch import call_model, map_tensors
 from convcheck.capture import tensors_in
 from convcheck.errors import TargetUnavailable
 from convcheck.runners.flags import preserved_global_flags
@@ -166,11 +167,20 @@ class Runner:
         """Move and cast a model (floating parameters and buffers) to this target, in place."""
         return model.to(device=self.torch_device, dtype=self.param_dtype)
 
-    def cast_input(self, x: torch.Tensor) -> torch.Tensor:
-        """A tensor made once on the CPU (a batch, a recorded input), cast and moved for this target."""
-        if x.is_floating_point():
-            return x.to(device=self.torch_device, dtype=self.param_dtype)
-        return x.to(device=self.torch_device)
+    def cast_input(self, x):
+        """A batch made once on the CPU (a tensor, or a tuple/list/dict of them), cast and moved for this
+        target: floating tensors to its parameter dtype, the others only moved."""
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            if t.is_floating_point():
+                return t.to(device=self.torch_device, dtype=self.param_dtype)
+            return t.to(device=self.torch_device)
+        return map_tensors(x, cast)
+
+    def forward(self, model: nn.Module, inputs):
+        """The model on ``inputs`` cast for this target (``model(x)``, ``model(*xs)`` or ``model(**kw)``),
+        under the kind's autocast."""
+        with self.autocast():
+            return call_model(model, self.cast_input(inputs))
 
     # -- forward, loss, backward, step --------------------------------------------------
 
@@ -186,7 +196,7 @@ class Runner:
     def forward_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = cross_entropy):
         """``(output, loss)``: the batch cast for this target, forward and loss under its precision rules."""
         with self.autocast():
-            out = model(self.cast_input(x))
+            out = call_model(model, self.cast_input(x))
             loss = loss_fn(out, self.cast_input(y))
         return out, loss
 
