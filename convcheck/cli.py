@@ -1,8 +1,10 @@
 """The ``convcheck`` command line: parses arguments, calls the library, renders.
 
-No logic of its own lives here. Every ``ConvcheckError`` becomes a one-line
-message on stderr and its exit code; anything else is a bug and keeps its
-traceback.
+No logic of its own lives here. Every failure becomes its exit code and one
+line on stderr (``convcheck.failures``): 0 ok, 1 discrepancy, 2 usage or input
+error (the user's model or data failing included), 3 out of memory / disk
+full / interrupted, 4 a bug in convcheck (the only case with a traceback,
+unless ``--debug``).
 """
 
 from __future__ import annotations
@@ -10,18 +12,42 @@ from __future__ import annotations
 import argparse
 import sys
 
-from convcheck.errors import ConvcheckError
+from convcheck.failures import EXIT_CODES
+
+
+def _exit_codes_text() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and an epilog computed only when help is shown."""
+
+    epilog_factory = None
+
+    def format_help(self) -> str:
+        if self.epilog_factory is not None:
+            self.epilog = self.epilog_factory()
+        return super().format_help()
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _add_debug(p) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the full traceback as well (the exit code is unchanged)")
 
 
 # --- convcheck models ------------------------------------------------------
 
 def _add_models_parser(sub) -> None:
     p = sub.add_parser("models", help="list the reference models")
+    _add_debug(p)
     p.set_defaults(func=_run_models)
 
 
 def _run_models(args) -> int:
-    from reference_models import list_models, get_spec
+    from reference_models import get_spec, list_models
 
     for name in list_models():
         spec = get_spec(name)
@@ -38,15 +64,19 @@ def _add_env_parser(sub) -> None:
         help="fingerprint and audit the driver/CUDA/cuDNN/GPU stack",
         description="Fingerprint the numeric stack (driver, CUDA, cuDNN, GPU, math flags) and audit it. "
         "Exit 1 when a critical finding exists.",
+        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--from", dest="from_file", metavar="FILE",
                    help="audit a saved fingerprint JSON or `python -m torch.utils.collect_env` text "
-                        "instead of this machine")
+                        "(UTF-8 or UTF-16, as pasted) instead of this machine")
     p.add_argument("--against", metavar="OTHER",
                    help="also show the differences that matter for numerics against OTHER "
                         "(fingerprint JSON or collect_env text)")
     p.add_argument("--json", action="store_true", help="write fingerprint(s) and findings as JSON")
-    p.add_argument("--save", metavar="FILE", help="write the fingerprint JSON to FILE")
+    p.add_argument("--save", metavar="FILE",
+                   help="write the fingerprint JSON to FILE (a regular file; an existing one only with --force)")
+    p.add_argument("--force", action="store_true", help="let --save overwrite an existing regular file")
+    _add_debug(p)
     p.set_defaults(func=_run_env)
 
 
@@ -54,15 +84,18 @@ def _run_env(args) -> int:
     import json
 
     from convcheck import env
+    from convcheck.files import check_writable_file
     from convcheck.report.env_text import print_env, render_env
 
+    if args.save:  # before any work: a path that must not be written fails now
+        check_writable_file(args.save, force=args.force, what="--save")
     fp = env.load(args.from_file) if args.from_file else env.collect()
     other = env.load(args.against) if args.against else None
     findings = env.audit(fp)
     other_findings = env.audit(other) if other is not None else []
     differences = env.diff(fp, other) if other is not None else []
     if args.save:
-        env.save(fp, args.save)
+        env.save(fp, args.save, force=args.force)
     if args.json:
         out = {"schema": "convcheck.env/1", "fingerprint": fp.to_dict(),
                "findings": [f.to_dict() for f in findings]}
@@ -82,10 +115,23 @@ def _run_env(args) -> int:
 
 # --- convcheck compare -----------------------------------------------------
 
+def _compare_epilog() -> str:
+    from convcheck.runners import known_modes, runner_classes
+
+    lines = ["targets: DEVICE[:INDEX][:MODE], e.g. cpu, cuda, cuda:1:tf32, cpu:amp-bf16 (MODE defaults to float32)"]
+    for mode in known_modes():
+        cls = next(c for c in runner_classes() if mode in c.modes)
+        devices = ", ".join(f"{d}:{mode}" for d in cls.devices)
+        lines.append(f"  {mode:<13} {cls.descriptions.get(mode, mode)}: {devices}")
+    return "\n".join(lines) + "\n\n" + _exit_codes_text()
+
+
 def _add_compare_parser(sub) -> None:
     from convcheck.options import declare_compare_options
 
-    p = sub.add_parser("compare", help="run one model on two targets against a float64 judge")
+    p = sub.add_parser("compare", help="run one model on two targets against a float64 judge",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.epilog_factory = _compare_epilog
     p.add_argument("--model", default="lenet",
                    help="zoo name (see 'convcheck models'), package.module:factory or path/file.py:factory "
                         "(default %(default)s)")
@@ -98,64 +144,32 @@ def _add_compare_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write report.html, summary.json, layers.csv, curves.csv, env.json and plots there "
-                        "(default reports/<UTC time>-<model>/)")
+                        "(default: a new folder reports/<UTC time, ms>-<model>/)")
+    p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
     p.add_argument("--no-save", action="store_true", help="write no files")
+    _add_debug(p)
     p.set_defaults(func=_run_compare)
 
 
 def _run_compare(args) -> int:
-    import json
-    from datetime import datetime, timezone
+    from convcheck.cli_compare import run_compare
 
-    from convcheck.pipeline import compare
-    from convcheck.models import parse_input_shape
-    from convcheck.options import config_from_options
-    from convcheck.report.export import prepare_out_dir, summary_dict, write_run
-    from convcheck.report.progress import progress_reporter
-    from convcheck.report.text import make_console, render_compare
-
-    config = config_from_options(vars(args))  # bad numbers fail here, before any work
-    shape = parse_input_shape(args.input_shape) if args.input_shape else None
-    fingerprint = findings = None
-    if args.env:
-        from convcheck.env import audit, load
-
-        fingerprint = load(args.env)
-        findings = audit(fingerprint)
-    out = None
-    if not args.no_save:
-        out = args.out or f"reports/{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{_safe(args.model)}"
-        if args.out:
-            prepare_out_dir(out)  # a bad --out fails before the run, not after it
-    with progress_reporter() as progress:
-        result = compare(
-            args.model, config=config, input_shape=shape, num_classes=args.classes, progress=progress,
-            env_findings=findings, fingerprint=fingerprint,
-        )
-    if args.json:
-        print(json.dumps(summary_dict(result), indent=2))
-    else:
-        render_compare(result, make_console())
-    if out:
-        write_run(result, out)
-        print(f"wrote {out}/report.html, summary.json, layers.csv, curves.csv, env.json, loss.png, layers.png",
-              file=sys.stderr)
-    return 0 if result else 1
-
-
-def _safe(text: str) -> str:
-    import re
-
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text.rsplit("/", 1)[-1])[:40]
+    return run_compare(args)
 
 
 # --- entry point -------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from convcheck import __version__
+
+    parser = _Parser(
         prog="convcheck",
         description="Why does the same PyTorch model converge on one device and not on another?",
+        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"convcheck {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the full traceback as well (the exit code is unchanged)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_compare_parser(sub)
     _add_env_parser(sub)
@@ -164,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from convcheck.failures import report
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -171,12 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except ConvcheckError as exc:
-        print(f"convcheck: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("convcheck: interrupted", file=sys.stderr)
-        return 3
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
+        if isinstance(exc, SystemExit):
+            raise
+        return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
 
 
 if __name__ == "__main__":

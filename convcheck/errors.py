@@ -1,6 +1,8 @@
 """Errors meant for the user: the CLI prints their one-line message, no traceback.
 
-Anything that is not a ``ConvcheckError`` is a bug and keeps its traceback.
+Anything that is not a ``ConvcheckError`` is classified by ``convcheck.failures``:
+the machine's limits (exit 3), the user's own code failing (exit 2) or a bug
+in convcheck (exit 4, with its traceback).
 """
 
 
@@ -16,6 +18,12 @@ class UsageError(ConvcheckError):
     exit_code = 2
 
 
+class UserCodeError(UsageError):
+    """The user's model, loss or data code raised; the message names the file, line and function."""
+
+    exit_code = 2
+
+
 class TargetUnavailable(ConvcheckError):
     """A target this machine cannot run (no GPU, no MPS)."""
 
@@ -23,6 +31,6 @@ class TargetUnavailable(ConvcheckError):
 
 
 class RunFailed(ConvcheckError):
-    """The run itself could not complete (out of memory, interrupted)."""
+    """The run itself could not complete (out of memory, disk full, interrupted)."""
 
     exit_code = 3

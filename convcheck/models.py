@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from convcheck.errors import UsageError
+from convcheck.errors import ConvcheckError, UsageError
 from convcheck.user_code import import_module, load_file, one_line
 
 # Square image sizes tried, smallest first, when a model does not declare its
@@ -90,9 +90,12 @@ def check_input_shape(model: nn.Module, input_shape: tuple[int, int, int], num_c
     Works on a float64 copy in eval mode, so the model itself (its dtype,
     BatchNorm statistics, training flag) is left as it was.
     """
+    from convcheck.runners import preserved_global_flags
+
     name = name or type(model).__name__
-    problem = _forward_problem(copy.deepcopy(model).to(torch.float64), input_shape,
-                               num_classes, torch.float64)
+    with preserved_global_flags():  # flags the user's forward sets during the probe do not leak out
+        problem = _forward_problem(copy.deepcopy(model).to(torch.float64), input_shape,
+                                   num_classes, torch.float64)
     if problem:
         raise UsageError(f"model {name!r} rejects input shape {_shape_text(input_shape)}: {problem}")
 
@@ -176,12 +179,29 @@ def _lookup(module, attr: str, where: str):
     return obj
 
 
+def checked_factory(raw: Callable, name: str) -> Callable[[], nn.Module]:
+    """``raw`` wrapped so that a call returning anything but an ``nn.Module`` raises a ``UsageError``
+    naming ``name``; what ``raw`` raises passes unchanged (the caller reports where it happened)."""
+    return functools.partial(_module_or_error, raw, name)
+
+
+def _module_or_error(raw: Callable, name: str) -> nn.Module:
+    model = raw()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def _build(raw: Callable, spec: str) -> nn.Module:
     """Call a user factory; its failures and wrong return types become UsageErrors."""
+    from convcheck.failures import resource_reason
+
     try:
         model = raw()
     except Exception as exc:
-        raise UsageError(f"model factory {spec!r} raised {one_line(exc)}") from None
+        if isinstance(exc, ConvcheckError) or resource_reason(exc):
+            raise  # already one line, or the machine's limit (exit 3), not the factory's fault
+        raise UsageError(f"model factory {spec!r} raised {one_line(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise UsageError(f"model factory {spec!r} returned {type(model).__name__}, "
                          f"not a torch.nn.Module")

@@ -164,8 +164,42 @@ def compare(
     if targets is not None:
         options["targets"] = targets
     cfg = with_options(config or CompareConfig(), **options)
-    with _caller_rng_kept():
-        return _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progress)
+    with _caller_rng_kept(), _guarded(progress, cfg.steps) as stage:
+        resolved = _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerprint)
+        return _run(resolved, cfg, None, None, env_findings, fingerprint, stage)
+
+
+@contextlib.contextmanager
+def _guarded(progress, steps: int):
+    """The caller's global flags restored; the user's code failing becomes a one-line UserCodeError
+    (file, line, function, stage), the machine's limits a RunFailed; convcheck's bugs pass unchanged.
+    Yields the progress callback that remembers the stage reached."""
+    from convcheck.failures import RunStage, user_failures
+    from convcheck.runners import preserved_global_flags
+
+    if progress is not None and not callable(progress):
+        raise UsageError(f"progress must be a callable(stage, done, total), not {type(progress).__name__}")
+    stage = RunStage(progress, steps)
+    with preserved_global_flags(), user_failures(stage):
+        yield stage
+
+
+def _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerprint) -> ResolvedModel:
+    """The model resolved, a factory object's results checked, and the user's own model tried once in
+    training mode (``convcheck.preflight``) before anything is measured. With the user's own data the
+    inputs come from the data, so the model needs no declared input shape and is tried on real batches."""
+    from convcheck.models import checked_factory
+    from convcheck.preflight import check_arguments, check_trainable
+
+    check_arguments(input_shape, num_classes, env_findings, fingerprint)
+    _resolve_config(cfg, [])  # a target or judge that cannot run here is refused before any model is built
+    user_data = is_user_data(cfg.data)
+    resolved = _as_resolved(model, input_shape, num_classes, need_io=not user_data)
+    if resolved.source == "object":
+        resolved = dataclasses.replace(resolved, factory=checked_factory(resolved.factory, resolved.name))
+    if resolved.source != "zoo" and not user_data:
+        check_trainable(resolved, cfg.batch_size)
+    return resolved
 
 
 def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig, str]:

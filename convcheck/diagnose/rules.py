@@ -241,8 +241,11 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         if t is not None and t.mixed_precision:
             out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
                        "around it), or use bfloat16 autocast, which has float32's range")
-        elif layer:
+        elif layer and t is not None and t.half_compute:  # float16's range ends at 65504; float32's does not
             out.append(f"keep '{layer}' in float32, or normalise its input so values stay below 65504")
+        elif layer:
+            out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
+                       "log or sqrt of a non-positive value")
         out.append("scale activations down (add normalisation before the layer)")
     if main.name == S.GRADIENT_UNDERFLOW:
         out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")

@@ -9,7 +9,13 @@ arch list, math flags) is filled from the tables and marked as inferred.
 Caveat carried into the record: collect_env's "cuDNN version" lists the
 cuDNN files installed on the system, not the one torch loaded
 (pytorch/pytorch#78489); a pip ``nvidia-cudnn-cu*`` pin, when listed, is the
-better evidence for wheels that bundle cuDNN.
+better evidence for wheels that bundle cuDNN. When both are listed and differ,
+the record says so in a note.
+
+Pasted text is read tolerantly: CRLF or CR line ends, full-width colons
+(``GPU 0：``), non-breaking spaces, e-mail/Markdown quote markers and code
+fences, keys missing or out of order. Two reports pasted one after the other
+are not merged: the first is read and a note says so.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from convcheck.env.fingerprint import GPU, Driver, Fingerprint, Host, MathFlags,
 from convcheck.env.tables import (
     capability_from_name,
     cudnn_version_int,
+    format_version,
     parse_version,
     wheel_arches,
 )
@@ -33,14 +40,44 @@ _KEYS = (
     "Is XPU available", "XPU used to build PyTorch", "Caching allocator config", "CPU",
     "Versions of relevant libraries",
 )
-_KEY_RE = re.compile(r"^(" + "|".join(re.escape(k) for k in _KEYS) + r"):\s*(.*)$")
+_KEY_RE = re.compile(r"^(" + "|".join(re.escape(k) for k in _KEYS) + r")\s*:\s*(.*)$", re.IGNORECASE)
+_CANONICAL = {k.lower(): k for k in _KEYS}
+# Characters pasted reports carry instead of ':' and ' ' (CJK input methods, word processors, HTML).
+_LOOKALIKES = str.maketrans({"\uff1a": ":", "\ufe55": ":", "\ufe13": ":", "\u3000": " ", "\u00a0": " ",
+                             "\u2007": " ", "\u202f": " ", "\ufeff": None, "\u200b": None, "\x00": None})
+_QUOTE_RE = re.compile(r"^[ \t]*(?:>[ \t]?)+")
+_VERSION_RE = re.compile(r"^PyTorch version\s*:", re.IGNORECASE)
+_HEADER_RE = re.compile(r"^Collecting environment information", re.IGNORECASE)
 _MISSING = {"", "could not collect", "n/a", "none", "no cuda", "not available"}
 
 
+def normalise(text: str) -> str:
+    """One '\\n' per line end, ASCII colons and spaces, no quote markers or code fences."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").translate(_LOOKALIKES)
+    lines = (_QUOTE_RE.sub("", line) for line in text.split("\n"))
+    return "\n".join(line for line in lines if not line.lstrip().startswith("```"))
+
+
+def split_reports(text: str) -> list[str]:
+    """The collect_env reports in ``text``, in order: each starts at its 'PyTorch version:' line, or at
+    the 'Collecting environment information' line just above it."""
+    lines = text.split("\n")
+    versions = [i for i, line in enumerate(lines) if _VERSION_RE.match(line.strip())]
+    if len(versions) <= 1:
+        return [text]
+    bounds = [0]
+    for previous, i in zip(versions, versions[1:]):
+        header = next((j for j in range(i - 1, max(previous, i - 4), -1)
+                       if _HEADER_RE.match(lines[j].strip())), None)
+        bounds.append(header if header is not None else i)
+    bounds.append(len(lines))
+    return ["\n".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def looks_like_collect_env(text: str) -> bool:
-    return "PyTorch version:" in text and (
-        "CUDA used to build PyTorch:" in text or "Is CUDA available:" in text
-    )
+    low = normalise(text).lower()
+    return bool(re.search(r"pytorch version\s*:", low)) and bool(
+        re.search(r"cuda used to build pytorch\s*:|is cuda available\s*:", low))
 
 
 def parse_sections(text: str) -> dict[str, list[str]]:
@@ -51,7 +88,7 @@ def parse_sections(text: str) -> dict[str, list[str]]:
         line = raw.rstrip()
         m = _KEY_RE.match(line.strip())
         if m:
-            current = m.group(1)
+            current = _CANONICAL[m.group(1).lower()]
             out.setdefault(current, []).append(m.group(2).strip())
             continue
         if current is None:
@@ -66,7 +103,8 @@ def parse_sections(text: str) -> dict[str, list[str]]:
 
 
 def parse_collect_env(text: str, source: str = "collect_env text") -> Fingerprint:
-    s = parse_sections(text)
+    reports = split_reports(normalise(text))
+    s = parse_sections(reports[0])
     first = {k: _value(v[0]) if v else None for k, v in s.items()}
     libs = _libraries(s.get("Versions of relevant libraries", []))
 
@@ -83,8 +121,14 @@ def parse_collect_env(text: str, source: str = "collect_env text") -> Fingerprin
             arch_source = f"inferred: official cu{cuda.replace('.', '')} wheel ({why})"
 
     notes = []
+    if len(reports) > 1:
+        notes.append(f"the text holds {len(reports)} collect_env reports one after the other; "
+                     "only the first was read")
     if cudnn_source and "system" in cudnn_source:
         notes.append("collect_env lists the system's cuDNN files, not the one torch loads (pytorch/pytorch#78489)")
+    mismatch = _cudnn_mismatch(s.get("cuDNN version", []), libs)
+    if mismatch:
+        notes.append(mismatch)
 
     return Fingerprint(
         source=source,
@@ -143,7 +187,7 @@ def _gpus(lines: list[str]) -> tuple[GPU, ...]:
         line = line.strip()
         if not _value(line):
             continue
-        m = re.match(r"GPU (\d+):\s*(.*)$", line)
+        m = re.match(r"GPU (\d{1,4}):\s*(.*)$", line)
         index, name = (int(m.group(1)), m.group(2)) if m else (len(gpus), line)
         uuid = re.search(r"\(UUID:\s*([^)]+)\)", name)
         name = re.sub(r"\s*\(UUID:[^)]*\)", "", name).strip()
@@ -163,39 +207,62 @@ def _libraries(lines: list[str]) -> dict[str, str]:
         if not m:
             continue
         name, version = m.group(2).lower(), m.group(3)
-        if re.fullmatch(r"nvidia-cudnn-cu\d+", name):
-            out["cudnn"] = version
-        elif re.fullmatch(r"nvidia-cublas-cu\d+", name):
+        if re.fullmatch(r"nvidia-cudnn(-cu\d+)?", name):
+            out["cudnn"], out["cudnn_package"] = version, f"pip package {name}"
+        elif re.fullmatch(r"nvidia-cublas(-cu\d+)?", name):
             out["cublas"] = version
         elif name in ("cudatoolkit", "cuda-toolkit"):
             out["cudatoolkit"] = version
-        elif name == "cudnn" and m.group(1) == "conda":
-            out.setdefault("cudnn", version)
-        elif name == "pytorch" and m.group(1) == "conda":
+        elif name == "cudnn" and m.group(1) == "conda" and "cudnn" not in out:
+            out["cudnn"], out["cudnn_package"] = version, "conda package cudnn"
+        elif name == "pytorch" and m.group(1) == "conda" and "cudnn" not in out:
             build = re.search(r"cuda(\d+\.\d+)[\d.]*_cudnn(\d+\.\d+\.\d+)", line)
             if build:  # conda build string: py3.8_cuda11.0.221_cudnn8.0.5_0
-                out.setdefault("cudnn", build.group(2))
+                out["cudnn"], out["cudnn_package"] = build.group(2), "the conda pytorch build"
     return out
 
 
 def _cudnn(lines: list[str], libs: dict[str, str]) -> tuple[int | None, str | None]:
-    if "cudnn" in libs and parse_version(libs["cudnn"]):
-        v = parse_version(libs["cudnn"])
-        return cudnn_version_int(v[:3]), "pip/conda package (the cuDNN the wheel bundles)"
+    pip = parse_version(libs.get("cudnn"))
+    if pip:
+        return cudnn_version_int(pip[:3]), "pip/conda package (the cuDNN the wheel bundles)"
+    system = _system_cudnn(lines)
+    if system is None:
+        return None, None
+    return cudnn_version_int(system[:3]), "system cuDNN files listed by collect_env"
+
+
+def _system_cudnn(lines: list[str]):
+    """The newest cuDNN version among the system files collect_env lists ('libcudnn.so.9.14.0', a DLL
+    name, or a bare '8.9.2'); None when none is listed."""
     versions = []
     for line in lines:
-        for m in re.finditer(r"libcudnn\.so\.(\d+(?:\.\d+){0,2})|cudnn(?:64_|_[a-z_]+64_)(\d+)\.dll", line):
+        for m in re.finditer(r"libcudnn(?:_[a-z_]+)?\.so\.(\d{1,4}(?:\.\d{1,4}){0,2})(?!\d)"
+                             r"|cudnn(?:64_|_[a-z_]+64_)(\d{1,4})\.dll", line):
             v = parse_version(m.group(1) or m.group(2))
             if v:
                 versions.append(v)
         if not versions:
-            plain = re.fullmatch(r"(\d+\.\d+\.\d+)", line.strip())
+            plain = re.fullmatch(r"(\d{1,4}\.\d{1,4}\.\d{1,4})", line.strip())
             if plain:
                 versions.append(parse_version(plain.group(1)))
-    if not versions:
-        return None, None
-    best = max(versions)
-    return cudnn_version_int(best[:3]), "system cuDNN files listed by collect_env"
+    return max(versions) if versions else None
+
+
+def _cudnn_mismatch(lines: list[str], libs: dict[str, str]) -> str | None:
+    """The note when collect_env lists system cuDNN files of another version than the pip/conda cuDNN
+    the wheel loads (pytorch/pytorch#78489)."""
+    pip, system = parse_version(libs.get("cudnn")), _system_cudnn(lines)
+    if not pip or not system or _pad3(pip) == _pad3(system):
+        return None
+    package = libs.get("cudnn_package", "the pip/conda cuDNN package")
+    return (f"cuDNN: collect_env lists system cuDNN {format_version(_pad3(system))} files, but torch loads "
+            f"cuDNN {format_version(_pad3(pip))} from {package}; the audit uses {format_version(_pad3(pip))} "
+            "(collect_env reports system files, pytorch/pytorch#78489)")
+
+
+def _pad3(v) -> tuple[int, int, int]:
+    return (tuple(v) + (0, 0, 0))[:3]
 
 
 def _cpu(lines: list[str]) -> str | None:

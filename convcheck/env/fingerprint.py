@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from convcheck.env.fields import check_list, check_section
 from convcheck.env.tables import parse_version
 from convcheck.errors import UsageError
 
@@ -155,24 +156,25 @@ class Fingerprint:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
+        """The record from its JSON form, checked field by field (``convcheck.env.fields``): a wrong
+        type or an absurd value is a one-line ``UsageError`` naming the field."""
         if not isinstance(d, dict):
             raise UsageError("fingerprint JSON must be an object")
         schema = d.get("schema")
         if schema != SCHEMA:
-            raise UsageError(f"not a convcheck fingerprint (schema {schema!r}, expected {SCHEMA!r})")
-        try:
-            return cls(
-                source=str(d.get("source") or "fingerprint JSON"),
-                collected_at=d.get("collected_at"),
-                host=_build(Host, d.get("host")),
-                torch=_build(TorchBuild, d.get("torch")),
-                driver=_build(Driver, d.get("driver")),
-                gpus=tuple(_build_gpu(i, g) for i, g in enumerate(d.get("gpus") or [])),
-                math=_build(MathFlags, d.get("math")),
-                notes=tuple(str(n) for n in d.get("notes") or ()),
-            )
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"malformed fingerprint JSON: {exc}") from None
+            shown = schema if isinstance(schema, str) and len(schema) < 80 else type(schema).__name__
+            raise UsageError(f"not a convcheck fingerprint (schema {shown!r}, expected {SCHEMA!r})")
+        top = check_section(cls, d, "")
+        return cls(
+            source=top.get("source") or "fingerprint JSON",
+            collected_at=top.get("collected_at"),
+            host=_build(Host, d.get("host"), "host"),
+            torch=_build(TorchBuild, d.get("torch"), "torch"),
+            driver=_build(Driver, d.get("driver"), "driver"),
+            gpus=tuple(_build_gpu(i, g) for i, g in enumerate(check_list(d.get("gpus"), "gpus"))),
+            math=_build(MathFlags, d.get("math"), "math"),
+            notes=top.get("notes") or (),
+        )
 
 
 def anonymise_uuid(uuid: str | None) -> str | None:
@@ -192,33 +194,25 @@ def _plain(obj):
     return obj
 
 
-def _build(cls, data):
+def _build(cls, data, where: str):
     if data is None:
         return cls()
-    if not isinstance(data, dict):
-        raise TypeError(f"{cls.__name__.lower()} must be an object")
-    known = {f.name for f in fields(cls)}
-    kwargs = {k: _tuple(v) for k, v in data.items() if k in known}
-    return cls(**kwargs)
+    return cls(**check_section(cls, data, where))
 
 
 def _build_gpu(i: int, data) -> GPU:
+    where = f"gpus[{i}]"
     if not isinstance(data, dict):
-        raise TypeError("each gpu must be an object")
+        raise UsageError(f"malformed fingerprint JSON: field {where} must be an object, got {type(data).__name__}")
     data = dict(data)
-    data.setdefault("index", i)
+    if data.get("index") is None:
+        data["index"] = i
     if "uuid" in data:  # a raw UUID from elsewhere never reaches the record
-        data["uuid_hash"] = anonymise_uuid(data.pop("uuid"))
-    if data.get("capability") is not None:
-        cap = data["capability"]
-        if isinstance(cap, str):
-            cap = cap.split(".")
-        data["capability"] = (int(cap[0]), int(cap[1]))
-    return _build(GPU, data)
-
-
-def _tuple(v):
-    return tuple(v) if isinstance(v, list) else v
+        uuid = data.pop("uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise UsageError(f"malformed fingerprint JSON: field {where}.uuid must be text")
+        data["uuid_hash"] = anonymise_uuid(uuid[:200] if uuid else None)
+    return _build(GPU, data, where)
 
 
 def redact_uuids(text: str) -> str:

@@ -16,7 +16,8 @@ def parse_version(text: str | None) -> Version | None:
     """'470.82.01' -> (470, 82, 1); '12.1' -> (12, 1); anything else -> None."""
     if not text:
         return None
-    m = re.match(r"\s*(\d+(?:\.\d+)*)", str(text))
+    # At most 9 digits a part and 8 parts: a 5000-digit "version" is no version (and int() would refuse it).
+    m = re.match(r"\s*(\d{1,9}(?:\.\d{1,9}){0,7})(?![\d])", str(text)[:200])
     if not m:
         return None
     return tuple(int(p) for p in m.group(1).split("."))
@@ -82,42 +83,8 @@ def newest_cuda_for_driver(driver: Version, windows: bool = False) -> tuple[int,
 
 
 # --- GPU name -> compute capability ------------------------------------------
-
-# Source: developer.nvidia.com/cuda-gpus (compute capability per GPU).
-# First match wins: more specific patterns come first. Matched against the
-# lower-cased name with 'nvidia', 'geforce' and 'tesla' removed.
-_GPU_PATTERNS: list[tuple[str, tuple[int, int]]] = [
-    (r"\brtx pro \d+ blackwell\b", (12, 0)),
-    (r"\brtx 50\d0\b", (12, 0)),
-    (r"\bgb10\b", (12, 1)),
-    (r"\bg?b300\b", (10, 3)),
-    (r"\bg?b[12]00\b", (10, 0)),
-    (r"\bgh200\b|\bh[12]00\b|\bh800\b|\bh20\b", (9, 0)),
-    (r"\brtx \d{4} ada\b|\bl40s?\b|\bl4\b|\brtx 40\d0\b", (8, 9)),
-    (r"\ba100\b|\ba800\b|\ba30\b", (8, 0)),
-    (r"\ba10g?\b|\ba40\b|\ba16\b|\ba2\b|\brtx a\d{4}\b|\brtx 30\d0\b", (8, 6)),
-    (r"\btitan rtx\b|\bt4\b|\brtx 20\d0\b|\bgtx 16\d0\b|\bquadro rtx\b", (7, 5)),
-    (r"\bv100\b|\btitan v\b|\bgv100\b", (7, 0)),
-    (r"\bp100\b|\bgp100\b", (6, 0)),
-    (r"\btitan xp\b|\btitan x \(pascal\)|\bgtx 10[5-8]0\b|\bp4\b|\bp40\b|\bquadro p\d+", (6, 1)),
-    (r"\bgtx titan x\b|\btitan x\b|\bgtx 9[5-8]0\b|\bm40\b|\bm60\b", (5, 2)),
-    (r"\bgtx 750\b", (5, 0)),
-    (r"\bk80\b", (3, 7)),
-    (r"\bk20|\bk40\b|\bgtx 780\b|\bgtx titan\b", (3, 5)),
-    (r"\bgtx 6[5-9]0\b|\bgtx 7[67]0\b|\bk10\b", (3, 0)),
-]
-
-
-def capability_from_name(name: str | None) -> tuple[int, int] | None:
-    if not name:
-        return None
-    text = re.sub(r"\b(nvidia|geforce|tesla)\b", " ", name.lower())
-    text = re.sub(r"[-_]", " ", text)
-    text = re.sub(r"\s+", " ", text).strip()
-    for pattern, cc in _GPU_PATTERNS:
-        if re.search(pattern, text):
-            return cc
-    return None
+# The table (back to the Tesla architecture, with its source) lives in gpu_names.py.
+from convcheck.env.gpu_names import CAPABILITY_SOURCE, capability_from_name  # noqa: E402,F401
 
 
 # --- GPUs with fast float64 (a float64 judge on the GPU) ----------------------

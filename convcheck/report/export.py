@@ -9,8 +9,8 @@ import math
 import os
 from pathlib import Path
 
-from convcheck.errors import UsageError
-from convcheck.files import atomic_write_text
+from convcheck.files import atomic_write_bytes, atomic_write_text, write_error
+from convcheck.report.folder import REPORT_FILES
 from convcheck.report.shared import training_rule
 
 SUMMARY_SCHEMA = "convcheck.summary/1"
@@ -99,38 +99,72 @@ def summary_dict(result) -> dict:
     })
 
 
-def prepare_out_dir(out: str | os.PathLike) -> Path:
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {path}: exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {path}: cannot create directory ({exc.strerror})") from None
+def prepare_out_dir(out: str | os.PathLike, *, force: bool = True) -> Path:
+    """``out`` as a directory to write a report in (created if missing); a report already there is
+    refused unless ``force``, and a report file that is not a regular file always (``report.folder``)."""
+    from convcheck.report.folder import RunFolder
+
+    return RunFolder.explicit(out, force=force).path
+
+
+def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool = True) -> list[Path]:
+    """``summary.json``, ``layers.csv``, ``curves.csv``, ``env.json`` and, with ``plots``,
+    ``loss.png``, ``layers.png`` and a self-contained ``report.html`` in ``out``.
+
+    ``summary.json`` is written first with ``"complete": false`` and rewritten with
+    ``true`` once every other file is in place, so a full disk halfway leaves a
+    summary that says so. A failed write is a one-line ``RunFailed`` (disk full)
+    or ``UsageError`` (anything else) naming what was and was not written.
+    """
+    path = prepare_out_dir(out, force=force)
+    summary = summary_dict(result)
+    writer = _Writer(path, plots)
+    writer.text("summary.json", json.dumps({**summary, "complete": False}, indent=2) + "\n")
+    writer.text("layers.csv", result.parity.layers.to_csv(index=False))
+    writer.text("curves.csv", result.training.curves.to_csv(index=False))
+    writer.text("env.json", json.dumps(summary["env"], indent=2) + "\n")
+    if plots:
+        from convcheck.report.html import render_html
+        from convcheck.report.plots import render_plots
+
+        images = render_plots(result)
+        for name, data in images.items():
+            writer.data(name, data)
+        writer.text("report.html", render_html(result, images))
+    writer.text("summary.json", json.dumps({**summary, "complete": True}, indent=2) + "\n")
+    return writer.written
+
+
+def write_partial(out: str | os.PathLike, info: dict) -> Path:
+    """``summary.json`` with ``"complete": false`` and what is known of a run that stopped early."""
+    path = Path(out) / "summary.json"
+    atomic_write_text(path, json.dumps(_clean({"schema": SUMMARY_SCHEMA, "complete": False, **info}), indent=2)
+                      + "\n")
     return path
 
 
-def write_run(result, out: str | os.PathLike, *, plots: bool = True) -> list[Path]:
-    """``summary.json``, ``layers.csv``, ``curves.csv``, ``env.json`` and, with ``plots``,
-    ``loss.png``, ``layers.png`` and a self-contained ``report.html`` in ``out``."""
-    path = prepare_out_dir(out)
-    summary = summary_dict(result)
-    written = []
-    files = {
-        "summary.json": json.dumps(summary, indent=2) + "\n",
-        "layers.csv": result.parity.layers.to_csv(index=False),
-        "curves.csv": result.training.curves.to_csv(index=False),
-        "env.json": json.dumps(summary["env"], indent=2) + "\n",
-    }
-    for name, text in files.items():
-        atomic_write_text(path / name, text)
-        written.append(path / name)
-    if plots:
-        from convcheck.report.html import render_html
-        from convcheck.report.plots import write_plots
+class _Writer:
+    """Writes one report file after another; a failure names what was written and what was not."""
 
-        images = write_plots(result, path)
-        written += [path / n for n in images]
-        atomic_write_text(path / "report.html", render_html(result, images))
-        written.append(path / "report.html")
-    return written
+    def __init__(self, path: Path, plots: bool):
+        self.path = path
+        self.written: list[Path] = []
+        self.expected = [n for n in REPORT_FILES if plots or not n.endswith((".png", ".html"))]
+
+    def text(self, name: str, text: str) -> None:
+        self.data(name, text.encode("utf-8"))
+
+    def data(self, name: str, data: bytes) -> None:
+        target = self.path / name
+        try:
+            atomic_write_bytes(target, data)
+        except OSError as exc:
+            done = [p.name for p in self.written]
+            summary = "summary.json (complete: false)" if "summary.json" in done else None
+            wrote = [summary] + [n for n in done if n != "summary.json"] if summary else done
+            missing = [n for n in self.expected if n not in done]
+            error = write_error(exc, target)
+            raise type(error)(f"{error}; wrote {', '.join(wrote) or 'nothing'} in {self.path}; "
+                              f"not written: {', '.join(missing)}") from None
+        if target not in self.written:
+            self.written.append(target)

@@ -86,9 +86,14 @@ def figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
+def render_plots(result) -> dict[str, bytes]:
+    """``loss.png`` and ``layers.png`` as PNG bytes, by file name."""
+    return {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
+
+
 def write_plots(result, out: Path) -> dict[str, bytes]:
     """``loss.png`` and ``layers.png`` in ``out`` (temporary name, then rename); returns their bytes."""
-    images = {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
+    images = render_plots(result)
     for name, data in images.items():
         atomic_write_bytes(Path(out) / name, data)
     return images

@@ -1,0 +1,232 @@
+"""What a failure means: one exit code and one line, decided in one place.
+
+Exit codes (``convcheck --help`` and the README list them):
+
+====  ==========================================================================
+0     ok
+1     a discrepancy (or a critical environment finding) was diagnosed
+2     usage or input error, including the user's model, loss or data failing
+3     resource: out of memory (CPU or GPU), disk full, interrupted
+4     internal error: a bug in convcheck (traceback plus a request to report it)
+====  ==========================================================================
+
+Whose code failed is read from the traceback: the innermost frame that is
+neither the standard library nor an installed package (torch, numpy, ...). If
+that frame is in convcheck (or its reference models) the failure is
+convcheck's own (4); otherwise it is the user's code (2), reported in one line
+naming the file, line, function, exception type and message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from convcheck.errors import ConvcheckError, RunFailed, UserCodeError
+
+EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_RESOURCE, EXIT_INTERNAL = 0, 1, 2, 3, 4
+
+EXIT_CODES = (
+    (EXIT_OK, "ok: the targets agree, or an environment audit found nothing critical"),
+    (EXIT_DISCREPANCY, "a discrepancy was diagnosed (or a critical environment finding)"),
+    (EXIT_USAGE, "usage or input error, including your model, loss or data failing (one line; --debug for "
+                 "the traceback)"),
+    (EXIT_RESOURCE, "out of memory (CPU or GPU), disk full, or interrupted"),
+    (EXIT_INTERNAL, "internal error: a bug in convcheck (traceback, please report it)"),
+)
+
+_OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate memory")
+_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_MAX_MESSAGE = 300
+
+_PACKAGE_ROOTS = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in (Path(__file__).parent, Path(__file__).parent.parent / "reference_models")
+)
+_LIBRARY_ROOTS = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if p
+)
+_LIBRARY_MODULES = {"torch", "numpy", "pandas", "matplotlib", "rich", "functorch", "triton", "scipy",
+                    "_pytest", "pytest", "pluggy", "importlib", "hypothesis"}
+
+
+@dataclass(frozen=True)
+class Failure:
+    code: int
+    line: str  # one line, without the "convcheck: " prefix
+    internal: bool = False
+
+
+def resource_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` is the machine's limit (memory, disk, interrupt), or None when it is not."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, MemoryError):
+        return "out of memory"
+    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return f"disk full{where} ({exc.strerror or os.strerror(exc.errno)})"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return "out of memory"
+    if isinstance(exc, RuntimeError):
+        text = first_line(exc).lower()
+        if any(t in text for t in _OOM_TEXTS) or type(exc).__name__ == "OutOfMemoryError":
+            where = "GPU memory" if ("cuda" in text or "gpu" in text) else "memory"
+            return f"out of {where}: {first_line(exc)}"
+    return None
+
+
+def first_line(exc: BaseException, limit: int = _MAX_MESSAGE) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0].strip() if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_library(filename: str, module: str | None) -> bool:
+    if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string> from exec: not a user's file
+        return True
+    if module and module.split(".")[0] in _LIBRARY_MODULES:
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith(_PACKAGE_ROOTS):
+        return False
+    return path.startswith(_LIBRARY_ROOTS) or f"{os.sep}site-packages{os.sep}" in path \
+        or f"{os.sep}dist-packages{os.sep}" in path
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_ROOTS)
+
+
+def culprit(exc: BaseException):
+    """The innermost traceback frame outside the libraries: ``(frame, lineno, ours)`` or None."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        filename = frame.f_code.co_filename
+        if not _is_library(filename, frame.f_globals.get("__name__")):
+            found = (frame, tb.tb_lineno, _is_ours(filename))
+        tb = tb.tb_next
+    return found
+
+
+def _where(frame, lineno: int) -> str:
+    path = frame.f_code.co_filename
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    func = frame.f_code.co_name
+    owner = frame.f_locals.get("self")
+    if owner is not None and func != "<module>":
+        func = f"{type(owner).__name__}.{func}"
+    return f"{func} ({path}:{lineno})"
+
+
+def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | None:
+    """A one-line ``UserCodeError`` when the innermost non-library frame is the user's, else None."""
+    found = culprit(exc)
+    if found is None or found[2]:
+        return None
+    frame, lineno, _ = found
+    message = first_line(exc)
+    what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    when = f" during {during}" if during else ""
+    return UserCodeError(f"your code raised {what} in {_where(frame, lineno)}{when}")
+
+
+def classify(exc: BaseException, during: str = "") -> Failure:
+    """Exit code and line for any exception that reached the top."""
+    if isinstance(exc, ConvcheckError):
+        return Failure(exc.exit_code, first_line(exc, 2000) or type(exc).__name__)
+    reason = resource_reason(exc)
+    if reason:
+        when = f" during {during}" if during else ""
+        hint = " (try a smaller --batch-size)" if "memory" in reason else ""
+        return Failure(EXIT_RESOURCE, f"{reason}{when}{hint}")
+    user = user_code_error(exc, during)
+    if user is not None:
+        return Failure(EXIT_USAGE, str(user))
+    return Failure(EXIT_INTERNAL, f"internal error ({type(exc).__name__}: {first_line(exc)})", internal=True)
+
+
+def as_convcheck_error(exc: BaseException, during: str = "") -> ConvcheckError | None:
+    """What the Python API raises instead of ``exc``: RunFailed for the machine's limits (not an
+    interrupt: KeyboardInterrupt stays what it is), UserCodeError for the user's code, None for a bug."""
+    if isinstance(exc, ConvcheckError) or isinstance(exc, KeyboardInterrupt):
+        return None
+    failure = classify(exc, during)
+    if failure.code == EXIT_RESOURCE:
+        return RunFailed(failure.line)
+    if failure.code == EXIT_USAGE:
+        return UserCodeError(failure.line)
+    return None
+
+
+class RunStage:
+    """A progress callback that remembers the stage and step it last reported (for error lines
+    and partial results), passing every call on to ``inner``."""
+
+    def __init__(self, inner: Callable[[str, int, int], None] | None = None, steps: int | None = None):
+        self.inner = inner
+        self.steps = steps  # training reports arm-steps (steps x arms); this turns them back into steps
+        self.stage = "setup"
+        self.done = 0
+        self.total = 0
+        self.started = False  # a measuring stage (parity, train) began
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.stage, self.done, self.total = stage, done, total
+        self.started = True
+        if self.inner is not None:
+            self.inner(stage, done, total)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        if self.stage == "train" and self.total:
+            steps = self.steps or self.total
+            arms = max(self.total // steps, 1)
+            return f"training step {min(self.done // arms + 1, steps)} of {steps}"
+        if self.stage == "parity":
+            return "the one-step parity check" if self.done < self.total else "training step 1"
+        return self.stage
+
+
+@contextlib.contextmanager
+def user_failures(stage: RunStage | None = None):
+    """Re-raise the user's code failing as ``UserCodeError`` and the machine's limits as
+    ``RunFailed`` (each chained to the original); convcheck's own bugs pass unchanged."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - classified, never swallowed
+        replacement = as_convcheck_error(exc, stage.describe() if stage else "")
+        if replacement is None:
+            raise
+        raise replacement from exc
+
+
+def report(exc: BaseException, *, debug: bool = False, stream=None, hint: str = "") -> int:
+    """Print ``exc`` as the CLI does (one line; a traceback only for a bug or with ``debug``), return its code."""
+    stream = stream or sys.stderr
+    failure = classify(exc)
+    if failure.internal or debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
+    if failure.internal:
+        from convcheck import __version__
+
+        print(f"convcheck: {failure.line}: this is a bug in convcheck {__version__}; please report it to the "
+              "convcheck maintainers with the command line and the traceback above", file=stream)
+        return failure.code
+    extra = hint if isinstance(exc, UserCodeError) and not debug else ""
+    print(f"convcheck: error: {failure.line}{extra}", file=stream)
+    return failure.code
