@@ -51,15 +51,17 @@ def refuse_special(path: str | os.PathLike, what: str = "") -> bool:
     if kind in (None, "file"):
         return kind == "file"
     label = f"{what} {path}" if what else str(path)
+    advice = "name a file inside it" if kind == "directory" else "remove it or choose another path"
     raise UsageError(f"{label} is a {kind}; convcheck writes only regular files and never replaces a {kind} "
-                     "(remove it or choose another path)")
+                     f"({advice})")
 
 
 def check_writable_file(path: str | os.PathLike, *, force: bool, what: str) -> Path:
     """A path convcheck may write: absent, or a regular file and ``force``; its folder a directory or absent."""
+    text = os.fspath(path)
     path = Path(path)
-    if str(path).endswith(os.sep) or path.name in ("", ".", ".."):
-        raise UsageError(f"{what} {path}: name a file, not a directory")
+    if text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise UsageError(f"{what} {text}: name a file, not a directory")
     if refuse_special(path, what) and not force:
         raise UsageError(f"{what} {path}: the file exists; pass --force to overwrite it")
     parent = path.parent

@@ -256,7 +256,7 @@ def _cudnn_mismatch(lines: list[str], libs: dict[str, str]) -> str | None:
     if not pip or not system or _pad3(pip) == _pad3(system):
         return None
     package = libs.get("cudnn_package", "the pip/conda cuDNN package")
-    return (f"cuDNN: collect_env lists system cuDNN {format_version(_pad3(system))} files, but torch loads "
+    return (f"cuDNN: collect_env lists system cuDNN {format_version(system[:3])} files, but torch loads "
             f"cuDNN {format_version(_pad3(pip))} from {package}; the audit uses {format_version(_pad3(pip))} "
             "(collect_env reports system files, pytorch/pytorch#78489)")
 
