@@ -232,3 +232,56 @@ def test_python_dash_m_convcheck_help():
     assert done.returncode == 0
     for flag in ("--model", "--targets", "--steps", "--json", "--out", "--input-shape", "--classes", "--data"):
         assert flag in done.stdout
+
+
+# --- exit codes, --version, --help, --debug (issue 11) -----------------------------------------
+
+def test_version(capsys):
+    from convcheck import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"convcheck {__version__}"
+
+
+def test_help_lists_the_exit_codes_and_every_target_kind(capsys):
+    from convcheck.runners import known_modes, runner_classes
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for code in ("0  ok", "1  a discrepancy", "2  usage or input error", "3  out of memory", "4  internal error"):
+        assert code in top
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = capsys.readouterr().out
+    assert "exit codes:" in text and "--force" in text and "--debug" in text
+    for cls in runner_classes():
+        for mode in cls.modes:
+            for device in cls.devices:
+                assert f"{device}:{mode}" in text
+
+
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--steps", "many"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1 and "--steps" in err
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(capsys, tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import torch.nn as nn\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(25, 3)\n\n"
+        "    def forward(self, x):\n        if self.training:\n            raise ValueError('my bug')\n"
+        "        return self.fc(x.flatten(1))\n")
+    argv = ["compare", "--model", f"{tmp_path / 'm.py'}:M", "--input-shape", "1,5,5", "--classes", "3", "--no-save",
+            *FAST]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "ValueError: my bug" in err and "m.py:10" in err and "M.forward" in err and "--debug" in err
+    code, out, err = _run(capsys, *argv, "--debug")
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("convcheck: error:")
+    code, out, err = _run(capsys, "--debug", *argv)  # before the command too
+    assert code == 2 and "Traceback" in err
