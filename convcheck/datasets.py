@@ -104,7 +104,8 @@ def is_user_data(spec) -> bool:
     return callable(spec) or (isinstance(spec, str) and is_user_spec(spec))
 
 
-def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, seed: int, workers: int = 0):
+def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, seed: int, workers: int = 0,
+              task: str = "classification"):
     """The run's ``DataStream``: synthetic (default), mnist:DIR, npz:PATH, digits, or a user factory."""
     from convcheck.data import open_builtin
     from convcheck.stream import DataStream
@@ -112,6 +113,12 @@ def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, se
     if is_user_data(spec):
         source, note, open_iter = user_source(spec, batch_size=batch_size, seed=seed, workers=workers)
         where = f"data factory {source.split(':', 1)[1]!r}"
+    elif task != "classification" and (spec is None or str(spec).strip() == "synthetic"):
+        from convcheck.synthetic import task_source
+
+        source, note, open_iter = task_source(task, input_shape=input_shape, num_classes=num_classes,
+                                              batch_size=batch_size, steps=steps, seed=seed)
+        where = f"synthetic {task} data"
     elif isinstance(spec, str) and spec.strip() == "digits":
         source, note, open_iter = digits_source(input_shape=input_shape, num_classes=num_classes,
                                                 batch_size=batch_size, steps=steps, seed=seed)

@@ -47,6 +47,7 @@ class ResolvedModel:
     num_classes: int | None
     source: str                         # "zoo", "module" or "file"
     spec: str = ""                      # the --model text as given (record it to rebuild)
+    task: str = "classification"        # classification | segmentation | regression (zoo models say)
 
 
 def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,
@@ -83,8 +84,8 @@ def parse_input_shape(text: str) -> tuple[int, int, int]:
     return shape
 
 
-def check_input_shape(model: nn.Module, input_shape: tuple[int, int, int], num_classes: int,
-                      *, name: str | None = None) -> None:
+def check_input_shape(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                      *, name: str | None = None, task: str = "classification") -> None:
     """Run one float64 forward on a zero batch of 2; raise ``UsageError`` unless it gives (2, num_classes).
 
     Works on a float64 copy in eval mode, so the model itself (its dtype,
@@ -95,7 +96,7 @@ def check_input_shape(model: nn.Module, input_shape: tuple[int, int, int], num_c
     name = name or type(model).__name__
     with preserved_global_flags():  # flags the user's forward sets during the probe do not leak out
         problem = _forward_problem(copy.deepcopy(model).to(torch.float64), input_shape,
-                                   num_classes, torch.float64)
+                                   num_classes, torch.float64, task)
     if problem:
         raise UsageError(f"model {name!r} rejects input shape {_shape_text(input_shape)}: {problem}")
 
@@ -116,7 +117,7 @@ def _resolve_zoo(name: str, input_shape, num_classes) -> ResolvedModel:
     return ResolvedModel(name=spec.name, factory=factory,
                          input_shape=input_shape or spec.input_shape,
                          num_classes=num_classes or spec.num_classes,
-                         source="zoo", spec=name)
+                         source="zoo", spec=name, task=spec.task)
 
 
 # --- user models -------------------------------------------------------------------
@@ -266,7 +267,7 @@ def _forward(model: nn.Module, input_shape, dtype: torch.dtype):
 
 
 def _forward_problem(model: nn.Module, input_shape, num_classes: int | None,
-                     dtype: torch.dtype) -> str | None:
+                     dtype: torch.dtype, task: str = "classification") -> str | None:
     """Why a zero batch of 2 does not give logits of shape (2, num_classes); None if it does."""
     try:
         out = _forward(model, input_shape, dtype)
@@ -275,8 +276,13 @@ def _forward_problem(model: nn.Module, input_shape, num_classes: int | None,
         return one_line(exc, with_type=not isinstance(exc, RuntimeError))
     if not isinstance(out, torch.Tensor):
         return f"output is a {type(out).__name__}, not a tensor"
+    if out.ndim == 4 and task == "segmentation" and out.shape[0] == 2 and \
+            (num_classes is None or out.shape[1] == num_classes):
+        return None  # per-pixel class logits
     if out.ndim != 2 or out.shape[0] != 2 or (num_classes is not None and out.shape[1] != num_classes):
         expected = f"(2, {num_classes})" if num_classes is not None else "(2, classes)"
+        if task == "segmentation":
+            expected = f"(2, {num_classes if num_classes is not None else 'classes'}, H, W)"
         return f"output has shape {tuple(out.shape)}, expected {expected}"
     return None
 

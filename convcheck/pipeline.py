@@ -214,10 +214,10 @@ def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig
     return dataclasses.replace(cfg, targets=pair, judge=judge), reason
 
 
-def _resolve_recipe(cfg: CompareConfig) -> tuple[CompareConfig, Recipe]:
-    """The loss, optimizer and schedule, built (and checked) before any work; a built-in optimizer
-    is recorded by its lower-case torch.optim name."""
-    recipe = build_recipe(cfg)
+def _resolve_recipe(cfg: CompareConfig, task: str) -> tuple[CompareConfig, Recipe]:
+    """The loss (the task's default unless given), optimizer and schedule, built and checked before any
+    work; a built-in optimizer is recorded by its lower-case torch.optim name."""
+    recipe = build_recipe(cfg, task)
     if isinstance(cfg.optimizer, str) and ":" not in cfg.optimizer:
         cfg = dataclasses.replace(cfg, optimizer=recipe.optimizer_name.lower())
     return cfg, recipe
@@ -226,10 +226,11 @@ def _resolve_recipe(cfg: CompareConfig) -> tuple[CompareConfig, Recipe]:
 def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progress) -> CompareResult:
     notes: list[str] = []
     cfg, judge_reason = _resolve_config(cfg, notes)
-    cfg, recipe = _resolve_recipe(cfg)
+    resolved = _as_resolved(model, input_shape, num_classes, need_io=not is_user_data(cfg.data))
+    cfg, recipe = _resolve_recipe(cfg, resolved.task)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    resolved, state, build, stream = _prepare(model, cfg, input_shape, num_classes, notes)
+    state, build, stream = _prepare(resolved, cfg, notes)
     timings["setup_s"] = time.perf_counter() - t0
     try:
         parity = _timed(timings, "parity_s", progress, "parity", lambda: run_parity(
@@ -254,19 +255,19 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
     return result
 
 
-def _prepare(model, cfg: CompareConfig, input_shape, num_classes, notes: list[str]):
-    """The model, its shared initial weights, ``build(target)`` and the stream of batches."""
+def _prepare(resolved: ResolvedModel, cfg: CompareConfig, notes: list[str]):
+    """The model's shared initial weights, ``build(target)`` and the stream of batches."""
     user_data = is_user_data(cfg.data)
-    resolved = _as_resolved(model, input_shape, num_classes, need_io=not user_data)
     state = initial_state(resolved, cfg.seed)
     build = model_builder(resolved, state)
     if not user_data:  # the built-in sources make inputs of the model's declared shape
-        check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes)
+        check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes, task=resolved.task)
     stream = open_data(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,
-                       batch_size=cfg.batch_size, steps=cfg.steps, seed=cfg.seed, workers=cfg.workers)
+                       batch_size=cfg.batch_size, steps=cfg.steps, seed=cfg.seed, workers=cfg.workers,
+                       task=resolved.task)
     if stream.note:
         notes.append(stream.note)
-    return resolved, state, build, stream
+    return state, build, stream
 
 
 def _timed(timings: dict, key: str, progress, stage: str, work):

@@ -46,8 +46,8 @@ class Recipe:
     clip_grad_norm: float | None
 
 
-def build_recipe(cfg) -> Recipe:
-    loss, loss_name = _loss(cfg.loss)
+def build_recipe(cfg, task: str = "classification") -> Recipe:
+    loss, loss_name = _loss(cfg.loss, task)
     make_opt, opt_name = _optimizer(cfg)
     make_sched, sched_name = _schedule(cfg)
     return Recipe(loss, loss_name, make_opt, opt_name, make_sched, sched_name, cfg.clip_grad_norm)
@@ -55,9 +55,18 @@ def build_recipe(cfg) -> Recipe:
 
 # --- loss ------------------------------------------------------------------------------------------
 
-def _loss(spec):
+def mean_squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The regression default: MSE; half-precision values are upcast to float32 first."""
+    half = (torch.float16, torch.bfloat16)
+    return torch.nn.functional.mse_loss(output.float() if output.dtype in half else output,
+                                        target.float() if target.dtype in half else target.to(output.dtype))
+
+
+def _loss(spec, task: str = "classification"):
     if spec is None:
-        return cross_entropy, "cross-entropy"
+        if task == "regression":
+            return mean_squared_error, "mean squared error"
+        return cross_entropy, "cross-entropy" + (" per pixel" if task == "segmentation" else "")
     if callable(spec):
         fn, name = spec, getattr(spec, "__name__", type(spec).__name__)
     else:

@@ -14,16 +14,22 @@ from torch import nn
 
 from reference_models.cifar_cnn import cifar_cnn
 from reference_models.lenet import lenet
+from reference_models.mlp_regression import mlp_regression
 from reference_models.resnet import resnet18, resnet34, resnet50
+from reference_models.unet import unet
+
+# What a model learns; it decides the synthetic data and the default loss.
+TASKS = ("classification", "segmentation", "regression")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     factory: Callable[..., nn.Module]   # builds a fresh model; accepts num_classes=
-    input_shape: tuple[int, int, int]   # C, H, W of one sample
-    num_classes: int
+    input_shape: tuple[int, ...]        # one sample: C, H, W (images) or F (tabular features)
+    num_classes: int                    # classes (per pixel for segmentation); outputs for regression
     description: str
+    task: str = "classification"        # classification | segmentation | regression
 
 
 class UnknownModelError(KeyError, ValueError):
@@ -47,6 +53,10 @@ _SPECS = {
                   "ResNet-34 (ImageNet), torchvision-compatible parameter names"),
         ModelSpec("resnet50", resnet50, (3, 224, 224), 1000,
                   "ResNet-50 (ImageNet, bottleneck blocks), torchvision-compatible parameter names"),
+        ModelSpec("unet", unet, (1, 64, 64), 3,
+                  "small U-Net (1x64x64 segmentation, 3 classes per pixel), widths 8/16/32", "segmentation"),
+        ModelSpec("mlp_regression", mlp_regression, (16,), 1,
+                  "tabular regression MLP: 16 features -> 64 -> 64 -> 1, mean squared error", "regression"),
     ]
 }
 
