@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from convcheck.errors import UsageError
 from convcheck.failures import EXIT_CODES
 
 
@@ -126,7 +127,7 @@ def _compare_epilog() -> str:
     return "\n".join(lines) + "\n\n" + _exit_codes_text()
 
 
-def _add_compare_parser(sub) -> None:
+def _add_compare_parser(sub) -> argparse.ArgumentParser:
     from convcheck.options import declare_compare_options
 
     p = sub.add_parser("compare", help="run one model on two targets against a float64 judge",
@@ -147,8 +148,36 @@ def _add_compare_parser(sub) -> None:
                         "(default: a new folder reports/<UTC time, ms>-<model>/)")
     p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
     p.add_argument("--no-save", action="store_true", help="write no files")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read options from this TOML file ([tool.convcheck] table, or top-level keys) instead of "
+                        "the nearest pyproject.toml's [tool.convcheck]; options given here override it")
     _add_debug(p)
     p.set_defaults(func=_run_compare)
+    return p
+
+
+def _with_project(parser, argv, args):
+    """Options from the project file first, then the command line's on top (parsed into a namespace
+    that already holds the file's values, so only options actually given replace them)."""
+    from convcheck.project import load_project
+
+    values, file = load_project(args.config)
+    if not values:
+        return args
+    for action in parser.compare_parser._actions:  # argparse would convert string values itself, and exit
+        value = values.get(action.dest)
+        if isinstance(value, str) and callable(action.type):
+            try:
+                values[action.dest] = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                raise UsageError(f"{file}: [tool.convcheck] {action.dest.replace('_', '-')} = {value!r} is not "
+                                 f"a valid {getattr(action.type, '__name__', 'value')}") from None
+    parser.compare_parser.set_defaults(**values)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.project_file = str(file)
+    print(f"convcheck: options from {file} ({', '.join(sorted(values))}); the command line overrides them",
+          file=sys.stderr)
+    return args
 
 
 def _run_compare(args) -> int:
@@ -171,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="on an error, print the full traceback as well (the exit code is unchanged)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_compare_parser(sub)
+    parser.compare_parser = _add_compare_parser(sub)
     _add_env_parser(sub)
     _add_models_parser(sub)
     return parser
@@ -186,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.func is _run_compare:
+            args = _with_project(parser, argv, args)
         return args.func(args)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
         if isinstance(exc, SystemExit):

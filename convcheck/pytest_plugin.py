@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from convcheck.options import config_from_options, declare_compare_options
+from convcheck.options import declare_compare_options
 
 PREFIX = "convcheck-"
 
@@ -32,13 +32,35 @@ def pytest_configure(config):
                    "(the names of convcheck compare's options: targets, judge, steps, bound_factor, ...)")
 
 
+def _session_config(pytest_config):
+    """The project's [tool.convcheck] (pyproject.toml at the rootdir or above), then the --convcheck-*
+    options actually given on top (an option left at its default does not override the file)."""
+    from pathlib import Path
+
+    from convcheck.config import CompareConfig, default, with_options
+    from convcheck.options import OPTION_NAMES
+    from convcheck.project import load_project
+
+    values, _ = load_project(start=Path(str(pytest_config.rootpath)))
+    base = with_options(CompareConfig(), **{k: v for k, v in values.items()
+                                            if k.replace("_", "-") in OPTION_NAMES})
+    opts = vars(pytest_config.option)
+    given = {}
+    for name in OPTION_NAMES:
+        field = name.replace("-", "_")
+        value = opts.get(f"convcheck_{field}")
+        if value != default(field):
+            given[field] = value
+    return with_options(base, **given)
+
+
 @pytest.fixture
 def convcheck_compare(request):
     """``run(model, targets=None, **options) -> CompareResult`` with the session's --convcheck-* defaults."""
     from convcheck.config import with_options
     from convcheck.pipeline import compare
 
-    config = config_from_options(vars(request.config.option), PREFIX)
+    config = _session_config(request.config)
     marker = request.node.get_closest_marker("convcheck")
     if marker:
         config = with_options(config, **marker.kwargs)

@@ -15,7 +15,7 @@ import torch
 from convcheck.cli import main
 
 FAST = ["--steps", "3", "--envelope", "0", "--batch-size", "8"]
-ZOO = ("lenet", "cifar_cnn", "resnet18", "resnet34", "resnet50")
+ZOO = ("lenet", "cifar_cnn", "resnet18", "resnet34", "resnet50", "unet", "mlp_regression")
 
 
 @pytest.fixture(autouse=True)

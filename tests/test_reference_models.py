@@ -14,7 +14,7 @@ import reference_models
 from reference_models import ModelSpec, UnknownModelError, get_model, get_spec, list_models
 from reference_models.resnet import BasicBlock, Bottleneck, ResNet
 
-ZOO = ["cifar_cnn", "lenet", "resnet18", "resnet34", "resnet50"]
+ZOO = ["cifar_cnn", "lenet", "mlp_regression", "resnet18", "resnet34", "resnet50", "unet"]
 
 
 def _seeded_input(shape, batch=2):
@@ -33,7 +33,8 @@ def test_spec_describes_the_model(name):
     spec = get_spec(name)
     assert isinstance(spec, ModelSpec)
     assert spec.name == name
-    assert len(spec.input_shape) == 3 and all(isinstance(d, int) for d in spec.input_shape)
+    assert len(spec.input_shape) == (1 if spec.task == "regression" else 3)
+    assert all(isinstance(d, int) for d in spec.input_shape)
     assert spec.num_classes > 0
     assert spec.description
 
@@ -74,7 +75,7 @@ def test_unknown_name_lists_the_known_models():
     with pytest.raises(UnknownModelError) as info:
         get_spec("lenett")
     assert str(info.value) == (
-        "unknown model 'lenett'; known models: cifar_cnn, lenet, resnet18, resnet34, resnet50"
+        "unknown model 'lenett'; known models: cifar_cnn, lenet, mlp_regression, resnet18, resnet34, resnet50, unet"
     )
     assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
     with pytest.raises(KeyError):
