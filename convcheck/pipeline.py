@@ -26,6 +26,7 @@ from convcheck.errors import RunFailed, UsageError
 from convcheck.models import ResolvedModel, check_input_shape, resolve_model
 from convcheck.parity import ParityResult, run_parity
 from convcheck.recipe import Recipe, build_recipe
+from convcheck.recipe_symptoms import loss_reduction_probe
 from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
 from convcheck.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms, run_training
 
@@ -52,6 +53,7 @@ class CompareResult:
     judge_reason: str = ""
     recipe: Recipe | None = None  # the loss, optimizer and schedule as built
     batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
+    loss_batch_ratio: float = float("nan")  # loss(batch) / mean(loss(halves)): ~1 averaged, ~2 summed
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -233,9 +235,11 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
     state, build, stream = _prepare(resolved, cfg, notes)
     timings["setup_s"] = time.perf_counter() - t0
     try:
+        first = stream.first()
         parity = _timed(timings, "parity_s", progress, "parity", lambda: run_parity(
-            build, stream.first(), list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
+            build, first, list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
             loss_fn=recipe.loss))
+        loss_ratio = loss_reduction_probe(build(cfg.judge), cfg.judge.runner, first, recipe.loss)
         arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
         train_cfg = TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe)
         training = _timed(timings, "train_s", None, "train", lambda: run_training(
@@ -249,7 +253,7 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
         model=resolved, config=cfg, parity=parity, training=training,
         data_source=stream.source, batch_hashes=stream.hashes, init_hash=hash_state_dict(state),
         data_stats=stream.stats(), notes=notes, timings=timings, judge_reason=judge_reason, recipe=recipe,
-        batches_hash=stream.all_hash,
+        batches_hash=stream.all_hash, loss_batch_ratio=loss_ratio,
     )
     _attach_env_and_verdict(result, env_findings, fingerprint)
     return result

@@ -89,7 +89,7 @@ def _checked_loss(fn: Callable, name: str) -> Callable:
         if value.numel() != 1:
             raise UsageError(f"loss {name!r} returned a tensor of shape {tuple(value.shape)}, expected a scalar "
                              "(average it over the batch)")
-        if not value.requires_grad:
+        if torch.is_grad_enabled() and not value.requires_grad:
             raise UsageError(f"loss {name!r} returned a tensor with no gradient (detached from the output?)")
         return value.reshape(())
 

@@ -80,3 +80,15 @@ FRAGILE_MARGIN = 0.10
 # Below this a norm counts as zero (a relative error of a cancelled reference is meaningless;
 # a first gradient norm below it is floored at it before the growth factor is taken).
 TINY_NORM = 1e-30
+
+# --- the user's recipe (convcheck.recipe_symptoms) --------------------------------------------
+# A loss whose batch value is 1.6-2.4x the mean of its halves' values is summed, not averaged
+# (exactly 2 for a sum; 1 for a mean; the band allows for the halves' different contents).
+SUMMED_LOSS_LOW = 1.6
+SUMMED_LOSS_HIGH = 2.4
+# A learning rate rising by more than this factor from one step to the next is a jump of the schedule.
+LR_JUMP_FACTOR = 1.5
+# A divergence within this many steps after a warm-up end or a jump is blamed on the schedule.
+SCHEDULE_WINDOW = 2
+# Clipping that acts on at least this share of the steps is too tight (it rescales every update).
+CLIPPED_SHARE = 0.9

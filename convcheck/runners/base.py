@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from convcheck.batch import call_model, map_tensors
 from convcheck.capture import tensors_in
-from convcheck.errors import TargetUnavailable
+from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.runners.flags import preserved_global_flags
 from convcheck.runners.precision import PrecisionModel
 from convcheck.runners.registry import runnable_specs
@@ -28,10 +28,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # The loss scale of parity's one fixed-scale step for runners with a GradScaler
 # (GradScaler's default initial scale, 2^16).
 PARITY_LOSS_SCALE = 2.0**16
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: such labels are skipped, not out of range
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The default loss: cross-entropy on class logits; half-precision logits are upcast first."""
+    """The default loss: cross-entropy on class logits (per pixel for (N, C, H, W) logits); half-precision
+    logits are upcast first. Labels outside the model's classes are a usage error, not a crash."""
+    if not isinstance(output, torch.Tensor) or output.dim() < 2:
+        raise UsageError(f"the default loss (cross-entropy) needs class logits of shape (N, classes, ...), got "
+                         f"{type(output).__name__ if not isinstance(output, torch.Tensor) else tuple(output.shape)}; "
+                         "pass your loss with --loss FILE.py:fn")
+    labels = target[target != IGNORE_INDEX] if isinstance(target, torch.Tensor) and \
+        not target.is_floating_point() else None
+    if labels is not None and labels.numel():
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= output.shape[1]:
+            raise UsageError(f"labels span {lo}..{hi} but the model outputs {output.shape[1]} classes "
+                             f"(0..{output.shape[1] - 1}): labels out of range for the output")
     if output.dtype in (torch.float16, torch.bfloat16):
         output = output.float()
     return F.cross_entropy(output, target)

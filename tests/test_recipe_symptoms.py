@@ -1,0 +1,90 @@
+"""convcheck.recipe_symptoms: which part of the user's recipe a failing judge implicates."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import convcheck.recipe_symptoms as R
+from convcheck.runners import cross_entropy
+from convcheck.targets import Target
+
+
+def _curves(loss, lr, clipped=None, grad_norm=None, arm="cpu:float64"):
+    n = len(loss)
+    return pd.DataFrame(dict(arm=[arm] * n, step=range(n), loss=loss, lr=lr,
+                             clipped=clipped or [False] * n, grad_norm=grad_norm or [1.0] * n))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", 1.0), ("sum", 2.0)])
+def test_loss_reduction_probe(reduction, expected):
+    judge = Target.parse("cpu:float64").runner
+    model = judge.place(_mlp())
+    ratio = R.loss_reduction_probe(model, judge, _batch(),
+                                   lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction))
+    assert ratio == pytest.approx(expected, rel=1e-9)
+    assert model.training  # put back in training mode
+    assert math.isnan(R.loss_reduction_probe(model, judge, _batch(1), cross_entropy))
+
+
+def test_loss_summed_fires_only_near_two():
+    assert R.loss_summed(2.0, "j").name == R.LOSS_SUMMED
+    assert R.loss_summed(1.0, "j") is None and R.loss_summed(math.nan, "j") is None
+
+
+def test_divergence_right_after_warmup_blames_the_schedule():
+    lr = [0.025, 0.05, 0.075, 0.1, 0.1, 0.1]
+    loss = [2.3, 2.1, 1.9, 1.8, math.nan, math.nan]
+    s = R.schedule_divergence(_curves(loss, lr), "cpu:float64", warmup=3)
+    assert s.name == R.SCHEDULE_DIVERGENCE and s.step == 4 and "warm-up ends at step 3" in s.evidence
+
+
+def test_divergence_at_a_step_jump_blames_the_schedule():
+    lr = [0.01, 0.01, 0.01, 0.2, 0.2, 0.2]
+    loss = [2.3, 2.2, 2.1, 2.0, 9.0, math.inf]
+    s = R.schedule_divergence(_curves(loss, lr), "cpu:float64", warmup=0)
+    assert s is not None and "jumps to 0.2" in s.evidence
+
+
+def test_divergence_far_from_any_change_is_not_the_schedule():
+    assert R.schedule_divergence(_curves([2.3, 2.2, 2.1, 2.0, 9.0, math.inf], [0.1] * 6), "cpu:float64", 0) is None
+    assert R.schedule_divergence(_curves([2.3, 2.2, 2.0, 1.9], [0.01, 0.02, 0.03, 0.04]), "cpu:float64", 3) is None
+
+
+def test_clipping_that_acts_on_every_step_without_convergence():
+    c = _curves([2.3] * 5, [0.1] * 5, clipped=[True] * 5, grad_norm=[4.0] * 5)
+    s = R.clipping_too_tight(c, "cpu:float64", clip=0.01, converged=False)
+    assert s.name == R.CLIPPING_TOO_TIGHT and "clipped 100% of the steps" in s.evidence and "400x" in s.evidence
+    assert R.clipping_too_tight(c, "cpu:float64", clip=0.01, converged=True) is None
+    assert R.clipping_too_tight(c, "cpu:float64", clip=None, converged=False) is None
+
+
+def test_weight_decay_on_norms():
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4))
+    s = R.decay_on_norms(net, 5e-4, "sgd", "cpu:float64")
+    assert s.name == R.DECAY_ON_NORMS and "2 normalisation layer(s) (1, 2)" in s.evidence
+    assert R.decay_on_norms(net, 0.0, "sgd", "j") is None
+    assert R.decay_on_norms(nn.Linear(2, 2), 5e-4, "sgd", "j") is None
+    assert R.decay_on_norms(net, 5e-4, "opt.py:factory", "j") is None
+
+
+def test_labels_out_of_range_for_the_output_are_a_usage_error():
+    from convcheck.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"labels span 0\.\.5 but the model outputs 3 classes"):
+        cross_entropy(torch.zeros(2, 3), torch.tensor([0, 5]))
+    assert float(cross_entropy(torch.zeros(2, 3), torch.tensor([-100, 2]))) == pytest.approx(math.log(3))
