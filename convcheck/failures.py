@@ -76,6 +76,8 @@ def resource_reason(exc: BaseException) -> str | None:
         return f"disk full{where} ({exc.strerror or os.strerror(exc.errno)})"
     if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
         return "out of memory"
+    if isinstance(exc, BrokenPipeError):  # `convcheck env | head -1`: the reader stopped reading
+        return "interrupted: the output was closed before it was all written (broken pipe)"
     if isinstance(exc, RuntimeError):
         text = first_line(exc).lower()
         if any(t in text for t in _OOM_TEXTS) or type(exc).__name__ == "OutOfMemoryError":
@@ -219,6 +221,9 @@ def report(exc: BaseException, *, debug: bool = False, stream=None, hint: str = 
     """Print ``exc`` as the CLI does (one line; a traceback only for a bug or with ``debug``), return its code."""
     stream = stream or sys.stderr
     failure = classify(exc)
+    if isinstance(exc, BrokenPipeError):  # nothing more can reach stdout; keep Python's exit flush quiet
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if failure.internal or debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     if failure.internal:

@@ -15,7 +15,7 @@ import numbers
 import torch
 import torch.nn as nn
 
-from convcheck.errors import UsageError
+from convcheck.errors import ConvcheckError, UsageError
 from convcheck.failures import first_line, resource_reason, user_code_error
 from convcheck.models import ResolvedModel, check_input_shape
 
@@ -47,12 +47,23 @@ def check_trainable(model: ResolvedModel, batch_size: int) -> None:
 
     with preserved_global_flags(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        m = model.factory()
+        m = _build(model)
         if not isinstance(m, nn.Module):
             raise UsageError(f"model factory {model.name!r} returned {type(m).__name__}, not a torch.nn.Module")
         check_input_shape(m, model.input_shape, model.num_classes, name=model.name)
         _check_parameters(m, model.name)
         _check_step(m, model, min(int(batch_size), 2))
+
+
+def _build(model: ResolvedModel) -> nn.Module:
+    """Call the factory; whatever it raises (a factory that needs arguments included) names the factory."""
+    try:
+        return model.factory()
+    except Exception as exc:
+        if isinstance(exc, ConvcheckError) or resource_reason(exc):
+            raise
+        what = f"{type(exc).__name__}: {first_line(exc)}" if first_line(exc) else type(exc).__name__
+        raise UsageError(f"model factory {model.name!r} raised {what}") from exc
 
 
 def _check_parameters(m: nn.Module, name: str) -> None:

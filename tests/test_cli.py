@@ -285,3 +285,15 @@ def test_debug_adds_the_traceback_and_keeps_the_exit_code(capsys, tmp_path):
     assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("convcheck: error:")
     code, out, err = _run(capsys, "--debug", *argv)  # before the command too
     assert code == 2 and "Traceback" in err
+
+
+def test_a_reader_that_stops_early_is_not_a_crash():
+    """`convcheck env --json | head -1`: the pipe closes before the output is written."""
+    data = Path(__file__).parent / "data" / "env" / "h100_healthy.json"
+    proc = subprocess.Popen([sys.executable, "-m", "convcheck", "env", "--from", str(data), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the process has written anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 3
+    assert err.strip().splitlines() == ["convcheck: error: interrupted: the output was closed before it was all "
+                                        "written (broken pipe)"]

@@ -102,6 +102,10 @@ interrupted_at_step_3 = _fails_at_step_3(KeyboardInterrupt())
 disk_full_at_step_3 = _fails_at_step_3(OSError(28, "No space left on device"))
 
 
+def needs_an_argument(width):
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, width))
+
+
 def returns_42():
     return 42
 

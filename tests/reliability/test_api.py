@@ -35,6 +35,7 @@ USER_FAILURES = [
     ("returns_42", {}, UsageError, "returned int"),
     ("returns_none", {}, UsageError, "returned NoneType"),
     ("raises", {}, UsageError, "the weights file is missing"),
+    ("needs_an_argument", {}, UsageError, "missing 1 required positional argument"),
     ("raises_on_second_build", {}, ConvcheckError, "only one model per process"),
     ("raises_at_step_3", {"steps": 5}, UserCodeError, "during training step 3 of 5"),
     ("no_parameters", {}, UsageError, "no parameters"),

@@ -103,6 +103,7 @@ USER_CODE = [
     Case("factory-returns-42", _model("returns_42"), 2, "returned int"),
     Case("factory-returns-none", _model("returns_none"), 2, "returned NoneType"),
     Case("factory-raises", _model("raises"), 2, "the weights file is missing"),
+    Case("factory-needs-an-argument", _model("needs_an_argument"), 2, "missing 1 required positional argument"),
     Case("factory-raises-on-second-build", _model("raises_on_second_build"), 2, "only one model per process"),
     Case("wrong-input-shape", _model("wrong_shape"), 2, "rejects input shape 1x4x4"),
     Case("raises-at-step-3", _model("raises_at_step_3", steps="5"), 2,
