@@ -50,14 +50,32 @@ def fmt(v, digits: int = 2) -> str:
     return f"{f:.{digits}e}"
 
 
+def recipe_line(result) -> str:
+    """``loss cross-entropy; sgd lr 0.05 (momentum 0.9, weight decay 0.0005); schedule cosine + 5 warm-up
+    steps; clip 1``: the training recipe as run."""
+    cfg, recipe = result.config, result.recipe
+    extras = [f"{k} {v:g}" for k, v in (("momentum", cfg.momentum), ("weight decay", cfg.weight_decay),
+                                        ("eps", cfg.eps)) if v]
+    extras += ["nesterov"] if cfg.nesterov else []
+    extras += [f"betas {cfg.betas[0]:g},{cfg.betas[1]:g}"] if cfg.betas else []
+    opt = f"{cfg.optimizer if isinstance(cfg.optimizer, str) else recipe.optimizer_name} lr {cfg.lr:g}"
+    parts = [f"loss {recipe.loss_name if recipe else 'cross-entropy'}", opt + (f" ({', '.join(extras)})" if extras
+                                                                                else "")]
+    parts.append(f"schedule {recipe.schedule_name if recipe else cfg.schedule}")
+    if cfg.clip_grad_norm:
+        parts.append(f"clip grad norm {cfg.clip_grad_norm:g}")
+    return "; ".join(parts)
+
+
 def render_compare(result, console: Console | None = None) -> None:
     c = console or make_console()
     cfg = result.config
     m = result.model
-    shape = "x".join(map(str, m.input_shape)) if m.input_shape else "inputs from the data"
-    c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {shape}, "
-            f"{m.num_classes or '?'} classes)  seed {cfg.seed}  {cfg.steps} steps {cfg.optimizer} lr {cfg.lr:g} "
-            f"batch {cfg.batch_size}  data {escape(str(result.data_source))}")
+    io = (f"{'x'.join(map(str, m.input_shape))}, {m.num_classes} classes" if m.input_shape
+          else "inputs from the data")
+    c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {io})  "
+            f"seed {cfg.seed}  {cfg.steps} steps  batch {cfg.batch_size}  data {escape(str(result.data_source))}")
+    c.print(f"recipe: {escape(recipe_line(result))}")
     c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
     for note in result.notes:
         c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
