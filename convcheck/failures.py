@@ -81,7 +81,7 @@ def resource_reason(exc: BaseException) -> str | None:
     if isinstance(exc, RuntimeError):
         text = first_line(exc).lower()
         if any(t in text for t in _OOM_TEXTS) or type(exc).__name__ == "OutOfMemoryError":
-            where = "GPU memory" if ("cuda" in text or "gpu" in text) else "memory"
+            where = "GPU memory" if any(g in text for g in ("cuda", "gpu", "mps", "hip")) else "memory"
             return f"out of {where}: {first_line(exc)}"
     return None
 
