@@ -133,6 +133,45 @@ def _where(frame, lineno: int) -> str:
     return f"{func} ({path}:{lineno})"
 
 
+def _is_module(obj) -> bool:
+    return callable(getattr(obj, "named_modules", None)) and callable(getattr(obj, "forward", None))
+
+
+def layer_name(exc: BaseException, frame) -> str | None:
+    """The dotted name of the layer whose code ``frame`` runs ('encoder.block2'), found among the
+    modules the traceback passes through on its way in (torch calls each module with itself as
+    ``self``); None when ``frame`` is not a module's code or the model is not on the way."""
+    layer = frame.f_locals.get("self")
+    if not _is_module(layer):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:  # outermost first: the first module that holds the layer is the whole model
+        root = tb.tb_frame.f_locals.get("self")
+        if _is_module(root) and root is not layer:
+            with contextlib.suppress(Exception):
+                for name, module in root.named_modules():
+                    if module is layer:
+                        return name or None
+        tb = tb.tb_next
+    return None
+
+
+def innermost_layer(exc: BaseException, root) -> str | None:
+    """The dotted name (in ``root``) of the innermost module the traceback runs in, torch's own included
+    (a ``BatchNorm1d`` inside an ``nn.Sequential``); None when there is none."""
+    names = {}
+    with contextlib.suppress(Exception):
+        names = {id(m): n for n, m in root.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        layer = tb.tb_frame.f_locals.get("self")
+        if _is_module(layer) and names.get(id(layer)):
+            found = f"'{names[id(layer)]}' ({type(layer).__name__})"
+        tb = tb.tb_next
+    return found
+
+
 def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | None:
     """A one-line ``UserCodeError`` when the innermost non-library frame is the user's, else None."""
     found = culprit(exc)
@@ -142,7 +181,9 @@ def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | Non
     message = first_line(exc)
     what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     when = f" during {during}" if during else ""
-    return UserCodeError(f"your code raised {what} in {_where(frame, lineno)}{when}")
+    layer = layer_name(exc, frame)
+    where = f"layer '{layer}', {_where(frame, lineno)}" if layer else _where(frame, lineno)
+    return UserCodeError(f"your code raised {what} in {where}{when}")
 
 
 def classify(exc: BaseException, during: str = "") -> Failure:

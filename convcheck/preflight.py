@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.errors import ConvcheckError, UsageError
-from convcheck.failures import first_line, resource_reason, user_code_error
+from convcheck.failures import first_line, innermost_layer, resource_reason, user_code_error
 from convcheck.models import ResolvedModel, check_input_shape
 
 
@@ -86,7 +86,7 @@ def _check_step(m: nn.Module, model: ResolvedModel, n: int) -> None:
     except Exception as exc:
         if resource_reason(exc):
             raise
-        raise _failed(exc, model.name, doing) from exc
+        raise _failed(exc, model.name, doing, m) from exc
     if not isinstance(out, torch.Tensor):
         raise UsageError(f"model {model.name!r} returns a {type(out).__name__} in training mode, not a tensor")
     if not out.is_floating_point():
@@ -100,13 +100,15 @@ def _check_step(m: nn.Module, model: ResolvedModel, n: int) -> None:
     except Exception as exc:
         if resource_reason(exc):
             raise
-        raise _failed(exc, model.name, "the backward pass of " + doing) from exc
+        raise _failed(exc, model.name, "the backward pass of " + doing, m) from exc
 
 
-def _failed(exc: Exception, name: str, doing: str) -> UsageError:
-    """The one-line error for the user's model failing, naming their code's line where it can."""
+def _failed(exc: Exception, name: str, doing: str, root: nn.Module) -> UsageError:
+    """The one-line error for the user's model failing, naming their code's line where it can, else
+    the layer (a torch module inside their model) that raised."""
     located = user_code_error(exc, doing)
     if located is not None:
         return located
     what = f"{type(exc).__name__}: {first_line(exc)}" if first_line(exc) else type(exc).__name__
-    return UsageError(f"model {name!r} fails {doing}: {what}")
+    layer = innermost_layer(exc, root)
+    return UsageError(f"model {name!r} fails {doing}{f' in layer {layer}' if layer else ''}: {what}")

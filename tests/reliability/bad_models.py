@@ -106,6 +106,31 @@ def needs_an_argument(width):
     return nn.Sequential(nn.Flatten(), nn.Linear(16, width))
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if self.training:
+            raise ValueError("a block that cannot train")
+        return self.fc(x)
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Flatten(), _Block())
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def nested():
+    return _Nested()
+
+
 def returns_42():
     return 42
 
