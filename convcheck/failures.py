@@ -11,10 +11,12 @@ Exit codes (``convcheck --help`` and the README list them):
 ====  ==========================================================================
 
 Whose code failed is read from the traceback: the innermost frame that is
-neither the standard library nor an installed package (torch, numpy, ...). If
-that frame is in convcheck (or its reference models) the failure is
-convcheck's own (4); otherwise it is the user's code (2), reported in one line
-naming the file, line, function, exception type and message.
+neither the standard library nor a package convcheck itself calls (torch,
+numpy, pandas, matplotlib, ...). If that frame is in convcheck (or its
+reference models) the failure is convcheck's own (4); otherwise it is the
+user's code, or a package only their code reaches (timm, torchvision), and the
+failure is exit 2, reported in one line naming the layer, function, file,
+line, exception type and message, and the stage of the run.
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ _PACKAGE_ROOTS = tuple(
     str(Path(p).resolve()) + os.sep
     for p in (Path(__file__).parent, Path(__file__).parent.parent / "reference_models")
 )
-_LIBRARY_ROOTS = tuple(
+_STDLIB_ROOTS = tuple(
     str(Path(p).resolve()) + os.sep
-    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} if p
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p
 )
-_LIBRARY_MODULES = {"torch", "numpy", "pandas", "matplotlib", "rich", "functorch", "triton", "scipy",
-                    "_pytest", "pytest", "pluggy", "importlib", "hypothesis"}
+# The packages convcheck itself calls (and the test harness): a frame in them is neither convcheck's
+# own code nor the user's. Any other installed package (timm, torchvision, transformers) is reached only
+# through the user's model, loss or data, so its frames count as the user's side.
+_LIBRARY_MODULES = {"torch", "numpy", "pandas", "matplotlib", "PIL", "rich", "pygments", "markdown_it", "pynvml",
+                    "sklearn", "scipy", "tomli", "typing_extensions", "functorch", "triton", "_pytest", "pytest",
+                    "pluggy", "hypothesis", "importlib"}
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,8 @@ def _is_library(filename: str, module: str | None) -> bool:
     path = os.path.abspath(filename)
     if path.startswith(_PACKAGE_ROOTS):
         return False
-    return path.startswith(_LIBRARY_ROOTS) or f"{os.sep}site-packages{os.sep}" in path \
-        or f"{os.sep}dist-packages{os.sep}" in path
+    installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    return path.startswith(_STDLIB_ROOTS) and not installed
 
 
 def _is_ours(filename: str) -> bool:

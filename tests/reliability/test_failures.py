@@ -74,6 +74,18 @@ def test_an_error_raised_inside_torch_called_by_the_user_is_theirs():
     assert failure.code == EXIT_USAGE and "users_forward" in failure.line
 
 
+def test_a_package_only_the_users_code_reaches_is_their_side(tmp_path, monkeypatch):
+    """timm, torchvision, transformers...: installed, but convcheck never calls them itself."""
+    site = tmp_path / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "thirdparty_layers.py").write_text("def attention(x):\n    raise RuntimeError('head dim mismatch')\n")
+    monkeypatch.syspath_prepend(str(site))
+    import thirdparty_layers
+
+    failure = classify(_raised(lambda: thirdparty_layers.attention(None)))
+    assert failure.code == EXIT_USAGE and "attention (" in failure.line and "thirdparty_layers.py:2" in failure.line
+
+
 def test_an_error_whose_innermost_own_frame_is_convcheck_is_a_bug():
     from convcheck.report.export import summary_dict
 
