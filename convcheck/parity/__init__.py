@@ -49,6 +49,7 @@ def run_parity(
     judge: Target = CPU_JUDGE,
     seed: int = 0,
     loss_fn=cross_entropy,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ParityResult:
     """One forward/backward step of every target against the judge.
 
@@ -56,9 +57,14 @@ def run_parity(
     and moved to ``target``, in training mode.
     """
     x, y = batch
+    others = [t for t in targets if t != judge]
+    total = 2 + 2 * len(others)  # judge pass, stochastic probe, then each target's pass and rerun
+    tick = (lambda done: progress(done, total)) if progress else (lambda done: None)
     torch.manual_seed(seed)
     calls, _, judge_grads, judge_loss = run_judge(build(judge), batch, judge.runner, seed, loss_fn)
+    tick(1)
     stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed)
+    tick(2)
     rows: list[dict] = []
     first: dict[str, str | None] = {}
     losses: dict[str, float] = {}
@@ -71,10 +77,12 @@ def run_parity(
         torch.manual_seed(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
         losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
+        tick(3 + 2 * others.index(target))
         rows.extend(tp.rows)
         first[str(target)] = first_flagged(tp.rows)
         torch.manual_seed(seed + 1 + i)  # as before the parity run: building the model draws numbers too
         selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
+        tick(4 + 2 * others.index(target))
     table = pd.DataFrame(rows, columns=COLUMNS)
     return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
 

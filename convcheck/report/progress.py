@@ -16,11 +16,14 @@ def progress_reporter(stream=None):
         yield None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     console = Console(file=stream, no_color=is_plain(stream))
+    # parity: the judge, the stochastic probe, each target and its rerun; train: arm-steps
     with Progress(TextColumn("{task.description:<8}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console,
+                  transient=True) as bar:
         tasks: dict[str, int] = {}
 
         def progress(stage: str, done: int, total: int) -> None:
