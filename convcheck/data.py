@@ -13,19 +13,18 @@ Sources (the ``source`` string of :func:`load_batches`):
   usual mean 0.1307 / std 0.3081.
 * ``"npz:PATH"``: arrays ``x`` (N,C,H,W or N,H,W) and ``y`` (N,) used as given.
 
+The files are read by ``convcheck.readers``; ``open_builtin`` gives the batches
+of any of these sources one at a time (``convcheck.stream`` streams them).
+
 Every batch is a float64 ``x`` and an int64 ``y`` on the CPU; targets cast and
 move them. ``Batches.hashes`` holds a SHA-256 per batch for the run record.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import itertools
-import math
 import os
-import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -35,6 +34,7 @@ import torch
 
 from convcheck.batch import batch_hash as _batch_hash
 from convcheck.errors import UsageError
+from convcheck.readers import _read_mnist, _read_npz
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,10 +42,6 @@ SYNTHETIC_MAX_CLASSES = 10
 SYNTHETIC_NOISE_STD = 1.0  # white noise, relative to a unit-std prototype
 MNIST_MEAN = 0.1307
 MNIST_STD = 0.3081
-_IMAGES_MAGIC = 2051
-# The most an IDX file (or a gzip member's content) may hold: EMNIST's largest file is 0.55 GiB.
-MAX_IDX_BYTES = 1 << 30
-_LABELS_MAGIC = 2049
 
 
 @dataclass(frozen=True)
@@ -285,124 +281,3 @@ def _check_labels(y: np.ndarray, num_classes: int, origin: str) -> None:
             f"{origin}: labels span {lo}..{hi}, outside 0..{num_classes - 1} for a "
             f"{num_classes}-class model"
         )
-
-
-def _find(directory: str, kind: str, what: str, magic_dims: str) -> Optional[str]:
-    for sep in ("-", "."):
-        for ext in ("", ".gz"):
-            path = os.path.join(directory, f"{kind}-{what}{sep}{magic_dims}-ubyte{ext}")
-            if os.path.isfile(path):
-                return path
-    return None
-
-
-def _read_mnist(directory: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
-    if input_shape != (1, 28, 28):
-        raise UsageError(
-            f"MNIST images are 1x28x28 but the model expects {'x'.join(map(str, input_shape))}"
-        )
-    if not os.path.isdir(directory):
-        raise UsageError(f"MNIST directory {directory} does not exist")
-    for kind in ("train", "t10k"):
-        images = _find(directory, kind, "images", "idx3")
-        labels = _find(directory, kind, "labels", "idx1")
-        if images and not labels:
-            raise UsageError(f"{images} has no labels file: expected {kind}-labels-idx1-ubyte[.gz] beside it")
-        if labels and not images:
-            raise UsageError(f"{labels} has no images file: expected {kind}-images-idx3-ubyte[.gz] beside it")
-        if images and labels:
-            x = _read_idx(images, _IMAGES_MAGIC)
-            y = _read_idx(labels, _LABELS_MAGIC)
-            if x.shape[1:] != (28, 28):
-                raise UsageError(f"{images}: images are {x.shape[1]}x{x.shape[2]}, MNIST needs 28x28")
-            if len(x) != len(y):
-                raise UsageError(
-                    f"{images} holds {len(x)} images but {labels} holds {len(y)} labels"
-                )
-            if len(x) == 0:
-                raise UsageError(f"{images} holds no images")
-            return x[:, None], y, images
-    raise UsageError(
-        f"no MNIST files in {directory}: expected train-images-idx3-ubyte and "
-        "train-labels-idx1-ubyte (or t10k-*, optionally .gz)"
-    )
-
-
-def _read_idx(path: str, magic: int) -> np.ndarray:
-    """Read an unsigned-byte IDX file (images: magic 2051, 3 dims; labels: 2049, 1 dim).
-
-    The header is read first; at most what it describes (plus one byte, to notice
-    more) is then read or decompressed, and never more than ``MAX_IDX_BYTES``: a
-    small gzip that expands to gigabytes ends in a one-line error, not in memory.
-    """
-    ndim = magic - 2048
-    header = 4 + 4 * ndim
-    try:
-        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
-            data = f.read(header)
-            if len(data) < header:
-                raise UsageError(f"{path}: truncated, only {len(data)} bytes (header needs {header})")
-            found = int.from_bytes(data[:4], "big")
-            if found != magic:
-                raise UsageError(
-                    f"{path}: bad magic number {found}, expected {magic} "
-                    f"({'images' if magic == _IMAGES_MAGIC else 'labels'} IDX file)"
-                )
-            dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
-            expected = header + math.prod(dims)
-            if expected > MAX_IDX_BYTES:
-                raise UsageError(f"{path}: its header ({'x'.join(map(str, dims))}) describes {expected} bytes, "
-                                 f"more than the {MAX_IDX_BYTES >> 30} GiB convcheck reads")
-            data += f.read(expected - header + 1)
-    except (OSError, EOFError, zlib.error) as e:
-        raise UsageError(f"{path}: cannot read ({e})") from None
-    if len(data) < expected:
-        raise UsageError(
-            f"{path}: truncated, {len(data)} bytes but its header ({'x'.join(map(str, dims))}) "
-            f"needs {expected}"
-        )
-    if len(data) > expected:
-        raise UsageError(
-            f"{path}: {len(data) - expected} bytes beyond what its header "
-            f"({'x'.join(map(str, dims))}) describes"
-        )
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
-
-
-def _read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
-    if not os.path.isfile(path):
-        raise UsageError(f"npz file {path} does not exist")
-    try:
-        f = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UsageError(f"{path}: cannot read as .npz ({e})") from None
-    if not isinstance(f, np.lib.npyio.NpzFile):
-        raise UsageError(f"{path}: a single array, not an .npz archive with arrays 'x' and 'y'")
-    with f:
-        missing = [k for k in ("x", "y") if k not in f.files]
-        if missing:
-            raise UsageError(
-                f"{path}: no array {' or '.join(repr(m) for m in missing)} "
-                f"(found: {', '.join(f.files) or 'none'})"
-            )
-        try:
-            x, y = f["x"], f["y"]
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise UsageError(f"{path}: cannot read arrays x and y ({e})") from None
-    if x.dtype.kind not in "fiub":
-        raise UsageError(f"{path}: x has dtype {x.dtype}, expected numbers")
-    if x.ndim == 3 and input_shape[0] == 1:
-        x = x[:, None]
-    if x.ndim != 4 or tuple(x.shape[1:]) != input_shape:
-        raise UsageError(
-            f"{path}: x has shape {x.shape}, expected (N, {', '.join(map(str, input_shape))})"
-        )
-    if len(x) == 0:
-        raise UsageError(f"{path}: x holds no samples")
-    if not np.isfinite(x).all():
-        raise UsageError(f"{path}: x contains NaN or infinite values")
-    if y.ndim != 1 or len(y) != len(x):
-        raise UsageError(f"{path}: y has shape {y.shape}, expected ({len(x)},) to match x")
-    if y.dtype.kind not in "iu":
-        raise UsageError(f"{path}: y has dtype {y.dtype}, expected integer class labels")
-    return x, y, path
