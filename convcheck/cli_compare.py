@@ -39,6 +39,9 @@ def run_compare(args) -> int:
     except BaseException as exc:
         _after_failure(exc, folder, stage, args, config, fingerprint)
         raise
+    if getattr(args, "project_file", None):
+        result.notes.append(f"options from {args.project_file} ({', '.join(args.project_keys)}); "
+                            "the command line overrides them")
     _show(result, args)
     if folder is not None:
         _write(result, folder, args.force)

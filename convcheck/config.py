@@ -54,9 +54,9 @@ class CompareConfig:
     clip_grad_norm: float | None = None
 
     def __post_init__(self):
-        _need_int("steps", self.steps, 1)
-        _need_int("batch size", self.batch_size, 1)
-        _need_int("envelope", self.envelope, 0)
+        _need_int("steps", self.steps, 1, STEPS_MAX)
+        _need_int("batch size", self.batch_size, 1, BATCH_MAX)
+        _need_int("envelope", self.envelope, 0, ENVELOPE_MAX)
         _need_int("seed", self.seed, 0)
         if self.seed > SEED_MAX:
             raise UsageError(f"seed must be at most 2^63-1, got {self.seed}")
@@ -97,9 +97,17 @@ def _need_real(what: str, value, ok, expected: str) -> None:
         raise UsageError(f"{what} must be {expected}, got {value!r}")
 
 
-def _need_int(what: str, value, least: int) -> None:
+# Beyond these a run is a mistake, not a measurement (10^7 steps of the smallest model take days).
+STEPS_MAX = 10_000_000
+BATCH_MAX = 1 << 20
+ENVELOPE_MAX = 64
+
+
+def _need_int(what: str, value, least: int, most: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise UsageError(f"{what} must be an integer of at least {least}, got {value!r}")
+    if most is not None and value > most:
+        raise UsageError(f"{what} must be at most {most}, got {value!r}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(CompareConfig))

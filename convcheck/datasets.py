@@ -98,10 +98,19 @@ def digits_source(*, input_shape, num_classes: int, batch_size: int, steps: int,
 
 # --- choosing the source -----------------------------------------------------------------------------
 
+BUILTIN_KINDS = ("synthetic", "digits", "mnist", "npz")
+
+
 def is_user_data(spec) -> bool:
+    """A data factory (``FILE.py:factory``, ``package.module:factory`` or a callable), not a built-in
+    source (``mnist:DIR`` is a folder even when DIR looks like a name)."""
     from convcheck.user_code import is_user_spec
 
-    return callable(spec) or (isinstance(spec, str) and is_user_spec(spec))
+    if callable(spec):
+        return True
+    if not isinstance(spec, str) or spec.strip().partition(":")[0] in BUILTIN_KINDS:
+        return False
+    return is_user_spec(spec)
 
 
 def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, seed: int, workers: int = 0,

@@ -60,7 +60,15 @@ def test_compare_with_no_arguments_runs_the_project(project, capsys):
     assert s["config"]["steps"] == 4 and s["config"]["optimizer"] == "sgd" and s["config"]["lr"] == 0.05
     assert s["config"]["tolerances"]["bound_factor"] == 4.0
     assert s["data"]["source"] == "factory:nets.data"
-    assert f"options from {project / 'pyproject.toml'}" in err
+    assert any(f"options from {project / 'pyproject.toml'}" in n for n in s["notes"])
+    assert err.count("\n") <= 1  # stderr keeps its one-line contract
+
+
+def test_mnist_with_a_folder_that_looks_like_a_name_is_not_a_factory():
+    from convcheck.datasets import is_user_data
+
+    assert not is_user_data("mnist:mnistdir") and not is_user_data("npz:data.npz")
+    assert is_user_data("nets.py:data") and is_user_data("mypkg.data:make")
 
 
 def test_the_command_line_overrides_the_file(project, capsys):
