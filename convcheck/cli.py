@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.compare_parser = _add_compare_parser(sub)
     _add_env_parser(sub)
     _add_models_parser(sub)
+    from convcheck.cli_diff import add_diff_parser, run_diff
+    from convcheck.cli_record import add_record_parser, run_record
+
+    add_record_parser(sub, run_record)
+    add_diff_parser(sub, run_diff)
     return parser
 
 

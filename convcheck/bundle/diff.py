@@ -1,0 +1,178 @@
+"""``diff``: a ``CompareResult`` rebuilt from two bundles and a judge, diagnosed like ``compare``'s.
+
+The two bundles must have run the same model (spec and source hash), the same initial weights,
+the same batches and the same options: a mismatch is a one-line ``UsageError`` saying what differs.
+The judge is re-run here (``cpu:float64``: the model rebuilt from its spec, the batches regenerated
+from the recorded data spec and seed, every hash checked) or read from a recorded float64 bundle;
+each side's per-layer propagated errors are recomputed from its recorded arrays against it. The
+local / intrinsic columns and the training curves are those recorded on each side (against the
+judge of that side's machine). The distance between the two targets at each step comes from the
+parameter snapshots both sides hold. Each side's environment is audited, and the two are diffed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pandas as pd
+import torch
+
+from convcheck.bundle.reader import Bundle
+from convcheck.config import CompareConfig
+from convcheck.errors import UsageError
+from convcheck.tolerances import Tolerances
+
+_SAME = ("init_sha256", "batches_sha256", "data_source")
+
+
+def _differs(what: str, a, b, na: str, nb: str) -> UsageError:
+    return UsageError(f"the bundles did not run the same {what}: {na} has {a!r}, {nb} has {b!r}")
+
+
+def check_same_run(a: Bundle, b: Bundle) -> None:
+    """Same model, weights, batches and options, or a one-line error naming the first difference."""
+    na, nb = str(a.path), str(b.path)
+    ma, mb = a["model"], b["model"]
+    if ma["spec"] != mb["spec"]:
+        raise _differs("model", ma["spec"], mb["spec"], na, nb)
+    if ma.get("source_sha256") and mb.get("source_sha256") and ma["source_sha256"] != mb["source_sha256"]:
+        raise _differs("model source (SHA-256 of the file)", ma["source_sha256"][:12], mb["source_sha256"][:12],
+                       na, nb)
+    for key in _SAME:
+        if a[key] != b[key]:
+            what = {"init_sha256": "initial weights (SHA-256)", "batches_sha256": "batches (SHA-256 over all)",
+                    "data_source": "data"}[key]
+            raise _differs(what, a[key][:16] if key != "data_source" else a[key],
+                           b[key][:16] if key != "data_source" else b[key], na, nb)
+    for key in sorted(set(a["config"]) | set(b["config"])):
+        if a["config"].get(key) != b["config"].get(key):
+            raise _differs(f"options ({key})", a["config"].get(key), b["config"].get(key), na, nb)
+    if a["tolerances"] != b["tolerances"]:
+        raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
+    if a["target"] == b["target"]:
+        raise UsageError(f"both bundles recorded target {a['target']}; diff needs two different target specs "
+                         "(the same spec on two machines is not supported yet)")
+
+
+def config_of(bundle: Bundle, targets, judge) -> CompareConfig:
+    values = dict(bundle["config"])
+    if isinstance(values.get("betas"), list):
+        values["betas"] = tuple(values["betas"])
+    fields = {f.name for f in dataclasses.fields(CompareConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise UsageError(f"bundle {bundle.path}: config.{unknown[0]} is not an option of this convcheck")
+    try:
+        tol = Tolerances(**bundle["tolerances"])
+        return CompareConfig(**values, targets=targets, judge=judge, tolerances=tol)
+    except TypeError as exc:
+        raise UsageError(f"bundle {bundle.path}: config is not valid here ({exc})") from None
+
+
+# --- the judge ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class JudgeRecord:
+    """The judge's per-layer outputs and parameter gradients of the parity step (float64 tensors)."""
+
+    name: str
+    reason: str
+    outputs: dict
+    grads: dict
+    loss_batch_ratio: float = math.nan
+    resolved: object = None
+    recipe: object = None
+
+
+def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=None) -> JudgeRecord:
+    """Re-run the judge on this machine from the recorded model spec, seed and data spec."""
+    from convcheck.data import hash_state_dict
+    from convcheck.datasets import is_user_data
+    from convcheck.parity.judge_pass import run_judge
+    from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
+    from convcheck.bundle.record import source_sha256
+    from convcheck.recipe_symptoms import loss_reduction_probe
+    from convcheck.targets import default_judge, parse_judge
+
+    judge, reason = (parse_judge(judge_spec), "re-run here (--judge)") if judge_spec else default_judge()
+    m = a["model"]
+    shape = tuple(m["input_shape"]) if m.get("input_shape") else input_shape
+    cfg = config_of(a, None, judge)
+    with _caller_rng_kept(), _guarded(None, cfg.steps):
+        resolved = _as_resolved(m["spec"], shape, m.get("num_classes") or num_classes,
+                                need_io=not is_user_data(cfg.data))
+        here = source_sha256(resolved)
+        if m.get("source_sha256") and here and here != m["source_sha256"]:
+            raise UsageError(f"model {m['spec']}: its source file here (SHA-256 {here[:12]}) is not the one "
+                             f"recorded ({m['source_sha256'][:12]})")
+        cfg, recipe = _resolve_recipe(cfg, resolved.task)
+        state, build, stream = _prepare(resolved, cfg, [])
+        if hash_state_dict(state) != a["init_sha256"]:
+            raise UsageError(f"the initial weights built here (seed {cfg.seed}) differ from the recorded ones "
+                             "(SHA-256 of the weights)")
+        first = stream.first()
+        for step, _ in enumerate(stream):
+            recorded = a["batch_sha256"]
+            if step < len(recorded) and stream.hashes[step] != recorded[step]:
+                raise UsageError(f"batch {step} regenerated here from {cfg.data or 'synthetic'} with seed "
+                                 f"{cfg.seed} differs from the recorded one (SHA-256 {stream.hashes[step][:12]} "
+                                 f"vs {recorded[step][:12]})")
+        if stream.all_hash != a["batches_sha256"]:
+            raise UsageError("the batches regenerated here differ from the recorded ones (SHA-256 over all)")
+        torch.manual_seed(cfg.seed)
+        calls, _, grads, _ = run_judge(build(judge), first, judge.runner, cfg.seed, recipe.loss)
+        ratio = loss_reduction_probe(build(judge), judge.runner, first, recipe.loss)
+    return JudgeRecord(str(judge), reason, {k: c.output for k, c in calls.items()}, grads, ratio, resolved, recipe)
+
+
+def judge_from_bundle(j: Bundle, a: Bundle) -> JudgeRecord:
+    """The judge's outputs from a bundle recorded with a float64 target."""
+    if not j["target"].endswith("float64"):
+        raise UsageError(f"--judge {j.path}: recorded target {j['target']}, not a float64 one")
+    check = [k for k in _SAME if j[k] != a[k]]
+    if check or j["model"]["spec"] != a["model"]["spec"]:
+        raise UsageError(f"--judge {j.path} did not run the same {check[0] if check else 'model'} as {a.path}")
+    j.check_arrays()
+    outputs = {e["key"]: torch.from_numpy(j.forward(i)) for i, e in enumerate(j["arrays"]["forward"])}
+    grads = {e["param"]: torch.from_numpy(j.grad(i)) for i, e in enumerate(j["arrays"]["grads"])}
+    return JudgeRecord(j["target"], f"recorded in {j.path}", outputs, grads)
+
+
+def diff_bundles(path_a, path_b, judge: str | None = None):
+    """``(CompareResult, [fingerprint A, fingerprint B], env differences)`` of two recorded runs.
+
+    ``judge``: a float64 target spec to re-run here (default: this machine's default judge), or the path
+    of a bundle recorded with a float64 target."""
+    import os
+
+    from convcheck.bundle.reader import open_bundle
+    from convcheck.bundle.rebuild import build_result
+    from convcheck.env.diff import diff as env_diff
+    from convcheck.models import ResolvedModel
+    from convcheck.recipe import build_recipe
+
+    a, b = open_bundle(path_a), open_bundle(path_b)
+    check_same_run(a, b)
+    a.check_arrays()
+    b.check_arrays()
+    if judge is not None and (os.path.lexists(judge) or judge.endswith(".zip")):
+        rec = judge_from_bundle(open_bundle(judge), a)
+        m = a["model"]
+        cfg = config_of(a, None, None)
+        rec.resolved = ResolvedModel(name=m.get("name") or m["spec"], factory=_no_factory(m["spec"]),
+                                     input_shape=tuple(m["input_shape"]) if m.get("input_shape") else None,
+                                     num_classes=m.get("num_classes"), source="bundle", spec=m["spec"],
+                                     task=m["task"])
+        rec.recipe = build_recipe(cfg, m["task"])
+    else:
+        rec = judge_here(a, judge)
+    result, fps = build_result(a, b, rec, rec.resolved, rec.recipe)
+    return result, fps, env_diff(fps[0], fps[1])
+
+
+def _no_factory(spec: str):
+    def factory():
+        raise UsageError(f"model {spec} is not built here (the judge came from a bundle)")
+
+    return factory

@@ -1,0 +1,335 @@
+"""Reading a bundle, trusting nothing in it.
+
+A bundle is a directory or a ``.zip``. Every member is a regular file named by a relative path
+without ``..`` (symbolic links, devices, FIFOs, absolute names are refused); the manifest is read
+with a size limit and checked field by field against ``convcheck.bundle/1``; every array is read
+with ``allow_pickle=False``, no larger than the shape its index declares, and must have exactly that
+shape and the storage dtype of its declared dtype. Anything else is a one-line ``UsageError``
+(exit 2) naming the bundle and what is wrong. Nothing is executed and nothing is written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import stat
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+from convcheck.bundle.schema import (
+    ARRAY_GROUPS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK, SCHEMA, STORAGE,
+)
+from convcheck.errors import UsageError
+
+_NUM = (int, float)
+
+
+class _Bad(Exception):
+    """A field of the manifest is wrong: the message says which (caught and prefixed with the bundle)."""
+
+
+def _safe_member(name: str) -> str:
+    p = PurePosixPath(name)
+    if not name or name.startswith(("/", "\\")) or p.is_absolute() or ".." in p.parts or "\\" in name \
+            or (len(name) > 1 and name[1] == ":"):
+        raise _Bad(f"member {name!r} is not a plain relative path")
+    return name
+
+
+class _Source:
+    """The bundle's files, from a folder or a zip; ``read(name, limit)`` returns bytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        st = _lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise _Bad("is a symbolic link; pass the bundle itself")
+        if stat.S_ISDIR(st.st_mode):
+            self.zip = None
+        elif stat.S_ISREG(st.st_mode):
+            try:
+                self.zip = zipfile.ZipFile(path)
+                infos = self.zip.infolist()
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+                raise _Bad(f"not a readable bundle zip ({exc})") from None
+            if len(infos) > MAX_MEMBERS:
+                raise _Bad(f"holds {len(infos)} members, more than a bundle ever has")
+            self.members = {}
+            for info in infos:
+                name = _safe_member(info.filename)
+                if info.is_dir():
+                    continue
+                if stat.S_ISLNK(info.external_attr >> 16):
+                    raise _Bad(f"member {name!r} is a symbolic link")
+                self.members[name] = info
+        else:
+            raise _Bad("is neither a folder nor a .zip file")
+
+    def read(self, name: str, limit: int) -> bytes:
+        _safe_member(name)
+        if self.zip is not None:
+            info = self.members.get(name)
+            if info is None:
+                raise _Bad(f"{name} is missing")
+            if info.file_size > limit:
+                raise _Bad(f"{name} claims {info.file_size} bytes, more than the {limit} it may hold")
+            try:
+                with self.zip.open(info) as f:
+                    data = f.read(limit + 1)
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
+                raise _Bad(f"{name} cannot be read ({exc})") from None
+        else:
+            full = self.path
+            for part in PurePosixPath(name).parts:  # no link anywhere on the way
+                full = full / part
+                st = _lstat(full, name)
+                if stat.S_ISLNK(st.st_mode):
+                    raise _Bad(f"{name} is (or passes through) a symbolic link")
+            if not stat.S_ISREG(st.st_mode):
+                raise _Bad(f"{name} is not a regular file")
+            if st.st_size > limit:
+                raise _Bad(f"{name} is {st.st_size} bytes, more than the {limit} it may hold")
+            try:
+                with open(full, "rb") as f:
+                    data = f.read(limit + 1)
+            except OSError as exc:
+                raise _Bad(f"{name} cannot be read ({exc.strerror or exc})") from None
+        if len(data) > limit:
+            raise _Bad(f"{name} is larger than the {limit} bytes it may hold")
+        return data
+
+
+def _lstat(path: Path, name: str | None = None):
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        raise _Bad(f"{name + ' ' if name else ''}cannot be opened ({exc.strerror or exc})") from None
+
+
+# --- field checks -------------------------------------------------------------
+
+def _get(d: dict, key: str, kind, where: str, *, optional: bool = False):
+    if key not in d:
+        if optional:
+            return None
+        raise _Bad(f"{where}.{key} is missing")
+    v = d[key]
+    if v is None and optional:
+        return None
+    ok = isinstance(v, kind) and not (isinstance(v, bool) and kind is not bool and bool not in _tuple(kind))
+    if not ok:
+        raise _Bad(f"{where}.{key} is {type(v).__name__}, expected {_kind_name(kind)}")
+    return v
+
+
+def _tuple(kind):
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+             bool: "true/false"}
+    return " or ".join(names.get(k, k.__name__) for k in _tuple(kind))
+
+
+def _shape(v, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > 8 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n
+                                                        for n in v):
+        raise _Bad(f"{where} is not a shape (a list of at most 8 non-negative integers)")
+    return tuple(v)
+
+
+def _dtype(v, where: str) -> str:
+    if v not in STORAGE:
+        raise _Bad(f"{where} is {v!r}, not one of {', '.join(STORAGE)}")
+    return v
+
+
+def _sha(v, where: str) -> str:
+    if not isinstance(v, str) or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+        raise _Bad(f"{where} is not a SHA-256 hex digest")
+    return v
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return math.prod(shape) * np.dtype(STORAGE[dtype]).itemsize
+
+
+def _check_rows(rows, where: str, columns: dict) -> list[dict]:
+    if not isinstance(rows, list):
+        raise _Bad(f"{where} is {type(rows).__name__}, expected a list")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise _Bad(f"{where}[{i}] is {type(row).__name__}, expected an object")
+        for col, kind in columns.items():
+            _get(row, col, kind, f"{where}[{i}]", optional=type(None) in _tuple(kind))
+    return rows
+
+
+PARITY_COLUMNS = {"target": str, "kind": str, "layer": str, "order": int, "propagated": _NUM, "flagged": bool}
+CURVE_COLUMNS = {"arm": str, "role": str, "target": str, "step": int, "loss": _NUM, "grad_norm": _NUM,
+                 "dist_judge": _NUM, "nonfinite_loss": bool, "nonfinite_grad": bool, "skipped": bool}
+
+
+def check_manifest(m) -> dict:
+    """``m`` checked field by field (raises ``_Bad``); returns the total bytes its arrays claim."""
+    if not isinstance(m, dict):
+        raise _Bad(f"manifest is {type(m).__name__}, expected an object")
+    schema = m.get("schema")
+    if schema != SCHEMA:
+        raise _Bad(f"schema {schema!r} is not {SCHEMA!r} (a newer convcheck, or not a bundle)")
+    model = _get(m, "model", dict, "manifest")
+    _get(model, "spec", str, "model")
+    _get(model, "task", str, "model")
+    if model.get("source_sha256") is not None:
+        _sha(model["source_sha256"], "model.source_sha256")
+    for key in ("input_shape",):
+        if model.get(key) is not None:
+            _shape(model[key], f"model.{key}")
+    _get(model, "num_classes", int, "model", optional=True)
+    for key in ("target", "judge", "convcheck_version", "data_source", "created"):
+        _get(m, key, str, "manifest")
+    cfg = _get(m, "config", dict, "manifest")
+    for key in ("steps", "batch_size", "seed", "envelope"):
+        _get(cfg, key, int, "config")
+    _get(m, "tolerances", dict, "manifest")
+    _get(m, "versions", dict, "manifest")
+    _get(m, "fingerprint", dict, "manifest")
+    _sha(_get(m, "init_sha256", str, "manifest"), "init_sha256")
+    _sha(_get(m, "batches_sha256", str, "manifest"), "batches_sha256")
+    for i, h in enumerate(_get(m, "batch_sha256", list, "manifest")):
+        _sha(h, f"batch_sha256[{i}]")
+    _get(m, "data_stats", dict, "manifest")
+    parity = _get(m, "parity", dict, "manifest")
+    for key in ("judge_loss", "loss", "self_difference"):
+        _get(parity, key, _NUM, "parity")
+    if not all(isinstance(s, str) for s in _get(parity, "stochastic_layers", list, "parity")):
+        raise _Bad("parity.stochastic_layers holds a non-string")
+    _check_rows(_get(parity, "rows", list, "parity"), "parity.rows", PARITY_COLUMNS)
+    train = _get(m, "training", dict, "manifest")
+    _check_rows(_get(train, "curves", list, "training"), "training.curves", CURVE_COLUMNS)
+    _check_rows(_get(train, "layer_grads", list, "training"), "training.layer_grads", {"arm": str, "step": int})
+    _check_rows(_get(train, "activations", list, "training"), "training.activations", {"arm": str, "step": int})
+    for arm, v in _get(train, "nonfinite_producer", dict, "training").items():
+        if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                                  and isinstance(v[1], str)):
+            raise _Bad(f"training.nonfinite_producer[{arm!r}] is not [step, layer] or null")
+    return _check_arrays(_get(m, "arrays", dict, "manifest"))
+
+
+def _check_arrays(arrays: dict) -> int:
+    total = 0
+    files = set()
+    for group in ARRAY_GROUPS:
+        for i, e in enumerate(_get(arrays, group, list, "arrays")):
+            where = f"arrays.{group}[{i}]"
+            if not isinstance(e, dict):
+                raise _Bad(f"{where} is {type(e).__name__}, expected an object")
+            f = _safe_member(_get(e, "file", str, where))
+            if not f.startswith(f"{group}/") or not f.endswith(".npz") or f in files:
+                raise _Bad(f"{where}.file {f!r} is not a fresh {group}/*.npz name")
+            files.add(f)
+            if group == "snapshots":
+                _get(e, "step", int, where)
+                continue
+            _get(e, "key" if group == "forward" else "param", str, where)
+            total += _nbytes(_shape(e.get("shape"), f"{where}.shape"), _dtype(e.get("dtype"), f"{where}.dtype"))
+    params = _get(arrays, "parameters", list, "arrays")
+    per_snapshot = 0
+    for i, p in enumerate(params):
+        where = f"arrays.parameters[{i}]"
+        if not isinstance(p, dict):
+            raise _Bad(f"{where} is {type(p).__name__}, expected an object")
+        _get(p, "name", str, where)
+        per_snapshot += _nbytes(_shape(p.get("shape"), f"{where}.shape"), _dtype(p.get("dtype"), f"{where}.dtype"))
+    total += per_snapshot * len(arrays["snapshots"])
+    if total > MAX_TOTAL_BYTES:
+        raise _Bad(f"its arrays claim {total / 1024**3:.1f} GiB, more than the {MAX_TOTAL_BYTES // 1024**3} GiB "
+                   "limit of a bundle")
+    return total
+
+
+# --- the bundle ---------------------------------------------------------------
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: dict
+    source: _Source = field(repr=False)
+
+    def __getitem__(self, key):
+        return self.manifest[key]
+
+    def _load(self, rel: str, expected: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, np.ndarray]:
+        limit = sum(_nbytes(s, d) + NPZ_SLACK for s, d in expected.values()) + NPZ_SLACK
+        data = self.source.read(rel, limit)
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                if set(z.files) != set(expected):
+                    raise _Bad(f"{rel} holds arrays {sorted(z.files)[:4]}, expected {sorted(expected)[:4]}")
+                out = {}
+                for key, (shape, dtype) in expected.items():
+                    a = z[key]
+                    if a.dtype != np.dtype(STORAGE[dtype]) or tuple(a.shape) != shape:
+                        raise _Bad(f"{rel}: array {key} is {a.dtype}{list(a.shape)}, the index says "
+                                   f"{STORAGE[dtype]}{list(shape)}")
+                    out[key] = a
+                return out
+        except _Bad:
+            raise
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as exc:
+            raise _Bad(f"{rel} is not a plain array file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+    def _wrap(self, fn, *args):
+        try:
+            return fn(*args)
+        except _Bad as exc:
+            raise UsageError(f"bundle {self.path}: {exc}") from None
+
+    def forward(self, i: int) -> np.ndarray:
+        e = self.manifest["arrays"]["forward"][i]
+        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])})["a"]
+
+    def grad(self, i: int) -> np.ndarray:
+        e = self.manifest["arrays"]["grads"][i]
+        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])})["a"]
+
+    def snapshot(self, step: int) -> list[np.ndarray] | None:
+        """The parameters after ``step`` training steps, in the recorded order; None when not recorded."""
+        entry = next((e for e in self.manifest["arrays"]["snapshots"] if e["step"] == step), None)
+        if entry is None:
+            return None
+        params = self.manifest["arrays"]["parameters"]
+        expected = {f"p{i:05d}": (tuple(p["shape"]), p["dtype"]) for i, p in enumerate(params)}
+        arrays = self._wrap(self._load, entry["file"], expected)
+        return [arrays[f"p{i:05d}"] for i in range(len(params))]
+
+    def check_arrays(self) -> None:
+        """Read every array once (``convcheck diff`` does, before any work)."""
+        for i in range(len(self.manifest["arrays"]["forward"])):
+            self.forward(i)
+        for i in range(len(self.manifest["arrays"]["grads"])):
+            self.grad(i)
+        for e in self.manifest["arrays"]["snapshots"]:
+            self.snapshot(e["step"])
+
+
+def open_bundle(path: str | os.PathLike) -> Bundle:
+    """The bundle at ``path`` (folder or zip), its manifest checked; arrays are read on demand."""
+    path = Path(path)
+    try:
+        source = _Source(path)
+        data = source.read(MANIFEST, MAX_MANIFEST_BYTES)
+        try:
+            manifest = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _Bad(f"manifest.json is not JSON ({str(exc).splitlines()[0][:80]})") from None
+        check_manifest(manifest)
+    except _Bad as exc:
+        raise UsageError(f"bundle {path}: {exc}") from None
+    return Bundle(path, manifest, source)

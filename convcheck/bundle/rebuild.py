@@ -1,0 +1,136 @@
+"""A ``CompareResult`` from two checked bundles and a ``JudgeRecord`` (``convcheck.bundle.diff``)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from convcheck.bundle.diff import JudgeRecord, config_of
+from convcheck.bundle.reader import Bundle
+from convcheck.metrics import rel_l2
+
+
+def _rows(bundle: Bundle, judge: JudgeRecord) -> list[dict]:
+    """The side's parity rows, ``propagated`` recomputed from its arrays against ``judge``."""
+    fwd = {e["key"]: i for i, e in enumerate(bundle["arrays"]["forward"])}
+    grd = {e["param"]: i for i, e in enumerate(bundle["arrays"]["grads"])}
+    rows = []
+    for r in bundle["parity"]["rows"]:
+        r = dict(r)
+        if isinstance(r.get("shape"), list):
+            r["shape"] = tuple(r["shape"])
+        if r["kind"] == "forward" and r["layer"] in fwd and r["layer"] in judge.outputs:
+            ref = judge.outputs[r["layer"]]
+            arr = torch.from_numpy(bundle.forward(fwd[r["layer"]]))
+            if tuple(arr.shape) == tuple(ref.shape) and not math.isnan(r["propagated"]):
+                r["propagated"] = rel_l2(arr, ref)
+        elif r["kind"] == "grad" and r.get("param") in grd and r.get("param") in judge.grads:
+            ref = judge.grads[r["param"]]
+            arr = torch.from_numpy(bundle.grad(grd[r["param"]]))
+            if tuple(arr.shape) == tuple(ref.shape) and not math.isnan(r["propagated"]):
+                r["propagated"] = rel_l2(arr, ref)
+        rows.append(r)
+    return rows
+
+
+def _dist(a: list, b: list) -> float:
+    """``metrics.param_distance`` over two recorded parameter lists: ||a - b|| / ||b|| in float64."""
+    num = den = 0.0
+    for pa, pb in zip(a, b):
+        va, vb = torch.from_numpy(pa).to(torch.float64), torch.from_numpy(pb).to(torch.float64)
+        num += float(torch.linalg.vector_norm(va - vb)) ** 2
+        den += float(torch.linalg.vector_norm(vb)) ** 2
+    if not math.isfinite(num):
+        return math.inf
+    return math.sqrt(num / den) if den > 0 else math.nan
+
+
+def _curves(a: Bundle, b: Bundle, arms, steps: int):
+    """Per step: A's and B's rows, the judge's (A's), the envelope runs' (from the side they perturb);
+    ``dist_other`` from the snapshots both sides hold after that step (NaN where one lacks it)."""
+    names = [arm.name for arm in arms]
+    rank = {n: i for i, n in enumerate(names)}
+    source = {names[0]: a, names[1]: b, names[2]: a}
+    for arm in arms[3:]:
+        source[arm.name] = a if arm.reference == a["target"] else b
+
+    def table(key):
+        rows = [r for n, bun in source.items() for r in bun["training"][key] if r["arm"] == n]
+        rows.sort(key=lambda r: (r["step"], rank[r["arm"]]))
+        return rows
+
+    curves = table("curves")
+    for r in curves:
+        if r["arm"] in (a["target"], b["target"]):
+            r["dist_other"] = math.nan
+    for step in range(steps):
+        pa, pb = a.snapshot(step + 1), b.snapshot(step + 1)
+        if pa is None or pb is None:
+            continue
+        for r in curves:
+            if r["step"] == step and r["arm"] == a["target"]:
+                r["dist_other"] = _dist(pa, pb)
+            elif r["step"] == step and r["arm"] == b["target"]:
+                r["dist_other"] = _dist(pb, pa)
+    return curves, table("layer_grads"), table("activations"), source
+
+
+def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe):
+    from convcheck.env import audit
+    from convcheck.env.fingerprint import Fingerprint
+    from convcheck.parity import COLUMNS, ParityResult
+    from convcheck.parity.result import first_flagged
+    from convcheck.pipeline import CompareResult
+    from convcheck.targets import Target
+    from convcheck.train import CURVE_COLUMNS, TrainConfig, TrainResult, make_arms
+    from convcheck.train.result import arm_outcome, envelope_summary
+    from convcheck.train.arms import lower_precision
+
+    ta, tb = Target.parse(a["target"]), Target.parse(b["target"])
+    cfg = config_of(a, (ta, tb), Target.parse(a["judge"]))  # the judge arm the curves were trained with
+    rows_a, rows_b = _rows(a, judge), _rows(b, judge)
+    parity = ParityResult(
+        pd.DataFrame(rows_a + rows_b, columns=COLUMNS),
+        {a["target"]: first_flagged(rows_a), b["target"]: first_flagged(rows_b)}, cfg.tolerances,
+        a["parity"]["judge_loss"], {a["target"]: a["parity"]["loss"], b["target"]: b["parity"]["loss"]},
+        list(a["parity"]["stochastic_layers"]),
+        {a["target"]: a["parity"]["self_difference"], b["target"]: b["parity"]["self_difference"]},
+        judge=judge.name)
+    # The recorded judge arm: the one trained on A's machine, named as recorded.
+    arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]))
+    curves, grads, acts, source = _curves(a, b, arms, cfg.steps)
+    training = TrainResult(
+        curves=pd.DataFrame(curves, columns=CURVE_COLUMNS),
+        layer_grads=pd.DataFrame(grads, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
+        activations=pd.DataFrame(acts, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
+        arms=arms, config=TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), judge=a["judge"],
+        nonfinite_producer={n: tuple(bun["training"]["nonfinite_producer"].get(n) or ()) or None
+                            for n, bun in source.items()})
+    training.outcomes = {arm.name: arm_outcome(arm, training.arm_curve(arm.name), cfg.tolerances)
+                         for arm in arms if arm.role != "envelope"}
+    training.envelope = envelope_summary(training, cfg.tolerances)
+    training.lower_precision = str(lower_precision([ta, tb]))
+    fps = [Fingerprint.from_dict(x["fingerprint"]) for x in (a, b)]
+    findings, seen = [], set()
+    for fp in fps:
+        for f in audit(fp):
+            key = (f.id, f.message if hasattr(f, "message") else str(f))
+            if key not in seen:
+                seen.add(key)
+                findings.append(f)
+    notes = list(a.manifest.get("notes") or [])
+    if a["judge"] != b["judge"]:
+        notes.append(f"the recorded judges differ ({a['judge']} for {a['target']}, {b['judge']} for "
+                     f"{b['target']}): local errors are each against its own")
+    result = CompareResult(
+        model=resolved, config=cfg, parity=parity, training=training, data_source=a["data_source"],
+        batch_hashes=tuple(a["batch_sha256"]), init_hash=a["init_sha256"], data_stats=a["data_stats"],
+        notes=notes, findings=findings, fingerprint=fps[1 if training.lower_precision == b["target"] else 0],
+        judge_reason=judge.reason, recipe=recipe, batches_hash=a["batches_sha256"],
+        loss_batch_ratio=judge.loss_batch_ratio)
+    from convcheck.diagnose import diagnose
+
+    result.verdict = diagnose(result)
+    return result, fps

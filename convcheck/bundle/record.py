@@ -1,0 +1,204 @@
+"""``record``: run one target (and the judge it is measured against) and write its bundle.
+
+The same stages as ``pipeline.compare`` with one target: the shared initial weights, the batches
+(made once on the CPU and hashed), the parity step against the judge, lockstep training of the
+target, the judge and the target's envelope runs. On top, the target's own parity step is run
+once more under hooks that write every leaf call's output to disk as it happens (one layer at a
+time in memory), then every parameter's gradient, and parameter snapshots are taken between
+training steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fnmatch
+import hashlib
+import inspect
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+from convcheck.bundle.writer import BundleWriter
+from convcheck.capture import LeafCalls, SharedDropoutMasks
+from convcheck.config import CompareConfig
+from convcheck.data import hash_state_dict
+from convcheck.errors import UsageError
+from convcheck.targets import Target, default_judge, parse_judge
+
+# Snapshot every step while the snapshots of a run stay under this size; else only the last.
+AUTO_SNAPSHOT_BYTES = 256 * 1024 * 1024
+
+
+def parse_snapshot_steps(text: str | None, steps: int, n_params: int) -> list[int]:
+    """``"0,10,30"`` -> [0, 10, 30] (parameters after that many steps); ``"none"``; None: every step while
+    small (``convcheck diff`` then has the distance between the targets at every step), else the last."""
+    if text is None:
+        if n_params * 4 * (steps + 1) <= AUTO_SNAPSHOT_BYTES:
+            return list(range(steps + 1))
+        return [steps]
+    if text.strip().lower() == "none":
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            k = int(part)
+        except ValueError:
+            raise UsageError(f"--snapshot-steps: {part!r} is not a step number (e.g. 0,10,30)") from None
+        if not 0 <= k <= steps:
+            raise UsageError(f"--snapshot-steps: step {k} is outside 0..{steps} (--steps {steps})")
+        out.append(k)
+    return sorted(set(out))
+
+
+def source_sha256(resolved) -> str | None:
+    """SHA-256 of the file the model's factory is defined in (None when there is none)."""
+    try:
+        path = inspect.getsourcefile(resolved.factory)
+    except (TypeError, OSError):
+        path = None
+    if not path or not Path(path).is_file():
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _plain(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return v  # json writes NaN / Infinity, which Python reads back
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if hasattr(v, "item"):
+        return v.item()
+    return str(v)
+
+
+def config_dict(cfg: CompareConfig) -> dict:
+    """The options of the run, as the CLI would give them (callables are refused: a bundle is rebuilt
+    from text)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in ("targets", "judge", "tolerances"):
+            continue
+        v = getattr(cfg, f.name)
+        if callable(v) and not isinstance(v, str):
+            raise UsageError(f"cannot record a run whose {f.name} is a Python object; give it as FILE.py:name")
+        out[f.name] = _plain(v)
+    return out
+
+
+def _records(df) -> list[dict]:
+    return [{k: _plain(v) for k, v in row.items()} for row in df.to_dict("records")]
+
+
+def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Path, *, input_shape=None,
+               num_classes=None, layers: str | None = None, snapshot_steps: str | None = None,
+               fingerprint=None) -> dict:
+    """Run ``target_spec`` against the judge and write the bundle into ``folder``; returns the manifest."""
+    from convcheck import __version__
+    from convcheck.datasets import is_user_data
+    from convcheck.env import collect
+    from convcheck.parity import run_parity
+    from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
+    from convcheck.train import TrainConfig, run_training
+    from convcheck.train.arms import Arm
+
+    target = Target.parse(target_spec)
+    target.check_available()
+    judge, judge_reason = (parse_judge(cfg.judge), "chosen with --judge") if cfg.judge is not None \
+        else default_judge()
+    cfg = dataclasses.replace(cfg, judge=judge, targets=None)
+    with _caller_rng_kept(), _guarded(None, cfg.steps):
+        resolved = _as_resolved(model_spec, input_shape, num_classes, need_io=not is_user_data(cfg.data))
+        cfg, recipe = _resolve_recipe(cfg, resolved.task)
+        notes: list[str] = []
+        state, build, stream = _prepare(resolved, cfg, notes)
+        first = stream.first()
+        parity = run_parity(build, first, [target], tolerances=cfg.tolerances, judge=judge, seed=cfg.seed,
+                            loss_fn=recipe.loss)
+        writer = BundleWriter(folder)
+        torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass
+        _capture(build(target), target, first, cfg.seed, recipe.loss, writer, layers)
+        arms = [Arm(str(target), target, "target"), Arm(str(judge), judge, "judge")]
+        for k in range(cfg.envelope):
+            arms.append(Arm(f"{target}~{k + 1}", target, "envelope", perturb_seed=(cfg.seed * 1000 + k + 1) % 2**63,
+                            reference=str(target)))
+        n_params = sum(v.numel() for v in state.values())
+        snaps = parse_snapshot_steps(snapshot_steps, cfg.steps, n_params)
+        snapper = _Snapshotter(build, target, snaps, writer, len(arms))
+        training = run_training(snapper.build, stream, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed,
+                                recipe=recipe), tolerances=cfg.tolerances, progress=snapper.progress)
+    fingerprint = fingerprint or collect()
+    manifest = {
+        "convcheck_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"spec": model_spec, "name": resolved.name, "source": resolved.source,
+                  "source_sha256": source_sha256(resolved),
+                  "input_shape": list(resolved.input_shape) if resolved.input_shape else None,
+                  "num_classes": resolved.num_classes, "task": resolved.task},
+        "target": str(target), "judge": str(judge), "judge_reason": judge_reason,
+        "config": config_dict(cfg), "tolerances": _plain(dataclasses.asdict(cfg.tolerances)),
+        "layers_pattern": layers,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                     "numpy": __import__("numpy").__version__},
+        "fingerprint": fingerprint.to_dict(),
+        "init_sha256": hash_state_dict(state), "batch_sha256": list(stream.hashes),
+        "batches_sha256": stream.all_hash, "data_source": stream.source, "data_stats": _plain(stream.stats()),
+        "notes": notes,
+        "parity": {"judge_loss": parity.judge_loss, "loss": parity.losses.get(str(target), math.nan),
+                   "self_difference": parity.self_difference.get(str(target), 0.0),
+                   "stochastic_layers": list(parity.stochastic_layers), "rows": _records(parity.layers)},
+        "training": {"curves": _records(training.curves), "layer_grads": _records(training.layer_grads),
+                     "activations": _records(training.activations),
+                     "nonfinite_producer": {a: list(v) if v else None
+                                            for a, v in training.nonfinite_producer.items()}},
+    }
+    writer.finish(manifest)
+    return manifest
+
+
+def _capture(model, target: Target, batch, seed: int, loss_fn, writer: BundleWriter, layers: str | None) -> None:
+    """The target's parity step once more, each leaf call's output written to disk as it is produced,
+    then each parameter's gradient with the parity loss scale removed (as ``parity.target_pass``)."""
+    runner = target.runner
+    x, y = batch
+
+    def on_call(key, name, module, inputs, out):
+        if layers is None or fnmatch.fnmatchcase(key, layers) or fnmatch.fnmatchcase(name, layers):
+            writer.forward(key, type(module).__name__, out)
+
+    scale = runner.parity_loss_scale
+    with runner.applied():
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call):
+            _, loss = runner.forward_loss(model, x, y, loss_fn)
+        runner.backward(loss, scale)
+    for name, p in model.named_parameters():
+        if p.grad is not None and (layers is None or fnmatch.fnmatchcase(name.rsplit(".", 1)[0], layers)
+                                   or fnmatch.fnmatchcase(name, layers)):
+            writer.grad(name, p.grad.detach() / scale)
+
+
+class _Snapshotter:
+    """Keeps the target arm's model (the first one ``run_training`` builds) and snapshots its
+    parameters when every arm has finished a step (read from the progress callback)."""
+
+    def __init__(self, build, target: Target, steps: list[int], writer: BundleWriter, n_arms: int):
+        self._build, self.target, self.steps, self.writer, self.n_arms = build, target, set(steps), writer, n_arms
+        self.model = None
+
+    def build(self, t: Target):
+        m = self._build(t)
+        if self.model is None and t == self.target:
+            self.model = m
+            if 0 in self.steps:
+                self.writer.snapshot(0, list(m.named_parameters()))
+        return m
+
+    def progress(self, done: int, total: int) -> None:
+        if done % self.n_arms == 0 and done // self.n_arms in self.steps and self.model is not None:
+            self.writer.snapshot(done // self.n_arms, list(self.model.named_parameters()))

@@ -1,0 +1,32 @@
+"""The bundle format ``convcheck.bundle/1`` and its limits (no torch import).
+
+A bundle is a directory, or one ``.zip`` of that directory's files::
+
+    manifest.json            every scalar: model spec, config, target, judge, versions, env fingerprint,
+                             SHA-256 of the source file, the initial weights and every batch, the parity
+                             rows, per-step curves, and an index of the arrays below
+    forward/NNNNN.npz        one leaf call's forward output of the parity step (array ``a``)
+    grads/NNNNN.npz          one parameter's gradient of the parity step (array ``a``), loss scale removed
+    snapshots/step_NNNNN.npz the parameters after N training steps (arrays ``p00000``... in the
+                             order ``manifest["arrays"]["parameters"]`` names)
+
+Arrays are plain ``.npz`` (``np.savez``, uncompressed), read with ``allow_pickle=False``. A float64
+array is stored as float64; every other floating dtype (float32, bfloat16, float16) as float32,
+which holds it exactly; ``dtype`` in the index is the dtype the run had.
+"""
+
+from __future__ import annotations
+
+SCHEMA = "convcheck.bundle/1"
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # curves and parity rows of a large model are a few MB
+MAX_TOTAL_BYTES = 16 * 1024**3  # what a bundle's index may claim in all
+MAX_MEMBERS = 200_000
+NPZ_SLACK = 4096  # npy header and zip directory around one array
+STORAGE = {"float64": "float64", "float32": "float32", "bfloat16": "float32", "float16": "float32"}
+ARRAY_GROUPS = ("forward", "grads", "snapshots")
+
+
+def storage_dtype(dtype: str) -> str:
+    """The numpy dtype an array of torch dtype ``dtype`` ('float32', 'bfloat16'...) is stored as."""
+    return STORAGE[dtype]

@@ -1,0 +1,80 @@
+"""``convcheck diff RUN_A RUN_B``: two recorded runs diagnosed like ``convcheck compare``'s pair.
+
+Same report on the terminal (or ``--json``), same run folder (``summary.json``, ``layers.csv``, ...),
+plus ``env_a.json``, ``env_b.json`` (each side's fingerprint) and ``env_diff.json`` (what differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_diff_parser(sub, run) -> argparse.ArgumentParser:
+    p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record')",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_a", metavar="RUN_A", help="a bundle folder or .zip")
+    p.add_argument("run_b", metavar="RUN_B", help="a bundle folder or .zip")
+    p.add_argument("--judge", default=None, metavar="SPEC|RUN_J",
+                   help="a float64 target to re-run the judge here (default: this machine's judge), or a bundle "
+                        "recorded with a float64 target")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
+    p.add_argument("--out", default=None, metavar="DIR", help="write the report files there (default: reports/...)")
+    p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
+    p.add_argument("--no-save", action="store_true", help="write no files")
+    p.add_argument("--debug", action="store_true", help="on an error, print the full traceback as well")
+    p.set_defaults(func=run)
+    return p
+
+
+def run_diff(args) -> int:
+    from convcheck.bundle.diff import diff_bundles
+    from convcheck.report.folder import RunFolder
+
+    folder = None
+    if not args.no_save:
+        folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
+    result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    if folder is None and not args.no_save:
+        folder = RunFolder.default(result.model.name)
+    _show(result, differences, args)
+    if folder is not None:
+        _write(result, fps, differences, folder, args.force)
+    return 0 if result else 1
+
+
+def _show(result, differences, args) -> None:
+    if args.json:
+        from convcheck.report.export import summary_dict
+
+        summary = summary_dict(result)
+        summary["env_diff"] = [d.to_dict() for d in differences]
+        print(json.dumps(summary, indent=2))
+        return
+    from convcheck.report.text import make_console, render_compare
+
+    console = make_console()
+    render_compare(result, console)
+    if differences:
+        console.print(f"environments of {result.config.targets[0]} and {result.config.targets[1]} differ in:")
+        for d in differences:
+            console.print(f"  {d.field}: {d.left} | {d.right}", markup=False, highlight=False)
+    else:
+        console.print("the two environments match in every recorded field")
+
+
+def _write(result, fps, differences, folder, force: bool) -> None:
+    from convcheck.files import atomic_write_text
+    from convcheck.report.export import write_run
+
+    try:
+        path = folder.ensure()
+        written = write_run(result, path, force=force)
+        for name, data in (("env_a.json", fps[0].to_dict()), ("env_b.json", fps[1].to_dict()),
+                           ("env_diff.json", [d.to_dict() for d in differences])):
+            written.append(atomic_write_text(path / name, json.dumps(data, indent=2) + "\n"))
+    except BaseException:
+        folder.discard_if_empty()
+        raise
+    print(f"wrote {path}/{', '.join(p.name for p in written)}", file=sys.stderr)
