@@ -1,0 +1,165 @@
+"""convcheck record / diff end to end: diff of two recordings gives compare's verdict and per-layer errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convcheck.bundle.diff import diff_bundles
+from convcheck.bundle.record import parse_snapshot_steps
+from convcheck.bundle.reader import open_bundle
+from convcheck.cli import main
+from convcheck.errors import UsageError
+
+from conftest import CFG, record
+
+SMALL = ["--steps", "2", "--batch-size", "4", "--envelope", "0"]
+
+
+def test_diff_matches_compare(bundles):
+    import convcheck
+
+    result, fps, _ = diff_bundles(*bundles)
+    ref = convcheck.compare("lenet", "cpu,cpu:bf16", **CFG)
+    assert result.verdict.category == ref.verdict.category
+    assert result.verdict.headline == ref.verdict.headline
+    a, b = result.parity.layers, ref.parity.layers
+    assert list(a["layer"]) == list(b["layer"]) and list(a["target"]) == list(b["target"])
+    for col in ("propagated", "local", "floor", "over_floor"):
+        x, y = a[col].to_numpy(float), b[col].to_numpy(float)
+        assert np.array_equal(np.isnan(x), np.isnan(y))
+        assert np.nanmax(np.abs(x - y), initial=0.0) <= 1e-12, col
+    assert list(a["flagged"]) == list(b["flagged"])
+    ca, cb = result.training.curves, ref.training.curves
+    assert list(ca["arm"]) == list(cb["arm"])
+    for col in ("loss", "dist_judge", "dist_other", "grad_norm"):
+        x, y = ca[col].to_numpy(float), cb[col].to_numpy(float)
+        assert np.array_equal(np.isnan(x), np.isnan(y)) and np.nanmax(np.abs(x - y), initial=0) <= 1e-12, col
+    assert bool(result) == bool(ref)
+
+
+def test_cli_record_zip_and_diff_json(tmp_path, bundles, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["record", "--model", "lenet", "--target", "cpu:bf16", "--out", "B.zip", "--zip", *SMALL]) == 0
+    assert "recorded lenet on cpu:bf16" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name != "B.zip"]  # the staging folder is gone
+    rc = main(["diff", str(bundles[0]), "B.zip", "--json", "--out", "R"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1)
+    assert out["verdict"]["category"] == "setup"
+    assert out["env_diff"] == []
+    assert {"summary.json", "layers.csv", "curves.csv", "env_a.json", "env_b.json", "env_diff.json"} <= \
+        {p.name for p in (tmp_path / "R").iterdir()}
+
+
+def test_other_seed_is_one_line_naming_the_weights(tmp_path, bundles, capsys):
+    from convcheck.bundle.record import record_run
+    from convcheck.config import CompareConfig
+
+    out = tmp_path / "S"
+    out.mkdir()
+    record_run("lenet", "cpu:bf16", CompareConfig(**{**CFG, "seed": 1}), out)
+    rc = main(["diff", str(bundles[0]), str(out), "--no-save"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "initial weights" in err[0], err
+
+
+def _copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_regenerated_batches_must_hash_as_recorded(tmp_path, bundles, capsys):
+    def edit(m):
+        m["batch_sha256"][0] = "0" * 64
+    a, b = _copy(bundles[0], tmp_path / "A", edit), _copy(bundles[1], tmp_path / "B", edit)
+    rc = main(["diff", str(a), str(b), "--no-save"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "batch 0 regenerated here" in err[0], err
+
+
+def test_options_that_differ_are_named(tmp_path, bundles, capsys):
+    b = _copy(bundles[1], tmp_path / "B", lambda m: m["config"].update(lr=0.5))
+    rc = main(["diff", str(bundles[0]), str(b), "--no-save"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "options (lr)" in err[0], err
+
+
+def test_same_target_twice_is_refused(bundles, capsys):
+    assert main(["diff", str(bundles[0]), str(bundles[0]), "--no-save"]) == 2
+    assert "two different target specs" in capsys.readouterr().err
+
+
+def test_layers_pattern_and_snapshot_steps(tmp_path):
+    b = open_bundle(record(tmp_path, "cpu:bf16", "L", layers="conv*", snapshot_steps="0,2"))
+    assert {e["key"] for e in b["arrays"]["forward"]} == {"conv1", "conv2"}
+    assert {e["param"] for e in b["arrays"]["grads"]} == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}
+    assert [e["step"] for e in b["arrays"]["snapshots"]] == [0, 2]
+    assert b.snapshot(1) is None and len(b.snapshot(2)) == len(b["arrays"]["parameters"])
+
+
+def test_diff_with_partial_arrays_still_works(tmp_path, bundles):
+    part = record(tmp_path, "cpu:bf16", "L", layers="conv*", snapshot_steps="none")
+    result, _, _ = diff_bundles(bundles[0], part)
+    curves = result.training.curves
+    assert curves[curves["arm"] == "cpu"]["dist_other"].isna().all()  # no snapshots on one side
+    assert result.verdict is not None
+
+
+def test_snapshot_steps_parsing():
+    assert parse_snapshot_steps("0,10,30", 30, 10) == [0, 10, 30]
+    assert parse_snapshot_steps("none", 30, 10) == []
+    assert parse_snapshot_steps(None, 3, 10) == [0, 1, 2, 3]
+    assert parse_snapshot_steps(None, 3, 10**9) == [3]
+    for bad in ("31", "x", "-1"):
+        with pytest.raises(UsageError):
+            parse_snapshot_steps(bad, 30, 10)
+
+
+def test_record_folder_rules(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    assert main(["record", "--target", "cpu", "--out", "full", *SMALL]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["record", "--target", "cpu", "--out", "afile", *SMALL]) == 2
+    assert "not a bundle folder" in capsys.readouterr().err
+    assert main(["record", "--target", "cpu", "--targets", "cpu,cuda", "--out", "x", *SMALL]) == 2
+    assert "--target SPEC" in capsys.readouterr().err
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine" and not (tmp_path / "x").exists()
+
+
+def test_record_force_replaces_a_bundle_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["record", "--target", "cpu", "--out", "R", "--snapshot-steps", "none", *SMALL]
+    assert main(args) == 0
+    assert main(args) == 2 and "--force" in capsys.readouterr().err
+    assert main([*args, "--force"]) == 0
+    assert open_bundle(tmp_path / "R")["arrays"]["snapshots"] == []
+
+
+def test_a_bad_target_leaves_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["record", "--target", "cpu:nonsense", "--out", "R", *SMALL]) == 2
+    assert not (tmp_path / "R").exists()
+
+
+def test_judge_from_a_float64_bundle(tmp_path, bundles):
+    j = record(tmp_path, "cpu:float64", "J", snapshot_steps="none")
+    here, _, _ = diff_bundles(*bundles)
+    recorded, _, _ = diff_bundles(*bundles, judge=str(j))
+    x = recorded.parity.layers["propagated"].to_numpy(float)
+    y = here.parity.layers["propagated"].to_numpy(float)
+    assert np.nanmax(np.abs(x - y)) <= 1e-12
+    assert recorded.verdict.category == here.verdict.category
+    with pytest.raises(UsageError, match="not a float64 one"):
+        diff_bundles(*bundles, judge=str(bundles[1]))
