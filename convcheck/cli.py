@@ -142,6 +142,9 @@ def _add_compare_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--env", default=None, metavar="FILE",
                    help="audit this fingerprint (JSON from 'convcheck env --save', or collect_env text) instead of "
                         "this machine, e.g. the GPU server where training fails")
+    p.add_argument("--against", default=None, metavar="RUN",
+                   help="run one target here (--targets SPEC) with the options recorded in the bundle RUN "
+                        "('convcheck record') and diagnose it against that recorded run")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write report.html, summary.json, layers.csv, curves.csv, env.json and plots there "
@@ -181,6 +184,11 @@ def _with_project(parser, argv, args):
 
 def _run_compare(args) -> int:
     from convcheck.cli_compare import run_compare
+
+    if args.against:
+        from convcheck.cli_diff import run_against
+
+        return run_against(args)
 
     return run_compare(args)
 

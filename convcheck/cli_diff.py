@@ -78,3 +78,38 @@ def _write(result, fps, differences, folder, force: bool) -> None:
         folder.discard_if_empty()
         raise
     print(f"wrote {path}/{', '.join(p.name for p in written)}", file=sys.stderr)
+
+
+def run_against(args) -> int:
+    """``compare --against RUN --targets SPEC``: record SPEC here with RUN's model and options (in a
+    temporary folder), then diff the two like ``convcheck diff RUN HERE``."""
+    import tempfile
+    from pathlib import Path
+
+    from convcheck.bundle.diff import config_of, diff_bundles
+    from convcheck.bundle.reader import open_bundle
+    from convcheck.bundle.record import record_run
+    from convcheck.errors import UsageError
+    from convcheck.report.folder import RunFolder
+
+    recorded = open_bundle(args.against)
+    spec = args.targets
+    if not spec or "," in spec:
+        raise UsageError("--against RUN runs one target here: give it with --targets SPEC (e.g. --targets cuda)")
+    if args.model not in ("lenet", recorded["model"]["spec"]):
+        raise UsageError(f"--model {args.model}: the run in {args.against} recorded {recorded['model']['spec']}")
+    folder = None
+    if not args.no_save:
+        folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
+    cfg = config_of(recorded, None, args.judge)
+    with tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
+        here = Path(tmp) / "here"
+        here.mkdir()
+        record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
+        result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+    if folder is None and not args.no_save:
+        folder = RunFolder.default(result.model.name)
+    _show(result, differences, args)
+    if folder is not None:
+        _write(result, fps, differences, folder, args.force)
+    return 0 if result else 1

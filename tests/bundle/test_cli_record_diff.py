@@ -163,3 +163,15 @@ def test_judge_from_a_float64_bundle(tmp_path, bundles):
     assert recorded.verdict.category == here.verdict.category
     with pytest.raises(UsageError, match="not a float64 one"):
         diff_bundles(*bundles, judge=str(bundles[1]))
+
+
+def test_compare_against_a_recorded_run(bundles, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = main(["compare", "--against", str(bundles[1]), "--targets", "cpu", "--json", "--no-save"])
+    out = json.loads(capsys.readouterr().out)
+    ref, _, _ = diff_bundles(*bundles)
+    assert rc == (0 if ref else 1)
+    assert out["verdict"]["category"] == ref.verdict.category
+    assert list(tmp_path.iterdir()) == []
+    assert main(["compare", "--against", str(bundles[1]), "--targets", "cpu,cuda", "--no-save"]) == 2
+    assert "--targets SPEC" in capsys.readouterr().err

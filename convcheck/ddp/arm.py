@@ -1,0 +1,65 @@
+"""A data-parallel arm in the lockstep training loop: the parent's proxy for N rank processes.
+
+``DDPArmState`` offers what ``run_training`` uses of an ``ArmState`` (``arm``,
+``model``, ``step``, ``step_index``, ``producer``, ``close``): each ``step``
+sends the global batch to the ranks (``RankPool``), which train their
+DDP-wrapped copies on their slices; rank 0's answer (the all-reduced mean
+loss, gradient norms of the averaged gradient, its state) comes back and is
+copied into ``model``, a mirror in this process that parameter distances to
+the judge and the other arms read. ``bn`` keeps, per step, the per-rank
+BatchNorm statistics' deviation from the global batch's (evidence for the
+diagnosis).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from convcheck.ddp.pool import RankPool, collective_timeout, threads_per_rank
+from convcheck.ddp.worker import RankJob
+from convcheck.errors import UsageError
+from convcheck.train.arms import Arm, perturb_
+
+
+def check_batch_splits(x, world: int, target) -> None:
+    from convcheck.batch import batch_size_of
+
+    n = batch_size_of(x)
+    if n % world:
+        raise UsageError(f"target {target}: the global batch of {n} does not split evenly over {world} ranks "
+                         f"(pick a --batch-size that is a multiple of {world})")
+
+
+class DDPArmState:
+    def __init__(self, arm: Arm, build, steps: int, recipe, sync_bn: bool = False):
+        self.arm = arm
+        self.runner = arm.target.runner
+        inner = arm.target.per_rank
+        self.model = build(inner)  # the mirror: rank 0's state after every step
+        if arm.perturb_seed is not None:
+            perturb_(self.model, self.runner.ulp, arm.perturb_seed)
+        self.step_index = 0
+        self.producer: tuple[int, str] | None = None
+        self.bn: list[dict[str, tuple[float, float]]] = []
+        self.losses: list[float] = []
+        job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
+                      steps=steps, recipe=recipe, timeout_s=collective_timeout(),
+                      threads=threads_per_rank(self.runner.world), sync_bn=sync_bn)
+        self.pool = RankPool(arm.target, job)
+
+    def step(self, x, y, seed: int, rng_seed: int) -> dict:
+        check_batch_splits(x, self.runner.world, self.arm.target)
+        r = self.pool.call("step", x, y, seed, rng_seed, what=f"training step {self.step_index + 1}")
+        state = r.pop("state")
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(state[k])
+        producer = r.pop("producer")
+        if self.producer is None and producer is not None:
+            self.producer = (self.step_index, producer[1])
+        self.bn.append(r.pop("bn"))
+        self.losses.append(r["loss"])
+        return r
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,224 @@
+"""One rank of a data-parallel target: its process, its DDP-wrapped copy, its slice of each batch.
+
+``rank_main`` runs in a worker process (started by ``convcheck.ddp.pool``):
+it joins the process group (gloo on 127.0.0.1, a timeout on every
+collective), builds the arm's model from the shared initial weights through
+the per-rank runner, wraps it in ``DistributedDataParallel`` and answers the
+parent's commands one at a time: ``step`` (one training step on this rank's
+rank-ordered slice of the global batch), ``grads`` (parity: one
+forward/backward, no update, the DDP-averaged gradients). Rank 0 sends the
+results back; every rank sends errors back, as one line naming the rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from convcheck.batch import map_tensors
+from convcheck.capture import SharedDropoutMasks, leaf_modules
+from convcheck.ddp.syncbn import GlooSyncBatchNorm, swap_sync_batchnorm
+from convcheck.train.arm_state import ArmState
+from convcheck.train.arms import Arm
+
+
+@dataclass
+class RankJob:
+    """What every rank needs to build its copy (inherited by fork, never pickled on the CPU)."""
+
+    arm: Arm  # the arm with the per-rank target
+    build: Callable  # build(target) -> model with the shared initial weights
+    steps: int
+    recipe: Any
+    timeout_s: float
+    threads: int
+    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm (--ddp-sync-bn)
+
+
+def rank_slice(x, rank: int, world: int):
+    """Rank ``rank``'s rank-ordered share of a global batch (tensors split on dim 0)."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0] // world
+        return t.narrow(0, rank * n, n) if t.dim() else t
+    return map_tensors(x, cut)
+
+
+class RankDropoutMasks(SharedDropoutMasks):
+    """The single-device arms' masks for the global batch, this rank's rows of them."""
+
+    def __init__(self, model: nn.Module, seed: int, rank: int, world: int):
+        super().__init__(model, seed)
+        self.rank, self.world = rank, world
+
+    def _hook(self, module, inputs, output):
+        if not module.training or module.p == 0:
+            return None
+        x = inputs[0]
+        self._calls += 1
+        gen = torch.Generator().manual_seed(self.seed * 7919 + self._calls)
+        full = (x.shape[0] * self.world,) + tuple(x.shape[1:])
+        shape = full if isinstance(module, nn.Dropout) else full[:2] + (1,) * (x.dim() - 2)
+        keep = torch.rand(shape, generator=gen, dtype=torch.float64) >= module.p
+        keep = keep.narrow(0, self.rank * x.shape[0], x.shape[0])
+        mask = keep.to(device=x.device, dtype=x.dtype) / (1.0 - module.p)
+        self.last_mask = mask
+        return x * mask
+
+
+class BatchNormProbe:
+    """Per-rank batch statistics of every BatchNorm that does not synchronise, against the global ones.
+
+    Per layer, after a step: the largest shift of a rank's channel mean from the global batch's mean, in
+    global standard deviations, and the largest relative change of a rank's channel standard deviation
+    (all ranks' statistics combined with all_reduce; rank 0 keeps the numbers)."""
+
+    def __init__(self, model: nn.Module):
+        self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers = [(n, m) for n, m in leaf_modules(model)
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                       and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.layers]
+
+    def _hook(self, name):
+        def hook(module, inputs, output):
+            if not module.training or name in self.stats or not torch.is_grad_enabled():
+                return
+            x = inputs[0].detach().to(torch.float64)
+            dims = [0] + list(range(2, x.dim()))
+            self.stats[name] = (x.mean(dims), x.var(dims, unbiased=False))
+        return hook
+
+    def deviations(self, world: int) -> dict[str, tuple[float, float]]:
+        """``{layer: (mean shift in global std, relative std change)}``; a collective: every rank calls it."""
+        out = {}
+        for name, m in self.layers:
+            if name not in self.stats:
+                continue
+            mean, var = self.stats[name]
+            packed = torch.stack([mean, var + mean * mean])
+            dist.all_reduce(packed)
+            g_mean = packed[0] / world
+            g_var = (packed[1] / world - g_mean * g_mean).clamp_min(0) + m.eps
+            shift = float(((mean - g_mean).abs() / g_var.sqrt()).max())
+            scale = float(((var + m.eps) / g_var).sqrt().sub(1).abs().max())
+            worst = torch.tensor([shift, scale], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            out[name] = (float(worst[0]), float(worst[1]))
+        self.stats.clear()
+        return out
+
+
+class RankState:
+    """One rank's DDP-wrapped training state, built through the per-rank runner."""
+
+    def __init__(self, rank: int, world: int, job: RankJob):
+        self.rank, self.world, self.job = rank, world, job
+
+        def build(target):
+            model = job.build(target)
+            if job.sync_bn:
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            return swap_sync_batchnorm(model) if target.device == "cpu" else model
+
+        self.state = ArmState(job.arm, build, job.steps, job.recipe,
+                              masks=lambda m: RankDropoutMasks(m, 0, rank, world))
+        self.module = self.state.model
+        self.probe = BatchNormProbe(self.module)
+        self.state.model = DistributedDataParallel(self.module)
+
+    def _mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0]) / self.world
+
+    def step(self, x, y, seed: int, rng_seed: int) -> dict | None:
+        r = self.state.step(rank_slice(x, self.rank, self.world), rank_slice(y, self.rank, self.world),
+                            seed, rng_seed)
+        self.state.step_index += 1
+        r["loss"] = self._mean(r["loss"])
+        r["nonfinite_loss"] = not math.isfinite(r["loss"])
+        r["bn"] = self.probe.deviations(self.world)
+        if self.rank != 0:
+            return None
+        r["state"] = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        r["producer"] = self.state.producer
+        return r
+
+    def grads(self, x, y, seed: int, scale: float) -> dict | None:
+        """Parity: one forward/backward on this rank's slice, no update; rank 0 returns the averaged
+        gradients (unscaled), the all-reduced mean loss and the BatchNorm deviations."""
+        runner = self.state.runner
+        masks = self.state.masks
+        masks.seed, masks._calls = seed, 0
+        model = self.state.model
+        for p in model.parameters():
+            p.grad = None
+        with runner.applied():
+            _, loss = runner.forward_loss(model, rank_slice(x, self.rank, self.world),
+                                          rank_slice(y, self.rank, self.world), self.state.loss_fn)
+            runner.backward(loss, scale)
+        mean_loss = self._mean(float(loss.detach()))
+        bn = self.probe.deviations(self.world)
+        if self.rank != 0:
+            return None
+        grads = {n: p.grad.detach().clone() / scale for n, p in self.module.named_parameters() if p.grad is not None}
+        return dict(loss=mean_loss, grads=grads, bn=bn)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the parent dies (no orphans after a killed parent)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the closed pipe ends the loop instead
+        pass
+
+
+def rank_main(rank: int, world: int, port: int, conn, job: RankJob, backend: str = "gloo") -> None:
+    """A worker process: join the group, build, answer commands until ``close`` or the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+    _die_with_parent()
+    torch.set_num_threads(max(1, job.threads))
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=job.timeout_s))
+        state = RankState(rank, world, job)
+        conn.send(("ok", rank, None))
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "close":
+                break
+            conn.send(("ok", rank, getattr(state, cmd)(*args)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+        try:
+            conn.send(("error", rank, _describe(exc)))
+        except (OSError, ValueError):
+            pass
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - already failing or closing
+                pass
+        conn.close()
+        os._exit(0)
+
+
+def _describe(exc: BaseException) -> dict:
+    from convcheck.errors import ConvcheckError
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return dict(kind=type(exc).__name__, message=text, convcheck=isinstance(exc, ConvcheckError),
+                exit_code=getattr(exc, "exit_code", 3), where=traceback.format_exc(limit=-1).strip().splitlines()[-3:])

@@ -1,0 +1,272 @@
+"""Data-parallel targets (issue 12): spec grammar, gloo ranks on the CPU, parity, diagnostics, shutdown.
+
+The tests that start processes use a tiny model, 2 ranks and 2-3 steps (about a second each)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from convcheck.config import CompareConfig
+from convcheck.ddp.diagnostics import batchnorm_per_rank, ddp_findings, loss_scale
+from convcheck.errors import ConvcheckError, RunFailed, TargetUnavailable, UsageError
+from convcheck.recipe import build_recipe
+from convcheck.targets import CPU_JUDGE, Target, parse_targets
+from convcheck.train import TrainConfig, lower_precision, make_arms, run_training
+from convcheck.train.arms import Arm
+from convcheck.train.result import TrainResult
+
+T = Target.parse
+
+
+def _children() -> list[int]:
+    """Live child processes of this process (zombies excluded)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans():
+    before = set(_children())
+    yield
+    deadline = time.monotonic() + 5
+    while set(_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(_children()) - before, "a rank process was left behind"
+    multiprocessing.active_children()  # reap
+
+
+# -- spec grammar (no processes) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,world,mode", [
+    ("ddp:cpu:2", 2, "float32"), ("ddp:cpu:2:bf16", 2, "bf16"), ("ddp:cpu:4:amp-bf16", 4, "amp-bf16"),
+    ("ddp:cuda:2", 2, "float32"), ("ddp:cuda:8:amp-bf16", 8, "amp-bf16"), ("DDP:CPU:3:fp32", 3, "float32"),
+])
+def test_ddp_spec_round_trip(spec, world, mode):
+    t = T(spec)
+    assert (t.world, t.mode, t.index) == (world, mode, None)
+    assert T(str(t)) == t
+    assert str(t).startswith("ddp:")
+    assert t.per_rank == Target(t.device, None, t.mode)
+    assert t.runner.world == world and t.runner.precision == t.per_rank.runner.precision
+
+
+def test_existing_specs_unchanged():
+    for spec in ("cpu", "cpu:float64", "cpu:bf16", "cuda:1:tf32", "cpu:amp-bf16"):
+        t = T(spec)
+        assert t.world is None and str(t) == spec and T(str(t)) == t
+
+
+@pytest.mark.parametrize("spec", ["ddp", "ddp:cpu", "ddp:cpu:0", "ddp:cpu:x", "ddp:mps:2", "ddp:cpu:2:float64",
+                                  "ddp:cpu:2:bf16:tf32", "ddp:cuda:1:2"])
+def test_bad_ddp_specs_are_usage_errors(spec):
+    with pytest.raises(UsageError):
+        T(spec)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 GPUs")
+def test_ddp_cuda_needs_that_many_gpus():
+    with pytest.raises(TargetUnavailable) as err:
+        T("ddp:cuda:2").check_available()
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert f"ddp:cuda:2 needs 2 CUDA GPUs, {torch.cuda.device_count()} visible" in msg
+
+
+def test_ddp_pairs_and_envelope_reference():
+    a, b = parse_targets("cpu,ddp:cpu:2")
+    assert b.world == 2 and str(b.runner.describe()).startswith("DistributedDataParallel, 2 processes over gloo")
+    assert lower_precision([a, b]) == a and lower_precision([b, a]) == a  # the single device's envelope
+    assert lower_precision([T("ddp:cpu:2:bf16"), a]) == T("ddp:cpu:2:bf16")  # precision still decides
+    with pytest.raises(UsageError):
+        parse_targets("ddp:cpu:2,ddp:cpu:2")
+
+
+# -- tiny models -------------------------------------------------------------------------------
+
+def _mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def _bn_net(sync: bool = False):
+    bn = nn.SyncBatchNorm(16) if sync else nn.BatchNorm1d(16)
+    return nn.Sequential(nn.Linear(8, 16), bn, nn.ReLU(), nn.Linear(16, 3))
+
+
+def _builder(factory):
+    torch.manual_seed(0)
+    state = {k: v.double() if v.is_floating_point() else v for k, v in factory().state_dict().items()}
+
+    def build(t):
+        m = factory()
+        m.load_state_dict(state)
+        t.runner.place(m)
+        for k, p in m.state_dict().items():
+            if p.is_floating_point():
+                p.copy_(state[k].to(p.dtype))
+        return m.train()
+    return build
+
+
+def _batches(n, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+
+
+def _train(factory, targets="cpu,ddp:cpu:2", steps=3, batch=8, envelope=0, **recipe):
+    arms = make_arms(parse_targets(targets), envelope, 0, CPU_JUDGE)
+    cfg = TrainConfig(steps=steps, recipe=build_recipe(CompareConfig(**recipe)) if recipe else None)
+    return run_training(_builder(factory), _batches(steps, batch), arms, cfg)
+
+
+def _last(result, arm, col):
+    c = result.curves
+    return float(c[c["arm"] == arm][col].iloc[-1])
+
+
+# -- runs on 2 gloo ranks ---------------------------------------------------------------------
+
+def test_ddp_matches_single_device_with_shared_dropout():
+    t0 = time.perf_counter()
+    r = _train(_mlp, steps=3)
+    c = r.curves
+    one, ddp = c[c["arm"] == "cpu"].reset_index(), c[c["arm"] == "ddp:cpu:2"].reset_index()
+    assert len(ddp) == 3
+    assert (abs(one["loss"] - ddp["loss"]) <= 1e-6 * abs(one["loss"])).all()  # reduction order only
+    assert (abs(one["grad_norm"] - ddp["grad_norm"]) <= 1e-5 * one["grad_norm"]).all()
+    assert _last(r, "ddp:cpu:2", "dist_other") < 1e-6
+    assert r.outcomes["ddp:cpu:2"].converged == r.outcomes["cpu"].converged
+    assert ddp_findings(r) == []
+    assert time.perf_counter() - t0 < 30
+
+
+def test_batchnorm_per_rank_is_found_and_sync_batchnorm_matches():
+    # global batch 4 on 2 ranks: per-rank batch 2
+    # SGD: Adam turns the bias before the BatchNorm (gradient zero up to roundoff) into +-lr steps
+    r = _train(_bn_net, steps=2, batch=4, optimizer="sgd", lr=0.1)
+    assert _last(r, "ddp:cpu:2", "dist_other") > 1e-3
+    found = batchnorm_per_rank(r, "ddp:cpu:2")
+    assert found is not None and found.layers == ("1",)
+    assert (found.category, found.sub_cause) == ("setup", "ddp")
+    assert "SyncBatchNorm.convert_sync_batchnorm" in found.remedy
+    assert [f.kind for f in ddp_findings(r)] == ["batchnorm_per_rank"]
+
+    synced = _train(lambda: _bn_net(sync=True), steps=2, batch=4, optimizer="sgd", lr=0.1)  # SyncBatchNorm (gloo: convcheck's twin)
+    assert _last(synced, "ddp:cpu:2", "dist_other") < 1e-5
+    assert abs(_last(synced, "ddp:cpu:2", "loss") - _last(synced, "cpu", "loss")) < 1e-5
+    assert ddp_findings(synced) == []
+
+
+def test_summed_loss_is_off_by_the_world_size():
+    def summed(out, y):
+        return F.cross_entropy(out, y, reduction="sum")
+    r = _train(_mlp, steps=2, loss=summed, optimizer="sgd", lr=0.01)
+    found = loss_scale(r, "ddp:cpu:2")
+    assert found is not None and "1/2" in found.summary and "summed" in found.summary
+    assert ddp_findings(r)[0].kind == "loss_scale"
+
+
+def test_a_failing_rank_is_one_line_naming_it():
+    def fails_on_rank_1(out, y):
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("boom on this rank")
+        return F.cross_entropy(out, y)
+    t0 = time.perf_counter()
+    with pytest.raises(ConvcheckError) as err:  # the user's loss raised: the same class as on one device
+        _train(_mlp, steps=2, loss=fails_on_rank_1)
+    assert err.value.exit_code == 2
+    msg = str(err.value)
+    assert "\n" not in msg and "rank 1 of 2" in msg and "boom on this rank" in msg and "training step 1" in msg
+    assert time.perf_counter() - t0 < 30  # the parent stops the waiting rank, no collective timeout
+
+
+def test_a_killed_rank_ends_the_run_and_nothing_is_left_behind():
+    from convcheck.ddp.arm import DDPArmState
+
+    arm = Arm("ddp:cpu:2", T("ddp:cpu:2"), "target")
+    state = DDPArmState(arm, _builder(_mlp), 3, build_recipe(CompareConfig()))
+    try:
+        pids = [p.pid for p in state.pool.procs]
+        assert len(pids) == 2 and all(p in _children() for p in pids)
+        x, y = _batches(1)[0]
+        state.step(x, y, 0, 0)
+        os.kill(pids[1], signal.SIGKILL)
+        state.step_index = 1  # as run_training sets it
+        with pytest.raises(RunFailed, match=r"rank 1 of 2 was killed by signal 9 during training step 2"):
+            state.step(x, y, 1, 1)
+    finally:
+        state.close()
+    assert not set(pids) & set(_children())
+
+
+def test_ctrl_c_in_the_parent_stops_every_rank(monkeypatch):
+    from convcheck.ddp.pool import RankPool
+
+    def interrupted(self, cmd, *args, what=""):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(RankPool, "call", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _train(_mlp, steps=2)
+
+
+def test_a_batch_that_does_not_split_is_a_usage_error():
+    with pytest.raises(UsageError, match="global batch of 7 does not split evenly over 2 ranks"):
+        _train(_mlp, steps=1, batch=7)
+
+
+# -- diagnostics on hand-built evidence (no processes) ------------------------------------------
+
+def _evidence(ddp_grad=1.0, one_grad=1.0, bn=None, world=2):
+    arms = make_arms([T("cpu"), T(f"ddp:cpu:{world}")], 0, 0, CPU_JUDGE)
+    rows = [dict(arm=a.name, role=a.role, target=str(a.target), step=0, loss=1.0,
+                 grad_norm=ddp_grad if a.target.world else one_grad, dist_judge=0.0, dist_ref=float("nan"),
+                 dist_other=0.1) for a in arms]
+    return TrainResult(curves=pd.DataFrame(rows), layer_grads=pd.DataFrame(), activations=pd.DataFrame(),
+                       arms=arms, config=TrainConfig(), ddp_batchnorm={f"ddp:cpu:{world}": bn or []})
+
+
+def test_loss_scale_detector_on_hand_built_evidence():
+    assert loss_scale(_evidence(0.5, 1.0), "ddp:cpu:2").summary.startswith("the loss scale on ddp:cpu:2 is off by "
+                                                                           "the world size (1/2)")
+    assert "(4)" in loss_scale(_evidence(4.0, 1.0, world=4), "ddp:cpu:4").summary
+    assert loss_scale(_evidence(1.0, 1.0), "ddp:cpu:2") is None
+    assert loss_scale(_evidence(0.7, 1.0), "ddp:cpu:2") is None
+
+
+def test_batchnorm_detector_on_hand_built_evidence():
+    quiet = [{"bn1": (1e-7, 2e-7)}]
+    assert batchnorm_per_rank(_evidence(bn=quiet), "ddp:cpu:2") is None
+    loud = [{"bn1": (0.8, 0.3), "bn2": (1e-7, 1e-7)}, {"bn1": (0.9, 0.2), "layer.bn3": (0.1, 0.0)}]
+    f = batchnorm_per_rank(_evidence(bn=loud), "ddp:cpu:2")
+    assert f.layers == ("bn1", "layer.bn3")
+    assert "'bn1', 'layer.bn3'" in f.summary and "0.9 global std" in f.evidence[0]
+
+
+def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
+    from convcheck.parity import run_parity
+
+    batch = _batches(1)[0]
+    p = run_parity(_builder(_mlp), batch, parse_targets("cpu,ddp:cpu:2"), judge=CPU_JUDGE)
+    rows = p.layers[p.layers["target"] == "ddp:cpu:2"]
+    assert set(rows["param"]) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert (rows["propagated"] < rows["bound"]).all() and (rows["propagated"] < 1e-5).all()
+    assert abs(p.losses["ddp:cpu:2"] - p.losses["cpu"]) < 1e-6
