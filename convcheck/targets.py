@@ -3,6 +3,8 @@
 ``cpu``, ``cpu:float64`` (a judge), ``cuda``, ``cuda:1``, ``cuda:tf32``,
 ``cuda:no-tf32``, ``cuda:amp-fp16``, ``cpu:amp-bf16``, ``cpu:bf16``,
 ``cpu:fp16``, ``cpu:emulate-tf32``, ``cuda:float64``; ``Target.parse(str(t)) == t``.
+Data-parallel targets put ``ddp:`` and the world size in front: ``ddp:cpu:2`` (gloo, 2
+processes), ``ddp:cpu:2:bf16``, ``ddp:cuda:4:amp-bf16`` (NCCL, one process per GPU).
 
 A ``Target`` is the spec only; everything a kind of target *does* (flags,
 placement, forward/backward, precision model) is its runner,
@@ -32,12 +34,15 @@ class Target:
     device: str = "cpu"
     index: int | None = None
     mode: str = "float32"
+    world: int | None = None  # DistributedDataParallel over this many processes (``ddp:cpu:2``)
 
     @classmethod
     def parse(cls, spec: str) -> "Target":
         text = spec.strip().lower()
         if not text:
             raise UsageError("empty target spec; expected e.g. 'cpu', 'cuda', 'cuda:tf32'")
+        if text.split(":")[0] == "ddp":
+            return cls._parse_ddp(spec, text)
         device, *rest = text.split(":")
         if device not in DEVICES:
             raise UsageError(f"target {spec!r}: unknown device {device!r} (expected one of {', '.join(DEVICES)})")
@@ -62,13 +67,40 @@ class Target:
         runner_class(device, mode, spec)  # a mode this device cannot run is a usage error
         return cls(device=device, index=index, mode=mode)
 
+    @classmethod
+    def _parse_ddp(cls, spec: str, text: str) -> "Target":
+        """``ddp:DEVICE:N[:MODE]``: the per-rank target ``DEVICE[:MODE]`` on N processes."""
+        parts = text.split(":")
+        usage = f"target {spec!r}: a data-parallel target is ddp:cpu:N or ddp:cuda:N, then an optional mode"
+        if len(parts) < 3 or len(parts) > 4 or parts[1] not in ("cpu", "cuda"):
+            raise UsageError(usage)
+        if not (parts[2].isascii() and parts[2].isdigit()) or int(parts[2]) < 1:
+            raise UsageError(f"{usage} (N, the number of processes, is a whole number >= 1; got {parts[2]!r})")
+        if len(parts) == 4 and parts[3].isascii() and parts[3].isdigit():
+            raise UsageError(f"target {spec!r}: ddp:cuda:N runs on GPUs 0..N-1; it takes no device index")
+        inner = cls.parse(":".join([parts[1]] + parts[3:]))
+        if inner.mode == "float64":
+            raise UsageError(f"target {spec!r}: the judge (float64) runs on one device, not data-parallel")
+        return cls(device=inner.device, index=None, mode=inner.mode, world=int(parts[2]))
+
     def __str__(self) -> str:
         text = self.device if self.index is None else f"{self.device}:{self.index}"
+        if self.world is not None:
+            text = f"ddp:{text}:{self.world}"
         return text if self.mode == "float32" else f"{text}:{self.mode}"
+
+    @property
+    def per_rank(self) -> "Target":
+        """The single-device target each rank of a data-parallel target runs (itself otherwise)."""
+        return Target(self.device, self.index, self.mode) if self.world is not None else self
 
     @functools.cached_property
     def runner(self) -> Runner:
         """The runner of this kind of target (owns flags, placement, forward/backward, precision)."""
+        if self.world is not None:
+            from convcheck.runners.ddp import DDPRunner
+
+            return DDPRunner(self, self.per_rank.runner)
         return runner_class(self.device, self.mode, str(self))(self)
 
     # -- the runner's answers, for convenience ------------------------------------------
@@ -137,7 +169,7 @@ def parse_targets(text: str) -> list[Target]:
         raise UsageError(f"--targets needs exactly two targets separated by a comma, got {text!r}")
     targets = [Target.parse(s) for s in specs]
     a, b = targets
-    if a == b or (a.torch_device == b.torch_device and a.mode == b.mode):
+    if a == b or (a.torch_device == b.torch_device and a.mode == b.mode and a.world == b.world):
         raise UsageError(f"--targets names the same target twice ({targets[0]})")
     return targets
 

@@ -90,11 +90,19 @@ class RankPool:
                     except (EOFError, OSError):
                         self._died(r, what)
                     if status == "error":
+                        self._root_cause(what)  # a peer's death shows up as a connection error here
                         self._failed(rank, payload, what)
                     answers[r] = payload
                 elif self.procs[r].sentinel in ready:
                     self._died(r, what)
         return [answers[r] for r in range(self.world)]
+
+    def _root_cause(self, what: str, grace_s: float = 1.0) -> None:
+        """When a rank reports an error, a rank that died (killed, crashed) is the cause: name it."""
+        wait([p.sentinel for p in self.procs], timeout=grace_s)
+        for rank, p in enumerate(self.procs):
+            if p.exitcode is not None and p.exitcode != 0:
+                self._died(rank, what)
 
     def _died(self, rank: int, what: str):
         p = self.procs[rank]

@@ -72,6 +72,13 @@ def run_parity(
     for i, target in enumerate(targets):
         if target == judge:
             continue
+        if target.world is not None:  # data-parallel: its ranks' DDP-averaged gradient vs the judge's
+            from convcheck.ddp.parity import ddp_parity
+
+            losses[str(target)], ddp_rows, _ = ddp_parity(target, build, batch, judge_grads, loss_fn, seed)
+            rows.extend(ddp_rows)
+            first[str(target)] = first_flagged(ddp_rows)
+            continue
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
         torch.manual_seed(seed + 1 + i)

@@ -47,10 +47,12 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
 
     ``batches`` is any iterable of ``(inputs, target)`` batches (a stream: one is held at a time)."""
     recipe = cfg.recipe if cfg.recipe is not None else _default_recipe()
-    states = [ArmState(arm, build, cfg.steps, recipe) for arm in arms]
+    states = []
     rows, grad_rows, act_rows = [], [], []
     stream = iter(batches)
     try:
+        for arm in arms:  # inside the try: a data-parallel arm's processes are stopped on any failure
+            states.append(_arm_state(arm, build, cfg, recipe))
         for step in range(cfg.steps):
             try:
                 x, y = next(stream)
@@ -73,6 +75,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         layer_grads=pd.DataFrame(grad_rows, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(act_rows, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
         arms=arms, config=cfg, judge=judge, nonfinite_producer={s.arm.name: s.producer for s in states},
+        ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
     )
     result.outcomes = {a.name: arm_outcome(a, result.arm_curve(a.name), tolerances)
                        for a in arms if a.role != "envelope"}
@@ -82,6 +85,14 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         targets.append(next(a.target for a in arms if a.role == "judge"))
     result.lower_precision = str(lower_precision(targets)) if len(targets) == 2 else None
     return result
+
+
+def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe):
+    if arm.target.world is not None:  # data-parallel: N rank processes behind a proxy
+        from convcheck.ddp.arm import DDPArmState
+
+        return DDPArmState(arm, build, cfg.steps, recipe, sync_bn=getattr(cfg, "ddp_sync_bn", False))
+    return ArmState(arm, build, cfg.steps, recipe)
 
 
 def _default_recipe():

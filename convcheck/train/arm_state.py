@@ -19,7 +19,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 class ArmState:
-    def __init__(self, arm: Arm, build, steps: int, recipe):
+    def __init__(self, arm: Arm, build, steps: int, recipe, masks=None):
         self.arm = arm
         self.runner = arm.target.runner
         self.model = build(arm.target)
@@ -35,7 +35,8 @@ class ArmState:
         self.acts: list[tuple[str, str, float, float]] = []
         self.step_index = 0
         self.producer: tuple[int, str] | None = None
-        self.masks = SharedDropoutMasks(self.model, 0)
+        # ``masks(model)``: a data-parallel rank takes its slice of the global batch's masks
+        self.masks = masks(self.model) if masks is not None else SharedDropoutMasks(self.model, 0)
         self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
         self._hooks = [m.register_forward_hook(self._act_hook(n))
                        for n, m in leaf_modules(self.model)

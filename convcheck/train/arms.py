@@ -22,8 +22,12 @@ class Arm:
 
 
 def lower_precision(targets: list[Target]) -> Target:
-    """B, the target with the larger unit roundoff (the second one on a tie)."""
+    """B, the target with the larger unit roundoff (the second one on a tie; on a tie between a
+    single-device and a data-parallel target, the single-device one: its envelope is what the
+    data-parallel run is held to)."""
     a, b = targets[0], targets[1]
+    if a.unit_roundoff == b.unit_roundoff and (a.world is None) != (b.world is None):
+        return a if a.world is None else b
     return a if a.unit_roundoff > b.unit_roundoff else b
 
 

@@ -52,6 +52,7 @@ class TrainConfig:
     steps: int = 30
     seed: int = 0
     recipe: object = None  # a convcheck.recipe.Recipe; None: the default (Adam, lr 1e-3, cross-entropy)
+    ddp_sync_bn: bool = False  # data-parallel arms convert BatchNorm to SyncBatchNorm (--ddp-sync-bn)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class TrainResult:
     # Per arm: (step, layer) where a leaf module first turned finite inputs into a
     # non-finite output during training, or None.
     nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
+    # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
+    # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
+    ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
 
     def arm_curve(self, name: str) -> pd.DataFrame:
         return self.curves[self.curves["arm"] == name]
