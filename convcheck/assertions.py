@@ -13,10 +13,15 @@ def failure_message(result, max_rows: int = 5) -> str:
         lines.append(f"convcheck verdict: {v.category} - {v.headline}")
     flagged = result.parity.flagged()
     if len(flagged):
-        lines.append(f"{'target':<18} {'layer':<28} {'local':>10} {'bound':>10} {'needed factor':>14}")
-        for r in flagged.sort_values("order").head(max_rows).itertuples():
-            name = r.layer if r.kind == "forward" else r.param
-            lines.append(f"{r.target:<18} {name:<28} {fmt(r.local):>10} {fmt(r.bound):>10} {fmt(r.needed):>14}")
+        lines.append(f"{'target':<18} {'layer (module)':<40} {'own error':>10} {'floor':>10} {'own/floor':>10} "
+                     f"{'needed factor':>14}")
+        for r in result.parity.worst(max_rows).itertuples():
+            if not r.flagged:
+                continue
+            name = f"{r.layer if r.kind == 'forward' else r.param} ({r.module})"
+            own = r.intrinsic if r.intrinsic == r.intrinsic else r.local  # NaN: not measured, the local error
+            lines.append(f"{r.target:<18} {name:<40} {fmt(own):>10} {fmt(r.floor):>10} {fmt(r.over_floor):>10} "
+                         f"{fmt(r.needed):>14}")
         lines.append(f"(bound_factor={result.config.tolerances.bound_factor:g}; "
                      f"passing would need bound_factor >= {fmt(result.parity.needed_bound_factor())})")
     for name, info in result.training.outcomes.items():

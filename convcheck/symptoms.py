@@ -15,6 +15,7 @@ import pandas as pd
 from convcheck.thresholds import (
     ACTIVATION_TAIL_STEPS,
     DEAD_RELU_FRACTION,
+    DESTROYED_ERROR,
     ENVELOPE_BENIGN,
     ENVELOPE_FAR,
     ENVELOPE_RUN,
@@ -60,6 +61,7 @@ NONFINITE_FORWARD = "non-finite forward"
 NONFINITE_BACKWARD = "non-finite backward"
 GRADSCALER_COLLAPSE = "GradScaler collapse"
 LAYER_ERROR = "layer error"
+ILL_CONDITIONED = "ill-conditioned layer"  # its floor alone loses the result at this precision
 GRADIENT_UNDERFLOW = "gradient underflow"
 SMALL_UPDATES_LOST = "small updates lost"
 DRIFT = "drift beyond envelope"
@@ -74,8 +76,8 @@ SELF_DIFFERENCE = "self difference"
 NONFINITE_TENSORS = (NONFINITE_FORWARD, NONFINITE_BACKWARD)
 TRAINING_PROBLEMS = (NONFINITE_LOSS, EXPLODING_GRADIENTS, VANISHING_GRADIENTS, SATURATED_ACTIVATIONS,
                      DEAD_RELUS, LOSS_PLATEAU, OSCILLATING_LOSS, INPUT_OUT_OF_RANGE)
-TARGET_SYMPTOMS = (NONFINITE_FORWARD, NONFINITE_BACKWARD, GRADSCALER_COLLAPSE, LAYER_ERROR, GRADIENT_UNDERFLOW,
-                   SMALL_UPDATES_LOST, DRIFT, OUTCOME_OUTSIDE_ENVELOPE, NO_CONVERGENCE)
+TARGET_SYMPTOMS = (NONFINITE_FORWARD, NONFINITE_BACKWARD, GRADSCALER_COLLAPSE, LAYER_ERROR, ILL_CONDITIONED,
+                   GRADIENT_UNDERFLOW, SMALL_UPDATES_LOST, DRIFT, OUTCOME_OUTSIDE_ENVELOPE, NO_CONVERGENCE)
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,27 @@ def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
                        f"the gradient of '{r['param']}' holds {int(r['nan'])} NaN / {int(r['inf'])} Inf while the "
                        f"gradient reaching '{r['layer']}' is finite", layer=r["layer"], step=0)
     return None
+
+
+def destroyed(error: float, floor: float) -> bool:
+    """A result (mostly) lost although its floor is not (``Tolerances.destroys``)."""
+    return error >= DESTROYED_ERROR and not floor >= DESTROYED_ERROR
+
+
+def ill_conditioned(layers: pd.DataFrame, target: str) -> Symptom | None:
+    """The first layer whose result is lost at the target's precision although its arithmetic is
+    not to blame: its local error and its floor (exact arithmetic on its operands rounded to that
+    precision) are both at least DESTROYED_ERROR. Not flagged: a numerics finding naming it."""
+    t = layers[(layers["target"] == target) & (layers["kind"] == "forward") & ~layers["flagged"]]
+    lost = t[(t["local"] >= DESTROYED_ERROR) & (t["floor"] >= DESTROYED_ERROR)]
+    if not len(lost):
+        return None
+    r = lost.sort_values("order").iloc[0]
+    return Symptom(ILL_CONDITIONED, target,
+                   f"'{r['layer']}' ({r['module']}) loses its result at {target}'s precision: its floor (exact "
+                   f"arithmetic on its input and parameters rounded to that precision) is {r['floor']:.3g}, its "
+                   f"local error {r['local']:.3g}; its own arithmetic adds little", layer=r["layer"],
+                   value=float(r["floor"]), extra={"module": str(r["module"])})
 
 
 def grad_scaler_problems(curves: pd.DataFrame, target: str) -> Symptom | None:

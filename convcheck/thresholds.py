@@ -81,6 +81,23 @@ FRAGILE_MARGIN = 0.10
 # a first gradient norm below it is floored at it before the growth factor is taken).
 TINY_NORM = 1e-30
 
+# --- layer floors (convcheck.parity.floor, Tolerances.is_flagged) ----------------------------
+# A row is flagged above bound_factor x its measured floor plus this absolute term. It is what
+# float32 arithmetic adds beyond the rounding of its operands: healthy float32 layers here
+# (cpu, the zoo) reach own errors of up to 7.7e-7 against floors of 3e-8..1.3e-7 (a BatchNorm
+# over 2 values); on the H200, float32 kernels 1e-7..3e-7 (gpu-runs/h200-2026-11-30). For
+# 16-bit and TF32 targets (floors 1e-4..1e-2) it is negligible. Measured: benchmarks/floors.py.
+FLOOR_ABSOLUTE = 5e-7
+# A relative error this large means the result is mostly lost: flagged whatever the factor,
+# unless the floor itself is this large (then the layer is ill-conditioned at that precision:
+# a numerics finding naming it, not a layer that computes something else).
+DESTROYED_ERROR = 0.5
+# A parameter gradient sums K = batch x output positions terms; float32 kernels add up to
+# 0.39 u sqrt(K) beyond the rounding of their operands there (the zoo on this CPU, K 4..25088;
+# benchmarks/floors.py), so a gradient's floor includes GRAD_ACCUMULATION x u_accumulate x sqrt(K).
+# Forward reductions (K <= 4608, blocked kernels) showed no such growth.
+GRAD_ACCUMULATION = 0.25
+
 # --- the user's recipe (convcheck.recipe_symptoms) --------------------------------------------
 # A loss whose batch value is 1.6-2.4x the mean of its halves' values is summed, not averaged
 # (exactly 2 for a sum; 1 for a mean; the band allows for the halves' different contents).

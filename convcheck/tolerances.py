@@ -7,24 +7,29 @@ import numbers
 from dataclasses import dataclass
 
 from convcheck.errors import UsageError
+from convcheck.thresholds import DESTROYED_ERROR, FLOOR_ABSOLUTE
 
 
 @dataclass(frozen=True)
 class Tolerances:
-    """When a layer's local error counts as introduced by that layer.
+    """When a layer's error counts as introduced by that layer, and when a difference matters.
 
-    A layer is flagged when its local error (judge input -> target layer vs the
-    judge's output) is above ``bound_factor`` times its expected bound *and*
-    above ``min_error``, the size that matters (an ill-conditioned layer that
-    loses 1e-4 in float32 is a note, not a culprit).
+    Every layer (and parameter gradient) is held against its **measured floor**: the same
+    computation in float64 on its operands rounded to the target's precision, the best any
+    implementation at that precision can do on that input (``convcheck.parity.floor``). A row
+    is flagged when its own error is above ``bound_factor`` times that floor plus a small
+    absolute term (``thresholds.FLOOR_ABSOLUTE``), or when it destroys its result (a relative
+    error of ``thresholds.DESTROYED_ERROR`` or more) although its floor does not; a non-finite
+    error is always flagged. ``bound_factor`` was chosen from the healthy zoo in every precision
+    and from real GPU layer tables (README, "How to read it").
 
-    The expected bound for a reduction of length K in a format with unit
-    roundoff u is u*sqrt(K) (typical growth; u*K is the worst case), see
-    ARCHITECTURE.md "Local vs propagated error". The same object serves the
-    CLI, the pytest plugin and the Python API.
+    ``min_error`` is the size of a difference that matters on its own: a flagged layer whose
+    error stays below it is a note unless the target shows other trouble (an unstable layer that
+    loses 1e-4 in float32), and run-to-run differences below it are benign. The same object
+    serves the CLI, the pytest plugin and the Python API.
     """
 
-    bound_factor: float = 8.0
+    bound_factor: float = 5.0
     min_error: float = 1e-3
     # Training: a target has converged when its final loss is below this
     # fraction of its first loss and finite (see convcheck.train.converged).
@@ -35,17 +40,34 @@ class Tolerances:
         _need("min_error", self.min_error, lambda v: v >= 0, "a number of at least 0")
         _need("converged_loss_ratio", self.converged_loss_ratio, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
-    def is_flagged(self, local_error: float, bound: float) -> bool:
-        if not math.isfinite(local_error):
+    def bound(self, floor: float) -> float:
+        """The largest error a row with this floor may have: ``bound_factor * floor + FLOOR_ABSOLUTE``."""
+        return self.bound_factor * floor + FLOOR_ABSOLUTE if math.isfinite(floor) else math.nan
+
+    def is_flagged(self, error: float, floor: float) -> bool:
+        """Above ``bound(floor)``, or destroyed while the floor is not; a non-finite error always.
+        A row without a finite floor (nothing measured) is flagged only for a non-finite error."""
+        if not math.isfinite(error):
             return True
-        return local_error > max(self.bound_factor * bound, self.min_error)
+        if not math.isfinite(floor):
+            return False
+        return self.destroys(error, floor) or error > self.bound(floor)
 
-    def needed(self, local_error: float, bound: float) -> float:
-        """The ``bound_factor`` that would have let this error pass."""
-        if bound <= 0:
+    @staticmethod
+    def destroys(error: float, floor: float) -> bool:
+        """The result is (mostly) lost although the precision allows far better."""
+        return error >= DESTROYED_ERROR and not floor >= DESTROYED_ERROR
+
+    def needed(self, error: float, floor: float) -> float:
+        """The ``bound_factor`` that would have let this row pass (inf: none would)."""
+        if not math.isfinite(error) or self.destroys(error, floor):
             return math.inf
-        return local_error / bound
-
+        if not math.isfinite(floor):
+            return math.nan
+        over = max(0.0, error - FLOOR_ABSOLUTE)
+        if floor <= 0:
+            return math.inf if over > 0 else 0.0
+        return over / floor
 
 
 def _need(name: str, value, ok, what: str) -> None:

@@ -42,17 +42,20 @@ class FakeTarget:
 
 def runner(**flags) -> SimpleNamespace:
     return SimpleNamespace(**{"half_compute": False, "half_storage": False, "mixed_precision": False,
-                              "tf32_like": False, **flags})
+                              "tf32_like": False, "compute_dtype": "torch.float32", **flags})
 
 
-def parity_row(target, order, layer, local, bound=1e-3) -> dict:
+def parity_row(target, order, layer, local, floor=1e-3) -> dict:
+    tol = Evidence().tolerances
     return dict(target=target, order=order, kind="forward", layer=layer, module="Linear", param="", K=64,
-                u=2.0**-8, bound=bound, propagated=local, local=local, nan=0, inf=0, input_nonfinite=0,
-                grad_out_nonfinite=0, ref_absmax=3.0, flagged=local > 8 * bound)
+                u=2.0**-8, floor=floor, bound=tol.bound(floor), propagated=local, local=local, intrinsic=local,
+                over_floor=local / floor, needed=tol.needed(local, floor), nan=0, inf=0, input_nonfinite=0,
+                grad_out_nonfinite=0, ref_absmax=3.0, flagged=tol.is_flagged(local, floor))
 
 
 def fake_result(local_bf16: float = 2e-3, steps: int = 5, stochastic=()) -> SimpleNamespace:
-    cpu, bf16, judge = FakeTarget("cpu"), FakeTarget("cpu:bf16", runner(half_compute=True)), FakeTarget(JUDGE)
+    cpu, judge = FakeTarget("cpu"), FakeTarget(JUDGE)
+    bf16 = FakeTarget("cpu:bf16", runner(half_compute=True, half_storage=True, compute_dtype="torch.bfloat16"))
     layers = pd.DataFrame([parity_row("cpu", 0, "fc1", 1e-7), parity_row("cpu", 1, "fc2", 2e-7),
                            parity_row("cpu:bf16", 0, "fc1", local_bf16), parity_row("cpu:bf16", 1, "fc2", 1e-3)])
     flagged = {t: (rows[rows["flagged"]]["layer"].iloc[0] if rows["flagged"].any() else None)
@@ -86,8 +89,9 @@ def test_gather_reads_a_result_and_a_clean_one_is_ok():
     assert [(m.target, m.layer) for m in ev.closest_layers] == [("cpu", "fc2"), ("cpu:bf16", "fc1")]
     v = diagnose(fake_result())
     assert v.category == "ok"
-    assert ("cpu:bf16: every layer within its bound; the closest is 'fc1' with local error 2.00e-03, 2x its bound "
-            "1.00e-03") in v.evidence
+    assert ev.target_facts["cpu:bf16"].compute_format == "bfloat16" and ev.target_facts["cpu:bf16"].half_storage
+    assert ("cpu:bf16: every layer within its floor's bound; the furthest above its floor is 'fc1' (Linear) with its "
+            "own error 2.00e-03, 2x its floor 1.00e-03") in v.evidence
 
 
 def test_gather_turns_a_flagged_layer_into_a_layer_verdict():
@@ -96,7 +100,27 @@ def test_gather_turns_a_flagged_layer_into_a_layer_verdict():
     assert ev.target_symptoms[0].layer == "fc1" and ev.flagged_layers["cpu:bf16"] == "fc1"
     v = diagnose(fake_result(local_bf16=0.5))
     assert v.category == "layer" and v.layer == "fc1" and v.target == "cpu:bf16"
-    assert "local error of 'fc1' (Linear) is 0.5, 500x its expected bound 1.00e-03" in v.evidence[0]
+    assert "'fc1' (Linear): its own error is 0.5: the result is destroyed, while its floor is 1.00e-03" in v.evidence[0]
+    assert v.headline.startswith("layer 'fc1' (Linear) computes something else on cpu:bf16")
+    assert not any("autocast" in r for r in v.remedies)  # a whole-model cast: keep the layer in float32
+    assert "keep 'fc1' in float32 in the bfloat16 model" in v.remedies[0]
+
+
+def test_a_small_flagged_layer_is_a_note_not_a_verdict():
+    """float32 losing 1e-4 in an unstable layer: far above its floor (flagged), below min_error."""
+    result = fake_result()
+    layers = result.parity.layers
+    layers.loc[(layers["target"] == "cpu") & (layers["layer"] == "fc2"), ["local", "intrinsic", "floor"]] = \
+        [1e-4, 1e-4, 1e-7]
+    layers["over_floor"] = layers["intrinsic"] / layers["floor"]
+    layers["flagged"] = [Evidence().tolerances.is_flagged(e, f) for e, f in zip(layers["intrinsic"], layers["floor"])]
+    result.parity.first_flagged["cpu"] = "fc2"
+    ev = gather(result)
+    assert ev.target_symptoms == () and [n.layer for n in ev.layer_notes] == ["fc2"]
+    v = diagnose(result)
+    assert v.category == "ok"
+    assert any(e.startswith("note (cpu): 'fc2' (Linear): its own error is 0.0001") and "below min_error" in e
+               for e in v.evidence)
 
 
 def test_one_step_is_not_judged_for_convergence():

@@ -42,6 +42,10 @@ def evidence(low: str = "cpu:bf16", converged=(True, True, True), **kw) -> Evide
     return replace(base, **kw)
 
 
+FP16 = TargetFacts(half_compute=True, half_storage=True, compute_format="float16")
+BF16 = TargetFacts(half_compute=True, half_storage=True, compute_format="bfloat16")
+
+
 def layer_error(arm="cpu:bf16", layer="2") -> S.Symptom:
     return S.Symptom(S.LAYER_ERROR, arm, f"local error of '{layer}' (NaiveNorm) is 0.3, 900x its bound",
                      layer=layer, value=0.3)
@@ -89,7 +93,7 @@ CASES = {
              "version", "cpu:bf16", "2", "DRV001: NVIDIA driver 470 is older than 525 - and cpu:bf16 shows layer"),
     "V007": (evidence(target_symptoms=(layer_error(),)), evidence(target_symptoms=(nonfinite(),)),
              "layer", "cpu:bf16", "2", "layer '2' computes something else on cpu:bf16"),
-    "V008": (evidence(low="cpu:fp16", target_symptoms=(nonfinite(),)),
+    "V008": (evidence(low="cpu:fp16", target_symptoms=(nonfinite(),), target_facts={"cpu:fp16": FP16}),
              evidence(low="cpu:fp16", drift=drift(beyond=False)),
              "numerics", "cpu:fp16", "3", "float16 overflow in '3' on cpu:fp16"),
 }
@@ -119,15 +123,15 @@ def test_rule_stays_quiet(rule):
 
 
 def test_no_rule_fires_on_a_clean_comparison():
-    ev = evidence(closest_layers=(LayerMargin("cpu:bf16", "fc1", 2e-3, 0.45, 4.4e-3),),
+    ev = evidence(closest_layers=(LayerMargin("cpu:bf16", "fc1", 2e-3, 0.45, 4.4e-3, "Linear"),),
                   drift=drift(beyond=False), self_difference={"cpu": 1e-6}, findings=(PROBE, MATH))
     assert all(r(ev) is None for r in RULES)
     v = decide(ev, ok_verdict)
     assert v.category == "ok" and v.symptoms == [] and v.remedies == []
     assert v.headline == ("both targets train alike: cpu and cpu:bf16 agree with the float64 judge within the "
                           "expected rounding")
-    assert ("cpu:bf16: every layer within its bound; the closest is 'fc1' with local error 2.00e-03, 0.45x its "
-            "bound 4.40e-03") in v.evidence
+    assert ("cpu:bf16: every layer within its floor's bound; the furthest above its floor is 'fc1' (Linear) with "
+            "its own error 2.00e-03, 0.45x its floor 4.40e-03") in v.evidence
     assert "parameter distance is 40x the spread" in v.evidence  # the drift within the envelope
     assert "MATH001: TF32 matmuls are on" in v.evidence and not any("PROBE001" in e for e in v.evidence)
     assert "cpu differs from itself run to run by 1.00e-06 (below 0.001: benign)" in v.evidence
@@ -208,23 +212,49 @@ def test_an_environment_finding_takes_the_drift_beyond_the_envelope_as_symptom()
 
 def test_layer_error_evidence_carries_numerics_findings():
     v = R.layer_error(evidence(target_symptoms=(layer_error(),), findings=(MATH,)))
-    assert v.sub_cause == "local error above bound"
+    assert v.sub_cause == "own error above floor"
     assert "MATH001: TF32 matmuls are on" in v.evidence
-    assert any("E[x^2]" in r for r in v.remedies) and "run '2' in float32" in v.remedies[0]
+    assert any("E[x^2]" in r for r in v.remedies)
+
+
+@pytest.mark.parametrize("facts, first", [
+    (TargetFacts(mixed_precision=True, half_compute=True, compute_format="bfloat16"),
+     "run '2' in float32: disable autocast around it"),
+    (TargetFacts(half_compute=True, half_storage=True, compute_format="bfloat16"),
+     "keep '2' in float32 in the bfloat16 model"),
+    (TargetFacts(tf32_like=True), "disable TF32 for this model"),
+    (TargetFacts(), "if '2' is your own code, use a numerically stable formula"),
+])
+def test_layer_error_remedies_fit_the_target(facts, first):
+    v = R.layer_error(evidence(target_symptoms=(layer_error(),), target_facts={"cpu": TargetFacts(), "cpu:bf16": facts}))
+    assert v.remedies[0].startswith(first), v.remedies
+    if not facts.mixed_precision:
+        assert not any("autocast" in r for r in v.remedies)
 
 
 @pytest.mark.parametrize("symptom, low, facts, headline, remedy", [
-    (nonfinite(overflow=False, name=S.NONFINITE_BACKWARD), "cpu:fp16", TargetFacts(half_compute=True),
+    (nonfinite(overflow=False, name=S.NONFINITE_BACKWARD), "cpu:fp16", FP16,
      "'3' produces the first NaN/Inf on cpu:fp16 from finite inputs",
      "keep '3' in float32, or normalise its input so values stay below 65504"),
-    (nonfinite(arm="cpu:amp-bf16"), "cpu:amp-bf16", TargetFacts(mixed_precision=True, half_compute=True),
-     "float16 overflow in '3' on cpu:amp-bf16: it produces the first Inf (values reach 2.1e+05 > 65504)",
+    (nonfinite(arm="cuda:amp-fp16"), "cuda:amp-fp16", TargetFacts(mixed_precision=True, half_compute=True,
+                                                                 compute_format="float16"),
+     "float16 overflow in '3' on cuda:amp-fp16: it produces the first Inf (values reach 2.1e+05 > 65504)",
      "keep '3' in float32 under autocast"),
+    # bfloat16 and float32 have float32's range: no float16 overflow, no 65504, no GradScaler
+    (nonfinite(arm="cpu:bf16"), "cpu:bf16", BF16, "'3' produces the first NaN/Inf on cpu:bf16 from finite inputs",
+     "find what makes '3' produce NaN/Inf"),
+    (nonfinite(arm="cpu:amp-bf16"), "cpu:amp-bf16", TargetFacts(mixed_precision=True, half_compute=True,
+                                                               compute_format="bfloat16"),
+     "'3' produces the first NaN/Inf on cpu:amp-bf16", "find what makes '3' produce NaN/Inf"),
+    (S.Symptom(S.GRADIENT_UNDERFLOW, "cpu:bf16", "60% zeros", layer="fc"), "cpu:bf16", BF16,
+     "gradient underflow on cpu:bf16 in 'fc'", "keeps float32's range, so these zeros are lost digits"),
+    (S.Symptom(S.ILL_CONDITIONED, "cpu:bf16", "floor 0.9", layer="3", value=0.9, extra={"module": "Center"}),
+     "cpu:bf16", BF16, "'3' (Center) is ill-conditioned at cpu:bf16's precision", "keep '3' and the tensors"),
     (drift(), "cpu:emulate-tf32", TargetFacts(tf32_like=True),
      "cpu:emulate-tf32 drifts from the other target 40x beyond the one-ulp noise envelope from step 2",
      "disable TF32"),
     (S.Symptom(S.GRADIENT_UNDERFLOW, "cpu:fp16", "60% zeros", layer="fc"), "cpu:fp16",
-     TargetFacts(half_compute=True), "gradient underflow on cpu:fp16 in 'fc'", "torch.amp.GradScaler"),
+     FP16, "gradient underflow on cpu:fp16 in 'fc'", "torch.amp.GradScaler"),
     (S.Symptom(S.SMALL_UPDATES_LOST, "cpu:bf16", "median 1e-5"), "cpu:bf16", TargetFacts(half_compute=True),
      "small updates lost on cpu:bf16", "keep float32 master weights"),
     (S.Symptom(S.GRADSCALER_COLLAPSE, "cpu:fp16", "skipped 20/30"), "cpu:fp16", TargetFacts(half_compute=True),
@@ -243,6 +273,8 @@ def test_precision_effect_headlines_and_remedies(symptom, low, facts, headline, 
     assert v.category == "numerics" and v.target == symptom.arm and v.sub_cause == symptom.name
     assert headline in v.headline
     assert any(remedy in r for r in v.remedies), v.remedies
+    if facts.compute_format != "float16":
+        assert not any("65504" in r or "GradScaler" in r or "bfloat16 instead" in r for r in v.remedies)
 
 
 # --- priority order ------------------------------------------------------------------------

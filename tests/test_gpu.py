@@ -14,7 +14,10 @@ What they pin down:
 - fp16 AMP runs with a GradScaler whose scale lands in the curves;
 - the NVML fingerprint is filled on a real GPU and agrees with torch;
 - the cuDNN version torch loaded is read (and decoded) correctly;
-- ``cpu:emulate-tf32`` predicts real TF32 per-layer local errors within 10x.
+- ``cpu:emulate-tf32`` is an upper bound of real TF32 per-layer local errors (within 10x of
+  it or below: cuDNN runs some small convolutions in plain float32 even with TF32 allowed; on an
+  H200 cifar_cnn's block1.unit1.conv forward and three weight gradients were ~1e-7..2e-6), and no
+  real TF32 row is flagged against its floor.
 """
 
 from __future__ import annotations
@@ -248,7 +251,9 @@ def test_cudnn_version_is_the_one_torch_loaded():
 
 @needs_tf32
 @no_tf32_override
-def test_emulated_tf32_local_errors_are_within_10x_of_real_tf32():
+def test_emulated_tf32_is_an_upper_bound_of_real_tf32():
+    """Emulation rounds every matmul/conv operand to TF32; cuDNN may pick a float32 kernel even with
+    TF32 allowed (FACTS.md), so a real row may be far *below* the emulated one, never far above."""
     from convcheck.pipeline import initial_state, model_builder
     from convcheck.data import load_batches
     from convcheck.models import resolve_model
@@ -259,7 +264,8 @@ def test_emulated_tf32_local_errors_are_within_10x_of_real_tf32():
     batches = load_batches(None, input_shape=model.input_shape, num_classes=model.num_classes,
                            batch_size=8, num_batches=1, seed=0)
     targets = [Target.parse(s) for s in ("cuda:tf32", "cpu:emulate-tf32", "cuda:no-tf32")]
-    table = run_parity(build, batches.batches[0], targets, seed=0).layers
+    result = run_parity(build, batches.batches[0], targets, seed=0)
+    table = result.layers
 
     def local(spec):
         t = table[table["target"] == spec]
@@ -267,25 +273,23 @@ def test_emulated_tf32_local_errors_are_within_10x_of_real_tf32():
 
     real, emulated, off = local("cuda:tf32"), local("cpu:emulate-tf32"), local("cuda:no-tf32")
     assert real.keys() == emulated.keys()
-    compared, bad = 0, []
+    compared, above, tf32_sized = 0, [], 0
     for key, r in real.items():
         e = emulated[key]
-        if any(math.isnan(v) for v in (r, e)):
-            continue
-        hi, lo = max(r, e), min(r, e)
-        if hi <= 1e-6 or (hi <= 1e-5 and lo <= 1e-6):
-            continue  # float32-sized on at least one side and small on both: not a TF32 effect
+        if any(math.isnan(v) for v in (r, e)) or max(r, e) <= 1e-6:
+            continue  # float32-sized on both sides: not a TF32 effect
         compared += 1
-        if not (0.1 <= e / max(r, 1e-30) <= 10):
-            bad.append(f"{key}: real {r:.2e}, emulated {e:.2e}")
+        tf32_sized += r > 1e-5
+        if r > 10 * e:
+            above.append(f"{key}: real {r:.2e}, emulated {e:.2e}")
     assert compared >= 7, f"only {compared} layers carried TF32-sized error"
-    assert not bad, "emulated TF32 off by more than 10x:\n" + "\n".join(bad)
-    # Every convolution and the classifier show TF32-sized local error with TF32 on,
-    # and float32-sized error with it off.
-    for (kind, layer, param), r in real.items():
+    assert not above, "real TF32 more than 10x above its emulation:\n" + "\n".join(above)
+    assert tf32_sized >= 3, "TF32 on changed (almost) no layer"  # most convs and fc run TF32 kernels
+    assert result.first_flagged == {"cuda:tf32": None, "cpu:emulate-tf32": None, "cuda:no-tf32": None}, \
+        result.flagged()
+    for (kind, layer, param), v in off.items():
         if kind == "forward" and (layer.endswith(".conv") or layer == "fc"):
-            assert r > 1e-5, f"{layer}: real TF32 local error only {r:.2e}"
-            assert off[(kind, layer, param)] < 1e-5, f"{layer}: no-tf32 local error {off[(kind, layer, param)]:.2e}"
+            assert v < 1e-5, f"{layer}: no-tf32 local error {v:.2e}"
 
 
 # --- the GPU judge (issue 8) --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from convcheck.metrics import (
     rel_l2,
     ulp_distance,
 )
+from convcheck.thresholds import FLOOR_ABSOLUTE
 
 INF, NAN = math.inf, math.nan
 
@@ -168,17 +169,15 @@ def test_tolerances_are_a_frozen_dataclass():
     assert hash(Tolerances()) == hash(DEFAULT_TOLERANCES)
 
 
-def test_is_flagged_needs_both_the_bound_and_the_minimum_error():
+def test_is_flagged_against_the_floor():
+    """The rule itself is tested in tests/test_floor.py; here its shape: bound_factor x floor plus
+    the small absolute term, a destroyed result, a non-finite error."""
     tol = Tolerances(bound_factor=8.0, min_error=1e-3)
-    # far above the bound but too small to matter: a note, not a culprit
-    assert not tol.is_flagged(1e-4, 1e-7)
-    # large, but within the bound for this precision and K
-    assert not tol.is_flagged(5e-2, 1e-2)
-    # large and far above the bound
-    assert tol.is_flagged(0.5, 1e-2)
-    # exactly at the threshold is not flagged
+    assert not tol.is_flagged(5e-2, 1e-2)  # large, but within 8x its floor
+    assert tol.is_flagged(8.01e-2 + FLOOR_ABSOLUTE, 1e-2)  # just above 8x its floor plus the absolute term
     assert not tol.is_flagged(8e-2, 1e-2)
-    assert tol.is_flagged(8.01e-2, 1e-2)
+    assert tol.is_flagged(1e-4, 1e-7)  # a float32-sized floor: 1e-4 is far above what float32 allows
+    assert not tol.is_flagged(0.5 * FLOOR_ABSOLUTE, 0.0)
 
 
 def test_is_flagged_on_non_finite_error():
@@ -189,12 +188,12 @@ def test_is_flagged_on_non_finite_error():
 
 def test_needed_is_the_bound_factor_that_would_pass():
     tol = Tolerances(bound_factor=8.0, min_error=1e-3)
-    local, bound = 0.3, 1e-2
-    need = tol.needed(local, bound)
-    assert need == pytest.approx(30.0)
-    assert not Tolerances(bound_factor=need, min_error=1e-3).is_flagged(local, bound)
-    assert Tolerances(bound_factor=need * 0.99, min_error=1e-3).is_flagged(local, bound)
-    assert tol.needed(1.0, 0.0) == INF
+    local, floor = 0.3, 1e-2
+    need = tol.needed(local, floor)
+    assert need == pytest.approx((0.3 - FLOOR_ABSOLUTE) / 1e-2)
+    assert not Tolerances(bound_factor=need * 1.001, min_error=1e-3).is_flagged(local, floor)
+    assert Tolerances(bound_factor=need * 0.99, min_error=1e-3).is_flagged(local, floor)
+    assert tol.needed(1e-2, 0.0) == INF
 
 
 def test_rel_l2_floor_treats_a_cancelled_reference_as_zero():

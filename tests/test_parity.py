@@ -14,6 +14,7 @@ from convcheck.metrics import Tolerances
 from convcheck.models import ResolvedModel, resolve_model
 from convcheck.parity import COLUMNS, ParityResult, run_parity
 from convcheck.targets import Target, snapshot_global_flags
+from convcheck.thresholds import FLOOR_ABSOLUTE
 
 T = Target.parse
 
@@ -111,10 +112,13 @@ def test_lenet_cpu_against_the_judge(lenet_reduced, lenet):
     assert fwd["propagated"].max() < 1e-5
     assert fwd["propagated"].max() > 1e-9  # really measured, not a copy of the judge
     assert (fwd["nan"] == 0).all() and (fwd["inf"] == 0).all()
-    assert (fwd["bound"] > 0).all() and (fwd["K"] >= 1).all()
+    assert (fwd["floor"] > 0).all() and (fwd["K"] >= 1).all()
     conv1 = fwd[fwd["layer"] == "conv1"].iloc[0]
     assert conv1["K"] == 1 * 5 * 5 and conv1["u"] == 2.0**-24
-    assert conv1["bound"] == pytest.approx(2.0**-24 * 5)
+    # float32: the floor is the rounding of the result (~u/sqrt(3) relative), the bound is what
+    # bound_factor x floor plus the absolute term allows
+    assert 1e-8 < conv1["floor"] < 1e-7
+    assert conv1["bound"] == pytest.approx(r.tolerances.bound_factor * conv1["floor"] + FLOOR_ABSOLUTE)
 
 
 def test_every_parameter_has_a_finite_gradient_row(lenet_reduced, lenet):
@@ -140,7 +144,7 @@ def test_lenet_reduced_precision_is_larger_but_bounded(lenet_reduced):
         fwd = _fwd(r, target)
         assert low < fwd["local"].max() < high, target
         assert fwd["local"].max() > 100 * cpu, target
-        assert (fwd["local"] <= 8 * fwd["bound"]).all(), target
+        assert (fwd["over_floor"] <= r.tolerances.bound_factor).all(), target
         assert fwd["propagated"].max() < 0.5, target
     assert set(r.losses) == {"cpu", "cpu:bf16", "cpu:emulate-tf32", "cpu:amp-bf16"}
     assert all(math.isfinite(v) for v in r.losses.values())
@@ -175,40 +179,72 @@ def offset_net():
 def test_the_reduced_precision_culprit_is_flagged_first(offset_net):
     r = offset_net
     assert not bool(r)
-    assert r.first_flagged == {"cpu": None, "cpu:bf16": "norm"}
+    assert r.first_flagged["cpu:bf16"] == "norm"
     flagged = r.flagged("cpu:bf16")
     assert list(flagged["layer"]) == ["norm"]
     row = flagged.iloc[0]
     assert row["kind"] == "forward" and row["module"] == "NaiveNorm"
-    assert row["local"] > 1.0   # every digit lost
-    assert row["needed"] > 8
+    assert row["local"] > 1.0 and row["intrinsic"] > 1.0   # every digit lost, by its own arithmetic
+    assert row["floor"] < 0.1 and row["needed"] == math.inf  # destroyed: no bound_factor passes it
     # the layers before it are within their bounds; fc2 after it merely propagates
     fwd = _fwd(r, "cpu:bf16").set_index("layer")
-    assert fwd.loc["fc1", "local"] < fwd.loc["fc1", "bound"] * 8
+    assert fwd.loc["fc1", "local"] < fwd.loc["fc1", "bound"]
     assert fwd.loc["fc2", "propagated"] > 1.0 > fwd.loc["fc2", "local"]
+    assert not fwd.loc["fc2", "flagged"]
 
 
-def test_the_same_layer_in_float32_is_a_note_not_a_culprit(offset_net):
+def test_the_same_layer_in_float32_is_flagged_but_small(offset_net):
+    """float32 loses ~1e-4 here: far above what float32 allows (its floor ~1e-6), so the row is
+    flagged; below min_error it is a note for the verdict (tests/scenarios), not a culprit."""
     fwd = _fwd(offset_net, "cpu").set_index("layer")
-    assert not offset_net.flagged("cpu").shape[0]
-    # float32 loses ~1e-4 here: far above u*sqrt(K), but below min_error
-    assert 1e-5 < fwd.loc["norm", "local"] < 1e-3
-    assert fwd.loc["norm", "local"] > 8 * fwd.loc["norm", "bound"]
+    assert offset_net.first_flagged["cpu"] == "norm"
+    assert 1e-5 < fwd.loc["norm", "intrinsic"] < offset_net.tolerances.min_error
+    assert fwd.loc["norm", "over_floor"] > offset_net.tolerances.bound_factor
+    assert not fwd.drop(index="norm")["flagged"].any()
 
 
-def test_needed_bound_factor_would_pass_the_culprit(offset_net):
-    need = offset_net.needed_bound_factor()
-    row = offset_net.flagged("cpu:bf16").iloc[0]
-    assert need == pytest.approx(row["local"] / row["bound"])
-    tol = Tolerances(bound_factor=need * 1.01)
-    assert not tol.is_flagged(row["local"], row["bound"])
+class WrongLinear(nn.Linear):
+    """A Linear whose result is off by a relative 5% whenever it does not run in float64."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out if out.dtype == torch.float64 else out * 1.05
+
+
+def _wrong_linear_net():
+    return nn.Sequential(nn.Flatten(), WrongLinear(64, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_needed_bound_factor_comes_from_the_flagged_rows_and_would_pass_them():
+    r = _parity(_object(_wrong_linear_net), ["cpu:bf16"], n=8)
+    assert r.first_flagged == {"cpu:bf16": "1"}
+    row = _fwd(r, "cpu:bf16").set_index("layer").loc["1"]
+    assert row["flagged"]
+    need = r.needed_bound_factor()
+    assert need == pytest.approx(r.flagged()["needed"].max())
+    assert r.tolerances.bound_factor < need < 100 and need >= row["needed"]
+    assert need > r.layers[~r.layers["flagged"]]["needed"].max()  # the flagged rows only decide it
+    passing = _parity(_object(_wrong_linear_net), ["cpu:bf16"], n=8, tolerances=Tolerances(bound_factor=need * 1.01))
+    assert bool(passing) and passing.needed_bound_factor() == 0.0
+    assert _parity(_object(OffsetNet), ["cpu:bf16"], n=16).needed_bound_factor() == math.inf  # destroyed
 
 
 def test_tolerances_change_what_is_flagged():
-    r = _parity(_object(OffsetNet), ["cpu:bf16"], n=16, tolerances=Tolerances(bound_factor=1e6))
+    r = _parity(_object(_wrong_linear_net), ["cpu:bf16"], n=8, tolerances=Tolerances(bound_factor=1e6))
     assert bool(r) and r.first_flagged == {"cpu:bf16": None}
-    r = _parity(_object(OffsetNet), ["cpu"], n=16, tolerances=Tolerances(min_error=1e-5))
-    assert r.first_flagged == {"cpu": "norm"}
+    # a destroyed result is flagged whatever the factor
+    r = _parity(_object(OffsetNet), ["cpu:bf16"], n=16, tolerances=Tolerances(bound_factor=1e6))
+    assert r.first_flagged == {"cpu:bf16": "norm"}
+
+
+def test_worst_rows_are_each_targets_own_ranked_by_own_error_over_floor(offset_net):
+    worst = offset_net.worst(3)
+    assert list(dict.fromkeys(worst["target"])) == ["cpu", "cpu:bf16"]
+    assert (worst.groupby("target").size() == 3).all()
+    bf16 = worst[worst["target"] == "cpu:bf16"]
+    assert bf16.iloc[0]["layer"] == "norm" and bf16.iloc[0]["flagged"]
+    rest = bf16.iloc[1:]["over_floor"].tolist()
+    assert rest == sorted(rest, reverse=True)
 
 
 # --- non-finite values are results -------------------------------------------------------------
@@ -265,7 +301,7 @@ def test_parity_leaves_flags_alone_and_prints_nothing(capsys):
 def test_the_judge_in_the_target_list_is_skipped():
     r = _parity(_object(OffsetNet), ["cpu:float64", "cpu"], n=2)
     assert set(r.layers["target"]) == {"cpu"}
-    assert r.first_flagged == {"cpu": None}
+    assert set(r.first_flagged) == {"cpu"}
 
 
 # --- tensors changed in place between modules ------------------------------------------------

@@ -152,8 +152,9 @@ def offset_net():
 def test_a_factory_and_a_module_instance():
     r = compare(offset_net, "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
     assert r.model.name == "offset_net" and r.model.source == "object"
-    assert r.parity.first_flagged == {"cpu": None, "cpu:bf16": "2"}
-    assert not r
+    # float32 loses ~1e-4 in the naive norm: flagged, but a note (below min_error); bf16 loses everything
+    assert r.parity.first_flagged == {"cpu": "2", "cpu:bf16": "2"}
+    assert not r and r.verdict.target == "cpu:bf16"
     s = r.to_summary()
     assert s["parity"]["first_flagged_layer"]["cpu:bf16"] == "2"
     r2 = compare(offset_net(), "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)

@@ -32,6 +32,19 @@ def mlp():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+class Wrong5(nn.Linear):
+    """5% off whenever it does not run in float64: flagged, but within reach of a larger bound_factor
+    (NaiveNorm's bf16 result is destroyed: flagged whatever the factor)."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out if out.dtype == torch.float64 else out * 1.05
+
+
+def wrong_net():
+    return nn.Sequential(nn.Flatten(), Wrong5(64, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
 SMALL = dict(input_shape=(1, 8, 8), num_classes=4)
 '''
 
@@ -79,8 +92,8 @@ def test_culprit(convcheck_compare):
     # the failure names the target, the layer and the numbers, and what would change the outcome
     result.stdout.fnmatch_lines([
         "*AssertionError: convcheck verdict: layer*",
-        "*target*layer*local*bound*needed factor*",
-        "*cpu:bf16*2 *",
+        "*target*layer (module)*own error*floor*own/floor*needed factor*",
+        "*cpu:bf16*2 (NaiveNorm)*",
         "*passing would need bound_factor >=*",
     ])
     assert "remedy:" in out
@@ -115,7 +128,7 @@ def test_a_tolerance_option_changes_the_outcome(pytester):
     pytester.makepyfile(test_user=MODELS + '''
 
 def test_culprit(convcheck_compare):
-    result = convcheck_compare(offset_net, targets="cpu,cpu:bf16", **SMALL)
+    result = convcheck_compare(wrong_net, targets="cpu,cpu:bf16", **SMALL)
     assert result.config.tolerances.bound_factor == 1e9
     assert result.parity.first_flagged["cpu:bf16"] is None
 ''')
@@ -143,7 +156,7 @@ from convcheck.errors import UsageError
 
 @pytest.mark.convcheck(bound_factor=1e9, min_error=0.5, judge="cpu:float64", batch_size=8)
 def test_marker_tolerances(convcheck_compare):
-    result = convcheck_compare(offset_net, targets="cpu,cpu:bf16", **SMALL)
+    result = convcheck_compare(wrong_net, targets="cpu,cpu:bf16", **SMALL)
     assert result.config.tolerances.bound_factor == 1e9 and result.config.tolerances.min_error == 0.5
     assert str(result.config.judge) == "cpu:float64" and result.config.batch_size == 8
     assert result.parity.first_flagged["cpu:bf16"] is None

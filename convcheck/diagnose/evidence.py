@@ -26,8 +26,10 @@ if TYPE_CHECKING:  # types only: importing convcheck.train would import the trai
 
 # How target symptoms rank (the first one found is the verdict's main symptom); drift and
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
+# A layer that computes something else outranks what it causes downstream (gradient zeros in
+# the next layer, no convergence); among layer errors the largest comes first.
 _TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.NONFINITE_BACKWARD: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
-                S.GRADIENT_UNDERFLOW: 4, S.SMALL_UPDATES_LOST: 5}
+                S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
 _CONFIG = CompareConfig()  # the defaults of the config facts
 
@@ -39,17 +41,20 @@ class TargetFacts:
     mixed_precision: bool = False  # autocast: half compute, float32 weights
     tf32_like: bool = False  # matmul/conv operands rounded to 10 mantissa bits
     half_compute: bool = False  # some arithmetic in bf16/fp16
+    half_storage: bool = False  # the whole model cast to bf16/fp16 (weights included)
+    compute_format: str = "float32"  # the dtype its matmuls/convs compute in: float16 ends at 65504
 
 
 @dataclass(frozen=True)
 class LayerMargin:
-    """The layer of one target whose local error comes closest to its bound."""
+    """The row of one target whose own error is furthest above its floor (unflagged)."""
 
     target: str
     layer: str
-    local: float
-    ratio: float  # local / bound
-    bound: float
+    error: float  # its own error (intrinsic where measured, else local)
+    ratio: float  # error / floor
+    floor: float
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class Evidence:
     self_difference: Mapping[str, float] = field(default_factory=dict)
     flagged_layers: Mapping[str, str | None] = field(default_factory=dict)  # first flagged, per target
     closest_layers: tuple[LayerMargin, ...] = ()
+    # flagged layers whose own error stays below min_error on a target with no other symptom
+    layer_notes: tuple[S.Symptom, ...] = ()
     # --- environment findings (convcheck.env.Finding)
     findings: tuple = ()
 
@@ -117,13 +124,13 @@ def gather(result) -> Evidence:
     cfg, parity, training = result.config, result.parity, result.training
     names = [str(t) for t in cfg.targets]
     judge = str(cfg.judge)
+    symptoms = _target_symptoms(result)
     return Evidence(
         targets=tuple(names), judge=judge, steps=cfg.steps, lr=cfg.lr, optimizer=cfg.optimizer,
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
-        target_facts={str(t): TargetFacts(t.runner.mixed_precision, t.runner.tf32_like, t.runner.half_compute)
-                      for t in cfg.targets},
+        target_facts={str(t): _facts(t.runner) for t in cfg.targets},
         outcomes=dict(training.outcomes), envelope=training.envelope,
-        target_symptoms=_target_symptoms(result),
+        target_symptoms=symptoms, layer_notes=_layer_notes(result, symptoms),
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
@@ -132,6 +139,11 @@ def gather(result) -> Evidence:
         flagged_layers=dict(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()),
     )
+
+
+def _facts(runner) -> TargetFacts:
+    return TargetFacts(runner.mixed_precision, runner.tf32_like, runner.half_compute, runner.half_storage,
+                       str(runner.compute_dtype).removeprefix("torch."))
 
 
 def _drift(result) -> S.Symptom | None:
@@ -143,11 +155,15 @@ def _drift(result) -> S.Symptom | None:
 
 
 def _closest_layers(layers) -> tuple[LayerMargin, ...]:
-    table = layers.assign(r=layers["local"] / layers["bound"])
+    table = layers[~layers["flagged"]].dropna(subset=["over_floor"])
+    table = table[table["over_floor"].map(math.isfinite) & (table["floor"] > 0)]
     out = []
-    for name, rows in table.dropna(subset=["r"]).groupby("target", sort=False):
-        w = rows.sort_values("r").iloc[-1]
-        out.append(LayerMargin(str(name), str(w["layer"]), float(w["local"]), float(w["r"]), float(w["bound"])))
+    for name, rows in table.groupby("target", sort=False):
+        w = rows.sort_values("over_floor").iloc[-1]
+        own = w["intrinsic"] if math.isfinite(w["intrinsic"]) else w["local"]
+        where = str(w["layer"] if w["kind"] == "forward" else w["param"])
+        out.append(LayerMargin(str(name), where, float(own), float(w["over_floor"]), float(w["floor"]),
+                               str(w["module"])))
     return tuple(out)
 
 
@@ -158,7 +174,12 @@ def _target_symptoms(result) -> tuple[S.Symptom, ...]:
     for t in cfg.targets:
         if t != cfg.judge:
             out += _symptoms_of(result, t)
-    return tuple(sorted(out, key=lambda s: _TARGET_RANK.get(s.name, _UNRANKED)))
+    return tuple(sorted(out, key=_rank))
+
+
+def _rank(s: S.Symptom) -> tuple:
+    size = -(s.value or 0.0) if s.name == S.LAYER_ERROR else 0.0  # the largest layer error first
+    return _TARGET_RANK.get(s.name, _UNRANKED), size
 
 
 def _symptoms_of(result, t) -> list[S.Symptom]:
@@ -175,12 +196,43 @@ def _symptoms_of(result, t) -> list[S.Symptom]:
     info = training.outcomes.get(name)
     out.append(lost if info is not None and not info.converged else None)
     out = [s for s in out if s]
-    flagged = parity.first_flagged.get(name)
-    if flagged and not any(s.layer == flagged for s in out):
-        out.append(_layer_error(parity, name, flagged))
+    layer = _flagged_layer(result, name)
+    if layer is not None and any(s.layer == layer.layer for s in out):
+        layer = None  # another symptom names it already
+    small = layer is not None and not _matters(result, layer)
+    if layer is not None and not small:
+        out.append(layer)
+    ill = S.ill_conditioned(parity.layers, name)
+    if ill is not None and layer is None:
+        out.append(ill)
     if not out:
         out += _outcome_symptoms(result, name)
+    if small and out:  # a small flagged layer on a target in trouble: the first suspect
+        out.append(layer)
     return out
+
+
+def _flagged_layer(result, name: str) -> S.Symptom | None:
+    flagged = result.parity.first_flagged.get(name)
+    return _layer_error(result.parity, name, flagged) if flagged else None
+
+
+def _matters(result, layer: S.Symptom) -> bool:
+    """A flagged layer whose own error is at least ``min_error`` (or destroyed, non-finite) is a
+    culprit on its own; a smaller one (float32 losing 1e-4 in an unstable formula) is a note
+    unless the target shows other trouble."""
+    return not (layer.value < result.config.tolerances.min_error)
+
+
+def _layer_notes(result, symptoms: tuple[S.Symptom, ...]) -> tuple[S.Symptom, ...]:
+    """Flagged layers too small to matter that no target symptom carries."""
+    cfg = result.config
+    notes = []
+    for t in cfg.targets:
+        layer = _flagged_layer(result, str(t)) if t != cfg.judge else None
+        if layer is not None and not any(s.arm == layer.arm and s.layer == layer.layer for s in symptoms):
+            notes.append(layer)
+    return tuple(notes)
 
 
 def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
@@ -200,12 +252,19 @@ def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
 
 def _layer_error(parity, name: str, flagged: str) -> S.Symptom:
     rows = parity.flagged(name)
-    r = rows[rows["layer"] == flagged].iloc[0]
-    return S.Symptom(S.LAYER_ERROR, name,
-                     f"local error of '{flagged}' ({r['module']}) is {r['local']:.3g}, "
-                     f"{r['local'] / r['bound']:.3g}x its expected bound {r['bound']:.2e} "
-                     f"(u={r['u']:.2e}, K={int(r['K'])}); propagated error {r['propagated']:.3g}",
-                     layer=flagged, value=float(r["local"]), extra={"kind": r["kind"]})
+    r = rows[rows["layer"] == flagged].sort_values("order").iloc[0]
+    own = r["intrinsic"] if math.isfinite(r["intrinsic"]) else r["local"]
+    what = f"'{flagged}' ({r['module']})" + (f", gradient of '{r['param']}'," if r["kind"] == "grad" else "")
+    if not math.isfinite(own):
+        size = f"its own result is non-finite ({own})"
+    elif S.destroyed(own, r["floor"]):
+        size = f"its own error is {own:.3g}: the result is destroyed, while its floor is {r['floor']:.2e}"
+    else:
+        size = (f"its own error is {own:.3g}, {r['over_floor']:.3g}x its floor {r['floor']:.2e} (the best any "
+                f"implementation at {name}'s precision does on this input)")
+    return S.Symptom(S.LAYER_ERROR, name, f"{what}: {size}; local error {r['local']:.3g}, propagated "
+                     f"{r['propagated']:.3g} (flagged above {r['bound']:.2e})",
+                     layer=flagged, value=float(own), extra={"kind": r["kind"], "module": str(r["module"])})
 
 
 def _outcome_symptoms(result, name: str) -> list[S.Symptom]:

@@ -8,7 +8,7 @@ stable (V001...); priorities leave gaps for new rules.
 from __future__ import annotations
 
 from convcheck import symptoms as S
-from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.verdict import Verdict
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS
@@ -180,26 +180,58 @@ def version_finding(ev: Evidence) -> Verdict | None:
 
 def _symptom_evidence(ev: Evidence) -> list[str]:
     math_notes = [f for f in ev.findings if getattr(f, "kind", None) == "numerics"]
-    return (symptom_lines(ev.symptoms, 4) + training_lines(ev)
+    return (symptom_lines(ev.symptoms, 4) + training_lines(ev) + layer_note_lines(ev)
             + [f"{f.id}: {f.message}" for f in math_notes[:2]])
+
+
+def layer_note_lines(ev: Evidence) -> list[str]:
+    """Flagged layers too small to matter on a target with no other trouble."""
+    return [f"note ({n.arm}): {n.evidence}; below min_error {ev.tolerances.min_error:g}, so not a cause"
+            for n in ev.layer_notes]
 
 
 @verdict_rule(
     "V007", "layer-error", priority=70, category="layer",
-    headline="layer '{layer}' computes something else on {target}: its local error is far above "
-             "what the precision explains; later layers only pass it on",
+    headline="layer '{layer}'{module} computes something else on {target}: its own error is far above "
+             "what the precision allows; later layers only pass it on",
     remedies=("run '{layer}' in float32: disable autocast around it (torch.autocast(device_type, enabled=False)) "
               "and cast its input with .float()",
               "if '{layer}' is your own code, use a numerically stable formula (e.g. torch.var or a two-pass "
               "variance instead of E[x^2]-E[x]^2)"))
 def layer_error(ev: Evidence) -> Verdict | None:
-    """The main target symptom is a layer whose local error is far above its bound."""
+    """The main target symptom is a layer whose own error is far above its floor (or destroys its
+    result). Remedies fit the target (``layer_remedies``): autocast off around it, the layer kept in
+    float32 in a cast model, TF32 off, or (float32) only the stable formula."""
     if not ev.symptoms or ev.symptoms[0].name != S.LAYER_ERROR:
         return None
     main = ev.symptoms[0]
+    module = main.extra.get("module")
     return layer_error.verdict(
-        _symptom_evidence(ev), {"layer": main.layer, "target": main.arm}, target=main.arm, layer=main.layer,
-        sub_cause="local error above bound", symptoms=[s.name for s in ev.symptoms])
+        _symptom_evidence(ev), {"layer": main.layer, "target": main.arm, "module": f" ({module})" if module else ""},
+        remedies=layer_remedies(ev, main), target=main.arm, layer=main.layer,
+        sub_cause="own error above floor", symptoms=[s.name for s in ev.symptoms])
+
+
+_STABLE_FORMULA = ("if '{layer}' is your own code, use a numerically stable formula (e.g. torch.var or a two-pass "
+                   "variance instead of E[x^2]-E[x]^2; no large offset added and subtracted)")
+
+
+def layer_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
+    """What runs the flagged layer at a higher precision on this kind of target."""
+    t = ev.target_facts.get(main.arm) or TargetFacts()
+    layer = main.layer
+    out = []
+    if t.mixed_precision:
+        out.append(f"run '{layer}' in float32: disable autocast around it (torch.autocast(device_type, "
+                   "enabled=False)) and cast its input with .float()")
+    elif t.half_storage:
+        out.append(f"keep '{layer}' in float32 in the {t.compute_format} model: call .float() on it after casting "
+                   f"the model, cast its input with .float() and its output back to {t.compute_format}")
+    elif t.tf32_like:
+        out.append("disable TF32 for this model: torch.backends.cuda.matmul.allow_tf32 = False; "
+                   "torch.backends.cudnn.allow_tf32 = False")
+    out.append(_STABLE_FORMULA.format(layer=layer))
+    return out
 
 
 @verdict_rule(
@@ -218,14 +250,18 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     main = ev.symptoms[0]
     layer = main.layer
     headline = None
-    if main.name == S.NONFINITE_FORWARD and main.extra.get("overflow"):
+    facts = ev.target_facts.get(main.arm) or TargetFacts()
+    if main.name == S.NONFINITE_FORWARD and main.extra.get("overflow") and facts.compute_format == "float16":
         headline = (f"float16 overflow in '{layer}' on {main.arm}: it produces the first Inf "
                     f"(values reach {main.value:.4g} > 65504)")
     elif main.name in S.NONFINITE_TENSORS:
         headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.DRIFT:
         headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the one-ulp noise envelope "
-                    f"from step {main.step}, while every layer is within its bound")
+                    f"from step {main.step}, while every layer is within its floor's bound")
+    elif main.name == S.ILL_CONDITIONED:
+        headline = (f"'{layer}' ({main.extra.get('module')}) is ill-conditioned at {main.arm}'s precision: rounding "
+                    f"its input to that precision already loses its result (floor {main.value:.2g})")
     return precision_effect.verdict(
         _symptom_evidence(ev), {"symptom": main.name, "target": main.arm, "where": _where(layer)},
         headline=headline, remedies=numerics_remedies(ev, main) or None, target=main.arm, layer=layer,
@@ -237,18 +273,27 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     t = ev.target_facts.get(main.arm)
     layer = main.layer
     out = []
+    float16 = t is not None and t.half_compute and t.compute_format == "float16"
     if main.name in S.NONFINITE_TENSORS or main.name == S.GRADSCALER_COLLAPSE:
-        if t is not None and t.mixed_precision:
+        if t is not None and t.mixed_precision and float16:
             out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
                        "around it), or use bfloat16 autocast, which has float32's range")
-        elif layer and t is not None and t.half_compute:  # float16's range ends at 65504; float32's does not
+        elif layer and float16:  # float16's range ends at 65504; bfloat16's and float32's do not
             out.append(f"keep '{layer}' in float32, or normalise its input so values stay below 65504")
         elif layer:
             out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
                        "log or sqrt of a non-positive value")
         out.append("scale activations down (add normalisation before the layer)")
-    if main.name == S.GRADIENT_UNDERFLOW:
+    if main.name == S.GRADIENT_UNDERFLOW and float16:
         out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
+    elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits
+        out.append(f"{t.compute_format if t else 'this format'} keeps float32's range, so these zeros are lost "
+                   "digits, not underflow: find the layer before it whose result cancels (the parity table's "
+                   "worst rows) and compute it in float32")
+    if main.name == S.ILL_CONDITIONED:
+        out.append(f"keep '{layer}' and the tensors feeding it in float32 (its input cannot be represented "
+                   "precisely enough at this precision)")
+        out.append("remove large offsets or scales before it (normalise its input), so fewer digits are needed")
     if main.name == S.SMALL_UPDATES_LOST:
         out.append("keep float32 master weights (autocast instead of casting the model to bf16/fp16)")
     if main.name in (S.DRIFT, S.OUTCOME_OUTSIDE_ENVELOPE, S.NO_CONVERGENCE):
@@ -267,8 +312,10 @@ def ok_verdict(ev: Evidence) -> Verdict:
     """Both targets train alike; the evidence says how close they came to a finding."""
     evidence = training_lines(ev)
     for m in ev.closest_layers:
-        evidence.append(f"{m.target}: every layer within its bound; the closest is '{m.layer}' with local error "
-                        f"{m.local:.2e}, {m.ratio:.2g}x its bound {m.bound:.2e}")
+        evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above its floor is "
+                        f"'{m.layer}' ({m.module}) with its own error {m.error:.2e}, {m.ratio:.2g}x its floor "
+                        f"{m.floor:.2e}")
+    evidence += layer_note_lines(ev)
     if ev.drift is not None:
         evidence.append(ev.drift.evidence)
     evidence += [f"{f.id}: {f.message}" for f in ev.findings if getattr(f, "severity", "") in ("critical", "warn")]

@@ -6,13 +6,10 @@ Every float64 reference here is built by the judge's runner (``reference``,
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from convcheck.capture import cast_like, module_copy, tensors_in
-from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import JudgeCall
 from convcheck.runners import Runner
 
@@ -27,33 +24,17 @@ def private_copy(m: nn.Module) -> nn.Module:
     return copy
 
 
-def _cast_args(jc: JudgeCall, actual_inputs: tuple, device) -> tuple:
+def cast_args(jc: JudgeCall, actual_inputs: tuple, device) -> tuple:
     """The judge's inputs, cast to the dtypes the target's own call received."""
     return tuple(cast_like(j, a if isinstance(a, torch.Tensor) else None, device)
                  for j, a in zip(jc.inputs, actual_inputs))
 
 
-def local_forward(module: nn.Module, jc: JudgeCall, actual_inputs: tuple, device, mask=None) -> float:
-    """The judge's input through the target's copy of this layer, vs the judge's output."""
-    args = _cast_args(jc, actual_inputs, device)
-    if mask is not None:  # a shared-mask dropout: the same mask the target's own call used
-        return rel_l2(args[0] * mask, jc.output)
+def target_call(module: nn.Module, args: tuple) -> torch.Tensor | None:
+    """The target's copy of this layer on ``args`` (under whatever mode the target's forward is in)."""
     with torch.no_grad():
         got = tensors_in(private_copy(module)(*args))
-    return rel_l2(got[0], jc.output) if got else math.nan
-
-
-def intrinsic_forward(module: nn.Module, jc: JudgeCall, actual_inputs: tuple, device, judge: Runner) -> float:
-    """The target's layer on the judge's input cast to the target, vs the judge's float64 copy of
-    the same layer on that same cast input: the error of the layer's own arithmetic."""
-    args = _cast_args(jc, actual_inputs, device)
-    ref = judge.reference_module(private_copy(module))
-    ref_args = tuple(judge.reference(a) if isinstance(a, torch.Tensor) else a for a in args)
-    with torch.no_grad():
-        got = tensors_in(private_copy(module)(*args))
-        with torch.autocast(judge.torch_device.type, enabled=False):  # we may be inside the target's
-            want = tensors_in(ref(*ref_args))
-    return rel_l2(got[0], want[0]) if got and want else math.nan
+    return got[0] if got else None
 
 
 def grad_terms_norm(module: nn.Module, jc: JudgeCall, judge: Runner) -> dict[str, float]:

@@ -8,10 +8,16 @@ import pandas as pd
 
 from convcheck.tolerances import Tolerances
 
+# Per row: ``local`` (the judge's input through the target's layer, vs the judge), ``intrinsic``
+# (the layer's own arithmetic: vs its float64 copy on the same cast input), ``floor`` (the best
+# any implementation at the target's precision does: ``parity.floor``), ``bound`` (the largest
+# intrinsic error that passes: bound_factor x floor + the absolute term), ``over_floor``
+# (intrinsic / floor: how far above its precision the layer is), ``needed`` (the bound_factor
+# that would let the row pass; inf when none would). ``u`` is the op's operand unit roundoff.
 COLUMNS = [
-    "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "bound",
-    "propagated", "local", "intrinsic", "needed", "nan", "inf", "input_nonfinite", "grad_out_nonfinite",
-    "ref_absmax", "flagged",
+    "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "floor", "bound",
+    "propagated", "local", "intrinsic", "over_floor", "needed", "nan", "inf", "input_nonfinite",
+    "grad_out_nonfinite", "ref_absmax", "flagged",
 ]
 
 
@@ -39,10 +45,21 @@ class ParityResult:
         t = self.layers[self.layers["flagged"]]
         return t if target is None else t[t["target"] == target]
 
+    def worst(self, per_target: int, kind: str | None = None) -> pd.DataFrame:
+        """Each target's own worst rows (``per_target`` each, in the targets' order): flagged first,
+        then by how far the row's own error is above its floor (``over_floor``)."""
+        t = self.layers if kind is None else self.layers[self.layers["kind"] == kind]
+        if not len(t):
+            return t
+        t = t.assign(_rank=t["over_floor"].fillna(-1.0))
+        parts = [g.sort_values(["flagged", "_rank"], ascending=[False, False]).head(per_target)
+                 for _, g in t.groupby("target", sort=False)]
+        return pd.concat(parts).drop(columns="_rank")
+
     def needed_bound_factor(self) -> float:
-        """The smallest ``bound_factor`` under which no layer above ``min_error`` would be flagged."""
-        t = self.layers
-        t = t[t["local"] > self.tolerances.min_error]
+        """The smallest ``bound_factor`` under which none of the flagged rows would be (inf when a
+        flagged row fails whatever the factor: non-finite, or its result destroyed); 0 when none is."""
+        t = self.flagged()
         return float(t["needed"].max()) if len(t) else 0.0
 
 

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, SharedDropoutMasks, is_shared_dropout, tensors_in
-from convcheck.metrics import expected_bound, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
-from convcheck.parity.local import grad_terms_norm, intrinsic_forward, local_forward, local_grads
+from convcheck.metrics import grad_reduction_length, nonfinite_count, reduction_length, rel_l2
+from convcheck.parity.checks import LocalGrads, check_forward
+from convcheck.parity.floor import FloorMeter
+from convcheck.parity.local import cast_args, target_call
 from convcheck.runners import Runner
+from convcheck.thresholds import GRAD_ACCUMULATION
 from convcheck.tolerances import Tolerances
 
 
@@ -27,9 +31,10 @@ class TargetPass:
         self.calls, self.judge_grads = record
         self.tol, self.stochastic, self.seed = tol, set(stochastic), seed
         self.rows: list[dict] = []
-        self.first_call: dict[str, tuple[int, nn.Module, str]] = {}
+        self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
         self.masks: SharedDropoutMasks | None = None
+        self.floors = FloorMeter.of(runner, judge)
 
     def run(self, model: nn.Module, batch, loss_fn) -> tuple[float, list]:
         """Forward and backward; ``(loss, [output, *parameter gradients])`` of this run."""
@@ -54,7 +59,8 @@ class TargetPass:
         row = dict(
             target=self.name, order=order, kind="forward", layer=key, module=type(module).__name__,
             param="", shape="x".join(map(str, out.shape)), K=0, u=self.runner.unit_roundoff, bound=math.nan,
-            propagated=math.nan, local=math.nan, intrinsic=math.nan, needed=math.nan, nan=nan, inf=inf,
+            propagated=math.nan, local=math.nan, intrinsic=math.nan, floor=math.nan, over_floor=math.nan,
+            needed=math.nan, nan=nan, inf=inf,
             input_nonfinite=sum(sum(nonfinite_count(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
             ref_absmax=float(jc.output.abs().max()) if jc is not None and jc.output.numel() else math.nan,
             flagged=False,
@@ -64,67 +70,59 @@ class TargetPass:
         self.rows.append(row)
         if jc is not None:
             if name not in self.first_call:
-                self.first_call[name] = (order, module, key)
+                self.first_call[name] = (order, module, key, out.dtype)
             else:  # called again: its parameter gradient sums every call, a one-call local run can't match it
                 self.reused.add(name)
         if out.requires_grad:
             out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
 
     def _forward_errors(self, module, jc, inputs, out) -> dict:
-        tol, device = self.tol, self.runner.torch_device
         k = reduction_length(module, jc.inputs, jc.output)
-        bound = expected_bound(self.runner.unit_roundoff, k)
-        mask = self.masks.last_mask if is_shared_dropout(module) else None
-        local = local_forward(module, jc, inputs, device, mask)
-        flagged = tol.is_flagged(local, bound)
-        intrinsic = math.nan
-        if flagged and mask is None:
-            # Is it the layer's arithmetic, or only its input's rounding amplified by an
-            # ill-conditioned layer (BatchNorm over two values)? Held against the same
-            # layer in float64 on the input as the target received it.
-            intrinsic = intrinsic_forward(module, jc, inputs, device, self.judge)
-            flagged = tol.is_flagged(intrinsic, bound)
-        return dict(K=k, bound=bound, propagated=rel_l2(out, jc.output), local=local, intrinsic=intrinsic,
-                    needed=tol.needed(local, bound), flagged=flagged)
+        args = cast_args(jc, inputs, self.runner.torch_device)
+        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=rel_l2(out, jc.output))
+        if is_shared_dropout(module):  # the same mask the target's own call used: nothing of its own
+            local = rel_l2(args[0] * self.masks.last_mask, jc.output)
+            return dict(row, local=local, flagged=not math.isfinite(local))
+        got = target_call(module, args)
+        if got is None:
+            return row
+        return dict(row, **check_forward(self.tol, self.floors, module, jc, args, got, k))
 
     # -- gradient rows ------------------------------------------------------------------
 
     def _grad_rows(self, model: nn.Module, batch_size: int, scale: float) -> None:
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         modules = dict(model.named_modules())
-        for name, (order, module, key) in self.first_call.items():
+        for name, (order, module, key, out_dtype) in self.first_call.items():
             if key in self.stochastic or name in self.reused:
                 continue
             params = dict(module.named_parameters(recurse=False))
             jc = self.calls[key]
             if not params or jc.grad_output is None:
                 continue
-            mine = local_grads(module, jc, self.runner)
+            local = LocalGrads(module, jc, self.runner, self.floors, out_dtype)
             for pname, p in params.items():
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
                 if g is not None and jg is not None:
-                    self.rows.append(self._grad_row(order, name, module, jc, (full, pname, p),
-                                                    g.detach() / scale, jg, mine.get(pname), batch_size))
+                    self.rows.append(self._grad_row(order, name, local, (full, pname, p), g.detach() / scale, jg,
+                                                    batch_size))
 
-    def _grad_row(self, order, name, module, jc, param, g, jg, lg, batch_size) -> dict:
-        tol = self.tol
+    def _grad_row(self, order, name, local: LocalGrads, param, g, jg, batch_size) -> dict:
         full, pname, p = param
+        jc = local.jc
         k = grad_reduction_length(p, batch_size, jc.output)
-        bound = expected_bound(self.runner.unit_roundoff, k)
-        local = rel_l2(lg, jg) if lg is not None else math.nan
-        if math.isfinite(local) and tol.is_flagged(local, bound):
-            # A gradient that cancels to ~0 in exact arithmetic (the bias of a layer
-            # feeding a training-mode BatchNorm) has no meaningful relative error:
-            # measure it against the size of the terms it sums, as u*sqrt(K) assumes.
-            terms = grad_terms_norm(module, jc, self.judge).get(pname)
-            if terms:
-                local = rel_l2(lg, jg, floor=terms)
+        op = self.runner.precision.for_module(local.module)
+        # Summing K = batch x positions terms: float32 kernels add up to ~0.4 u sqrt(K) beyond the
+        # rounding of the operands (thresholds.GRAD_ACCUMULATION), part of the floor.
+        accumulation = GRAD_ACCUMULATION * op.accumulate * math.sqrt(k)
         nan, inf = nonfinite_count(g)
-        return dict(
-            target=self.name, order=order, kind="grad", layer=name, module=jc.module,
-            param=full, shape="x".join(map(str, p.shape)), K=k, u=self.runner.unit_roundoff, bound=bound,
-            propagated=rel_l2(g, jg), local=local, intrinsic=math.nan, needed=tol.needed(local, bound),
+        row = dict(
+            target=self.name, order=order, kind="grad", layer=name, module=jc.module, param=full,
+            shape="x".join(map(str, p.shape)), K=k, u=op.operand, floor=math.nan, bound=math.nan,
+            propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()),
-            flagged=tol.is_flagged(local, bound) if not math.isnan(local) else False,
+            flagged=False,
         )
+        row.update(local.check(self.tol, pname, jg, accumulation))
+        return row

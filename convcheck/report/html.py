@@ -56,17 +56,18 @@ def _layers_table(result) -> str:
     df = result.parity.layers
     if not len(df):
         return ""
-    df = df.assign(ratio=df["local"] / df["bound"]).sort_values(["flagged", "ratio"], ascending=[False, False])
+    worst = result.parity.worst(10)
     rows = []
-    for r in df.head(20).itertuples():
+    for r in worst.itertuples():
         name = r.layer if r.kind == "forward" else r.param
         flag = "<span class='flag'>FLAGGED</span>" if r.flagged else ""
-        rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)}</td>"
-                    f"<td class='l'>{e(r.module)}</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.bound)}</td>"
-                    f"<td>{fmt(r.ratio)}</td><td>{fmt(r.propagated)}</td><td>{r.nan}/{r.inf}</td><td>{flag}</td></tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("target", "kind", "layer", "module", "K", "local", "bound",
-                                             "local/bound", "propagated", "nan/inf", ""))
-    return (f"<h2>Worst {min(20, len(df))} of {len(df)} parity rows</h2>"
+        rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)} "
+                    f"({e(r.module)})</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.intrinsic)}</td>"
+                    f"<td>{fmt(r.floor)}</td><td>{fmt(r.over_floor)}</td><td>{fmt(r.propagated)}</td>"
+                    f"<td>{r.nan}/{r.inf}</td><td>{flag}</td></tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("target", "kind", "layer (module)", "K", "local", "own", "floor",
+                                             "own/floor", "propagated", "nan/inf", ""))
+    return (f"<h2>Each target's worst {min(10, len(df))} of {len(df)} parity rows, by own error over floor</h2>"
             f"<table><tr>{head}</tr>{''.join(rows)}</table>")
 
 

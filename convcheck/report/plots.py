@@ -52,28 +52,28 @@ def loss_figure(result):
 
 
 def layers_figure(result):
-    """Local error against its bound for each layer's forward, per target (log scale)."""
+    """Each layer's own error against its floor and bound, per target, for that target's worst rows
+    (by own error over floor; log scale)."""
     plt = _pyplot()
-    df = result.parity.layers
-    fwd = df[(df["kind"] == "forward") & df["local"].notna()]
+    fwd = result.parity.worst(WORST * 2, kind="forward")
     targets = list(dict.fromkeys(fwd["target"]))
     fig, axes = plt.subplots(len(targets) or 1, 1, figsize=(11, 3.2 * max(1, len(targets))), squeeze=False)
+    tiny = 1e-18
     for ax, target in zip(axes[:, 0], targets):
         t = fwd[fwd["target"] == target].sort_values("order")
-        if len(t) > WORST * 2:
-            t = t.assign(r=t["local"] / t["bound"]).nlargest(WORST * 2, "r").sort_values("order")
         x = range(len(t))
-        floor = 1e-18
-        ax.bar(x, [max(v, floor) for v in t["local"]],
-               color=["tab:red" if f else "tab:blue" for f in t["flagged"]], label="local error")
-        ax.plot(x, t["bound"] * result.config.tolerances.bound_factor, "k_", ms=12,
-                label=f"{result.config.tolerances.bound_factor:g} x bound")
-        ax.plot(x, [max(v, floor) if math.isfinite(v) else floor for v in t["propagated"]], "o", ms=3,
+        own = [i if math.isfinite(i) else v for i, v in zip(t["intrinsic"], t["local"])]
+        ax.bar(x, [max(v, tiny) if math.isfinite(v) else tiny for v in own],
+               color=["tab:red" if f else "tab:blue" for f in t["flagged"]], label="own error")
+        ax.plot(x, [max(v, tiny) if math.isfinite(v) else tiny for v in t["floor"]], "o", ms=4, color="tab:green",
+                label="floor (best at this precision)")
+        ax.plot(x, t["bound"], "k_", ms=12, label=f"{result.config.tolerances.bound_factor:g} x floor + absolute term")
+        ax.plot(x, [max(v, tiny) if math.isfinite(v) else tiny for v in t["propagated"]], "o", ms=3,
                 color="tab:orange", label="propagated error")
         ax.set_yscale("log")
         ax.set_xticks(list(x))
-        ax.set_xticklabels(t["layer"], rotation=70, fontsize=7)
-        ax.set_title(f"{target}: per-layer error against the judge (red = flagged)")
+        ax.set_xticklabels([f"{n} ({m})" for n, m in zip(t["layer"], t["module"])], rotation=70, fontsize=7)
+        ax.set_title(f"{target}: its worst layers by own error over floor (red = flagged)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -101,26 +101,27 @@ def _layers(c: Console, result) -> None:
     df = p.layers
     if not len(df):
         return
-    df = df.assign(ratio=df["local"] / df["bound"])
-    worst = df.sort_values(["flagged", "ratio"], ascending=[False, False]).head(WORST_LAYERS)
-    t = Table(title=f"One-step parity against the judge: the {len(worst)} worst of {len(df)} layer/gradient rows "
-                    "(local = judge input through the target's layer)",
+    worst = p.worst(WORST_LAYERS)
+    t = Table(title=f"One-step parity against the judge: each target's {WORST_LAYERS} worst of {len(df)} layer/gradient "
+                    "rows, by own error over floor (local = judge input through the target's layer; floor = the "
+                    "best at its precision)",
               box=box.SIMPLE, title_justify="left", pad_edge=False)
     # Names are what the reader acts on: never cut them short; numbers never wrap.
-    names = [str(r.layer if r.kind == "forward" else r.param) for r in worst.itertuples()]
-    for col in ("target", "kind", "layer", "module", "K", "local", "bound", "local/bound", "propagated",
-                "nan/inf", "flag"):
-        if col in ("layer", "module"):
-            longest = max([len(col)] + [len(n) for n in (names if col == "layer" else worst["module"].astype(str))])
-            t.add_column(col, min_width=min(longest, 32 if col == "layer" else 16), overflow="fold")
+    names = [f"{r.layer if r.kind == 'forward' else r.param} ({r.module})" for r in worst.itertuples()]
+    numbers = ("local", "own", "floor", "own/floor", "propagated")
+    nonfinite = bool((worst["nan"] + worst["inf"]).any())  # the column only when something is non-finite
+    for col in ("target", "kind", "layer (module)", *numbers, *(("nan/inf",) if nonfinite else ()), "flag"):
+        if col == "layer (module)":
+            longest = max([len(col)] + [len(n) for n in names])
+            t.add_column(col, min_width=min(longest, 40), overflow="fold")
         else:
-            t.add_column(col, justify="right" if col in ("K", "local", "bound", "local/bound", "propagated") else "left",
+            t.add_column(col, justify="right" if col in numbers else "left",
                          no_wrap=True, min_width=len("FLAGGED") if col == "flag" else len(col))
     for r, name in zip(worst.itertuples(), names):
         flag = "[bold red]FLAGGED[/bold red]" if r.flagged else ""
-        t.add_row(escape(str(r.target)), "fwd" if r.kind == "forward" else "grad", escape(name),
-                  escape(str(r.module)), fmt(r.K), fmt(r.local), fmt(r.bound), fmt(r.ratio), fmt(r.propagated),
-                  f"{r.nan}/{r.inf}", flag)
+        cells = [fmt(r.local), fmt(r.intrinsic), fmt(r.floor), fmt(r.over_floor), fmt(r.propagated)]
+        t.add_row(escape(str(r.target)), "fwd" if r.kind == "forward" else "grad", escape(name), *cells,
+                  *((f"{r.nan}/{r.inf}",) if nonfinite else ()), flag)
     c.print(t)
     firsts = ", ".join(f"{escape(tgt)}: [bold]{escape(layer or 'none')}[/bold]"
                        for tgt, layer in p.first_flagged.items())

@@ -8,8 +8,10 @@ normalisation, pooling, additions).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 U_FLOAT64 = 2.0**-53
@@ -56,3 +58,32 @@ def op_class(module: nn.Module) -> str:
     if isinstance(module, (nn.Linear, nn.Bilinear, nn.MultiheadAttention)):
         return "matmul"
     return "elementwise"
+
+
+# --- rounding to a format (the layer floors of parity) -------------------------------------
+
+_DTYPE_U = {torch.float64: U_FLOAT64, torch.float32: U_FLOAT32, torch.float16: U_FLOAT16,
+            torch.bfloat16: U_BFLOAT16}
+
+
+def dtype_unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of a floating dtype (float64's for anything wider or unknown)."""
+    return _DTYPE_U.get(dtype, U_FLOAT64)
+
+
+def round_to(t: torch.Tensor, unit_roundoff: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` rounded to a format with this unit roundoff (to nearest, ties to even), same dtype.
+
+    When ``dtype`` is a floating dtype with that unit roundoff the values go through it, range
+    included (float16 overflows past 65504); otherwise (TF32: 2^-11 with float32's range) the
+    significand is cut to -log2(u) bits in ``t``'s own dtype. A finer format than ``t``'s is a no-op.
+    """
+    if not t.is_floating_point() or unit_roundoff <= dtype_unit_roundoff(t.dtype):
+        return t
+    if dtype is not None and dtype_unit_roundoff(dtype) == unit_roundoff:
+        return t.to(dtype).to(t.dtype)
+    bits = round(-math.log2(unit_roundoff))
+    mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
+    # (torch.ldexp forms 2^exponent in the default dtype: float32 would flush small exponents)
+    rounded = torch.round(mantissa * 2.0**bits) * torch.exp2((exponent - bits).to(t.dtype))
+    return torch.where(torch.isfinite(t), rounded, t)

@@ -47,9 +47,13 @@ def test_layer_names_and_flags_are_shown_whole(culprit):
     table = text.split("One-step parity")[1].split("First flagged layer")[0]
     assert "encoder.naive_variance_norm" in table  # not "encoder.na…"
     assert "FLAGGED" in table
-    assert "local/bound" in table and "propagated" in table
+    assert "own/floor" in table and "floor" in table and "propagated" in table
+    assert "encoder.naive_variance_norm (NaiveNorm)" in table  # the module class next to the path
     assert "…" not in table
-    assert "First flagged layer  cpu: none, cpu:bf16: encoder.naive_variance_norm" in text
+    # float32 loses 1e-4 there: flagged (far above its floor), a note in the verdict (below min_error)
+    assert ("First flagged layer  cpu: encoder.naive_variance_norm, cpu:bf16: encoder.naive_variance_norm"
+            in text)
+    assert "note (cpu): " in text and "below min_error" in text
 
 
 def test_plain_text_when_not_a_terminal(culprit):

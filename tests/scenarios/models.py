@@ -77,3 +77,58 @@ def functional_dropout_net() -> nn.Module:
 
 def module_dropout_net() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 10))
+
+
+class CancellingPool(nn.Module):
+    """Average pooling computed as ``pool(x + offset) - offset``: exact in float64, a rounding of
+    ~1e-4 relative in float32, and all zeros in bfloat16 (x + 1000 keeps no digit of x < 2)."""
+
+    def __init__(self, size: int = 4, offset: float = 1000.0):
+        super().__init__()
+        self.size, self.offset = size, offset
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(x + self.offset, self.size) - self.offset
+
+
+def cancelling_pool_net() -> nn.Module:
+    """Conv, ReLU, the cancelling pool, then a Linear: in bf16 the Linear sees only zeros, so its
+    weight gradient is all zeros (which once read as a gradient underflow there)."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), CancellingPool(4), nn.Flatten(),
+                         nn.Linear(8 * 16, 10))
+
+
+class LateGain(nn.Module):
+    """Multiplies by 1e5 from its ``start``-th training forward on (a stand-in for activations that
+    grow during training): harmless in float32, an overflow past float16's 65504 from then on.
+    The next ``Gain(1e-5)`` divides it out."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start, self.calls = start, 0
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+        return x * 1e5 if self.calls >= self.start else x * 1.0
+
+
+def late_overflow_net(start: int = 6) -> nn.Module:
+    """Finite at parity (its one step) and for the first ``start - 1`` training steps in float16;
+    from training step ``start - 1`` (0-based) on, 'late' overflows."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), LateGain(start), Gain(1e-5),
+                         nn.Linear(64, 10))
+
+
+class Center(nn.Module):
+    """Subtracts each sample's mean. Harmless itself, but its input here (features near 1000 that
+    vary by ~1) cannot be held in bfloat16, whose spacing at 1000 is 8: rounding the input alone
+    loses the result (an ill-conditioned layer at that precision, not a wrong one)."""
+
+    def forward(self, x):
+        return x - x.mean(dim=(1, 2, 3), keepdim=True)
+
+
+def offset_center_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), Offset(1000.0), Center(), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(8 * 14 * 14, 10))

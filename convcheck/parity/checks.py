@@ -1,0 +1,121 @@
+"""Holding one row (a layer's forward, a parameter's gradient) against its floor.
+
+A row is flagged when its local error *and* its own arithmetic's error (``intrinsic``) are
+above ``bound_factor x floor + FLOOR_ABSOLUTE``, or when its result is destroyed although its
+floor is not (``Tolerances.is_flagged``). The work is done cheapest first:
+
+1. the local error (the target's copy of the layer on the judge's input, as before);
+2. against a free lower bound of the floor, the rounding of the judge's own result to the
+   dtype the target returns it in (no implementation in that dtype can be closer): a row that
+   passes against it passes against its floor, and no float64 re-run is made;
+3. only otherwise the measured floor (``floor.FloorMeter``) and, where the local error is above
+   its bound, the intrinsic error; the accumulation term only for a row still flagged.
+
+For a row settled at step 2 the ``floor`` column holds that lower bound and ``intrinsic`` is NaN.
+``MEASURE_ALL`` (set by ``benchmarks/floors.py`` to calibrate the rule, never by parity) measures
+the floor and the intrinsic error of every row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from convcheck.metrics import rel_l2
+from convcheck.parity.floor import FloorMeter, reference_call, reference_grads
+from convcheck.parity.judge_pass import JudgeCall
+from convcheck.parity.local import grad_terms_norm, local_grads, private_copy
+from convcheck.runners import Runner
+from convcheck.runners.precision import dtype_unit_roundoff, op_class
+from convcheck.thresholds import DESTROYED_ERROR
+from convcheck.tolerances import Tolerances
+
+MEASURE_ALL = False
+
+
+def row_verdict(tol: Tolerances, local: float, intrinsic: float, floor: float) -> dict:
+    """The floor columns of a row: floor, bound, over_floor (own error / floor), needed, flagged."""
+    own = intrinsic if not math.isnan(intrinsic) else local
+    over = own / floor if floor > 0 else (math.inf if own > 0 else 0.0)
+    flagged = tol.is_flagged(local, floor) and (math.isnan(intrinsic) or tol.is_flagged(intrinsic, floor))
+    needed = min(tol.needed(e, floor) for e in (local, intrinsic) if not math.isnan(e))
+    return dict(floor=floor, bound=tol.bound(floor), over_floor=over, needed=needed, flagged=flagged)
+
+
+def check_forward(tol: Tolerances, meter: FloorMeter, module: nn.Module, jc: JudgeCall, args: tuple,
+                  got: torch.Tensor, k: int) -> dict:
+    """The forward row of one call: ``got`` is the target's copy of ``module`` on ``args`` (the
+    judge's input cast as the target's call received it)."""
+    judge = meter.judge
+    local = rel_l2(got, jc.output)
+    lower = meter.output_rounding(jc.output, got.dtype)
+    if not MEASURE_ALL and not tol.is_flagged(local, lower):
+        return dict(local=local, **row_verdict(tol, local, math.nan, lower))
+    ref = judge.reference_module(private_copy(module))
+    # the layer's own arithmetic is judged against its float64 copy on the input as the target got it
+    want = reference_call(ref, args, judge) if not meter.rounds(module, args) else None
+    floor = meter.forward(module, ref, args, jc.output, want, got.dtype)
+    if want is None and (MEASURE_ALL or tol.is_flagged(local, floor)):
+        want = reference_call(ref, args, judge)
+    intrinsic = rel_l2(got, want) if want is not None else math.nan
+    if row_verdict(tol, local, intrinsic, floor)["flagged"]:
+        floor += meter.accumulation(module, jc.inputs, jc.output, k)  # only raises the floor
+    return dict(local=local, intrinsic=intrinsic, **row_verdict(tol, local, intrinsic, floor))
+
+
+class LocalGrads:
+    """One layer's parameter gradients fed the judge's input and output gradient: the target's (at
+    its precision), and on demand the float64 copy's on the same cast operands and the floor's."""
+
+    def __init__(self, module: nn.Module, jc: JudgeCall, runner: Runner, meter: FloorMeter, out_dtype):
+        self.module, self.jc, self.runner, self.meter = module, jc, runner, meter
+        self.mine = local_grads(module, jc, runner)
+        # a matmul/conv forms its gradients in its own output dtype (autocast's 16-bit format)
+        dtypes = (runner.param_dtype, out_dtype) if op_class(module) != "elementwise" else (runner.param_dtype,)
+        self.grad_dtype = max(dtypes, key=dtype_unit_roundoff)
+        self.out_dtype = out_dtype
+        self._refs: tuple[dict, dict] | None = None
+
+    def refs(self) -> tuple[dict, dict]:
+        """``(float64 gradients on the cast operands, the floor's gradients)``, computed once."""
+        if self._refs is None:
+            runner, judge = self.runner, self.meter.judge
+            args = tuple(runner.cast_input(j) if isinstance(j, torch.Tensor) else j for j in self.jc.inputs)
+            g = self.jc.grad_output.to(device=runner.torch_device, dtype=self.out_dtype)  # as local_backward
+            ref = judge.reference_module(private_copy(self.module))
+            want = reference_grads(ref, args, g, judge)
+            self._refs = want, self.meter.grads(self.module, ref, args, g, want, self.grad_dtype)
+        return self._refs
+
+    def check(self, tol: Tolerances, pname: str, jg: torch.Tensor, accumulation: float) -> dict:
+        """The row of one parameter: cheap first, then the float64 gradients. A gradient that
+        cancels to ~0 in exact arithmetic (the bias of a layer feeding a training-mode BatchNorm)
+        has no meaningful relative error: where the error is that of a lost result, or the row is
+        still flagged, it is measured against the size of the terms it sums instead."""
+        mine = self.mine.get(pname)
+        if mine is None:
+            return dict(local=math.nan)
+        terms = self._terms(pname) if not rel_l2(mine, jg) < DESTROYED_ERROR else 0.0
+        local = rel_l2(mine, jg, floor=terms)
+        lower = self.meter.output_rounding(jg, self.grad_dtype) + accumulation
+        if not MEASURE_ALL and not tol.is_flagged(local, lower):
+            return dict(local=local, **row_verdict(tol, local, math.nan, lower))
+        errors = self._errors(pname, jg, accumulation, terms)
+        if not terms and row_verdict(tol, **errors)["flagged"] and math.isfinite(errors["intrinsic"]):
+            terms = self._terms(pname)
+            if terms:
+                errors = self._errors(pname, jg, accumulation, terms)
+        return dict(local=errors["local"], intrinsic=errors["intrinsic"], **row_verdict(tol, **errors))
+
+    def _terms(self, pname: str) -> float:
+        return grad_terms_norm(self.module, self.jc, self.meter.judge).get(pname) or 0.0
+
+    def _errors(self, pname: str, jg, accumulation: float, terms: float = 0.0) -> dict[str, float]:
+        want, best = (r.get(pname) for r in self.refs())
+        mine = self.mine[pname]
+        if want is None or best is None:
+            return dict(local=rel_l2(mine, jg, floor=terms), intrinsic=math.nan, floor=math.nan)
+        return dict(local=rel_l2(mine, jg, floor=terms), intrinsic=rel_l2(mine, want, floor=terms),
+                    floor=rel_l2(best, jg, floor=terms) + accumulation)
