@@ -25,6 +25,7 @@ from convcheck.bundle.schema import (
     ARRAY_GROUPS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK, SCHEMA, STORAGE,
 )
 from convcheck.errors import UsageError
+from convcheck.stream import HASHES_LISTED
 
 _NUM = (int, float)
 
@@ -145,8 +146,8 @@ def _shape(v, where: str) -> tuple[int, ...]:
 
 
 def _dtype(v, where: str) -> str:
-    if v not in STORAGE:
-        raise _Bad(f"{where} is {v!r}, not one of {', '.join(STORAGE)}")
+    if not isinstance(v, str) or v not in STORAGE:
+        raise _Bad(f"{where} is {v!r:.40}, not one of {', '.join(STORAGE)}")
     return v
 
 
@@ -171,9 +172,20 @@ def _check_rows(rows, where: str, columns: dict) -> list[dict]:
     return rows
 
 
-PARITY_COLUMNS = {"target": str, "kind": str, "layer": str, "order": int, "propagated": _NUM, "flagged": bool}
-CURVE_COLUMNS = {"arm": str, "role": str, "target": str, "step": int, "loss": _NUM, "grad_norm": _NUM,
-                 "dist_judge": _NUM, "nonfinite_loss": bool, "nonfinite_grad": bool, "skipped": bool}
+_F = (int, float)
+PARITY_COLUMNS = {
+    "target": str, "order": int, "kind": str, "layer": str, "module": str, "param": (str, type(None)),
+    "shape": (str, type(None)), "K": (int, type(None)), "u": _F, "floor": _F, "bound": _F, "propagated": _F,
+    "local": _F, "intrinsic": _F, "over_floor": _F, "needed": _F, "nan": int, "inf": int,
+    "input_nonfinite": int, "grad_out_nonfinite": int, "ref_absmax": _F, "flagged": bool,
+}
+CURVE_COLUMNS = {
+    "arm": str, "role": str, "target": str, "step": int, "loss": _F, "grad_norm": _F, "dist_judge": _F,
+    "dist_ref": _F, "dist_other": _F, "nonfinite_loss": bool, "nonfinite_grad": bool, "loss_scale": _F,
+    "skipped": bool, "update_ratio": _F, "lr": _F, "clipped": bool,
+}
+LAYER_GRAD_COLUMNS = {"arm": str, "step": int, "layer": str, "grad_norm": _F, "zero_frac": _F}
+ACTIVATION_COLUMNS = {"arm": str, "step": int, "layer": str, "kind": str, "dead_frac": _F, "saturated_frac": _F}
 
 
 def check_manifest(m) -> dict:
@@ -195,14 +207,18 @@ def check_manifest(m) -> dict:
     for key in ("target", "judge", "convcheck_version", "data_source", "created"):
         _get(m, key, str, "manifest")
     cfg = _get(m, "config", dict, "manifest")
-    for key in ("steps", "batch_size", "seed", "envelope"):
-        _get(cfg, key, int, "config")
+    for key, most in (("steps", 10**6), ("batch_size", 10**6), ("seed", 2**63), ("envelope", 100)):
+        if not 0 <= _get(cfg, key, int, "config") <= most:
+            raise _Bad(f"config.{key} = {cfg[key]} is outside 0..{most}")
     _get(m, "tolerances", dict, "manifest")
     _get(m, "versions", dict, "manifest")
     _get(m, "fingerprint", dict, "manifest")
     _sha(_get(m, "init_sha256", str, "manifest"), "init_sha256")
     _sha(_get(m, "batches_sha256", str, "manifest"), "batches_sha256")
-    for i, h in enumerate(_get(m, "batch_sha256", list, "manifest")):
+    hashes = _get(m, "batch_sha256", list, "manifest")
+    if len(hashes) != min(cfg["steps"], HASHES_LISTED):
+        raise _Bad(f"batch_sha256 lists {len(hashes)} batches for {cfg['steps']} steps")
+    for i, h in enumerate(hashes):
         _sha(h, f"batch_sha256[{i}]")
     _get(m, "data_stats", dict, "manifest")
     parity = _get(m, "parity", dict, "manifest")
@@ -213,8 +229,8 @@ def check_manifest(m) -> dict:
     _check_rows(_get(parity, "rows", list, "parity"), "parity.rows", PARITY_COLUMNS)
     train = _get(m, "training", dict, "manifest")
     _check_rows(_get(train, "curves", list, "training"), "training.curves", CURVE_COLUMNS)
-    _check_rows(_get(train, "layer_grads", list, "training"), "training.layer_grads", {"arm": str, "step": int})
-    _check_rows(_get(train, "activations", list, "training"), "training.activations", {"arm": str, "step": int})
+    _check_rows(_get(train, "layer_grads", list, "training"), "training.layer_grads", LAYER_GRAD_COLUMNS)
+    _check_rows(_get(train, "activations", list, "training"), "training.activations", ACTIVATION_COLUMNS)
     for arm, v in _get(train, "nonfinite_producer", dict, "training").items():
         if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
                                   and isinstance(v[1], str)):
@@ -330,6 +346,16 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise _Bad(f"manifest.json is not JSON ({str(exc).splitlines()[0][:80]})") from None
         check_manifest(manifest)
+        _check_fingerprint(manifest["fingerprint"])
     except _Bad as exc:
         raise UsageError(f"bundle {path}: {exc}") from None
     return Bundle(path, manifest, source)
+
+
+def _check_fingerprint(d: dict) -> None:
+    from convcheck.env.fingerprint import Fingerprint
+
+    try:
+        Fingerprint.from_dict(d)
+    except UsageError as exc:
+        raise _Bad(f"fingerprint: {exc}") from None
