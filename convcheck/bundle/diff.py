@@ -50,9 +50,6 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
             raise _differs(f"options ({key})", a["config"].get(key), b["config"].get(key), na, nb)
     if a["tolerances"] != b["tolerances"]:
         raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
-    if a["target"] == b["target"]:
-        raise UsageError(f"both bundles recorded target {a['target']}; diff needs two different target specs "
-                         "(the same spec on two machines is not supported yet)")
 
 
 def config_of(bundle: Bundle, targets, judge) -> CompareConfig:
@@ -139,10 +136,11 @@ def judge_from_bundle(j: Bundle, a: Bundle) -> JudgeRecord:
     return JudgeRecord(j["target"], f"recorded in {j.path}", outputs, grads)
 
 
-def diff_bundles(path_a, path_b, judge: str | None = None):
+def diff_bundles(path_a, path_b, judge: str | None = None, labels: tuple[str, str] = ("A", "B")):
     """``(CompareResult, [fingerprint A, fingerprint B], env differences)`` of two recorded runs.
 
-    ``judge``: a float64 target spec to re-run here (default: this machine's default judge), or the path
+    The same target spec on both sides (``cuda`` recorded on two machines) is named ``cuda@A`` and
+    ``cuda@B`` (``labels``). ``judge``: a float64 target spec to re-run here (default: this machine's default judge), or the path
     of a bundle recorded with a float64 target."""
     import os
 
@@ -167,7 +165,7 @@ def diff_bundles(path_a, path_b, judge: str | None = None):
         rec.recipe = build_recipe(cfg, m["task"])
     else:
         rec = judge_here(a, judge)
-    result, fps = build_result(a, b, rec, rec.resolved, rec.recipe)
+    result, fps = build_result(a, b, rec, rec.resolved, rec.recipe, labels)
     return result, fps, env_diff(fps[0], fps[1])
 
 

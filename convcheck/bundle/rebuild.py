@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -10,14 +11,53 @@ import torch
 from convcheck.bundle.diff import JudgeRecord, config_of
 from convcheck.bundle.reader import Bundle
 from convcheck.metrics import rel_l2
+from convcheck.targets import Target
 
 
-def _rows(bundle: Bundle, judge: JudgeRecord) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class LabelledTarget(Target):
+    """The same target spec recorded on two machines: ``cuda@A`` and ``cuda@B`` (runner as ``cuda``)."""
+
+    label: str = ""
+
+    def __str__(self) -> str:
+        return f"{Target.__str__(self)}@{self.label}"
+
+
+def _targets(a: Bundle, b: Bundle, labels: tuple[str, str]) -> tuple[Target, Target]:
+    ta, tb = Target.parse(a["target"]), Target.parse(b["target"])
+    if ta != tb:
+        return ta, tb
+    fields = {f.name: getattr(ta, f.name) for f in dataclasses.fields(Target)}
+    return LabelledTarget(**fields, label=labels[0]), LabelledTarget(**fields, label=labels[1])
+
+
+def _rename(bundle: Bundle, target: Target) -> dict:
+    """The side's training tables and parity rows with its target (and its envelope runs) named ``target``."""
+    raw, new = bundle["target"], str(target)
+
+    def name(n):
+        if n == raw:
+            return new
+        if isinstance(n, str) and n.startswith(raw + "~"):
+            return new + n[len(raw):]
+        return n
+
+    out = {key: [{**r, "arm": name(r["arm"])} for r in bundle["training"][key]]
+           for key in ("curves", "layer_grads", "activations")}
+    for r in out["curves"]:
+        r["target"] = name(r["target"])
+    out["producer"] = {name(k): v for k, v in bundle["training"]["nonfinite_producer"].items()}
+    out["rows"] = [{**r, "target": name(r["target"])} for r in bundle["parity"]["rows"]]
+    return out
+
+
+def _rows(bundle: Bundle, renamed: dict, judge: JudgeRecord) -> list[dict]:
     """The side's parity rows, ``propagated`` recomputed from its arrays against ``judge``."""
     fwd = {e["key"]: i for i, e in enumerate(bundle["arrays"]["forward"])}
     grd = {e["param"]: i for i, e in enumerate(bundle["arrays"]["grads"])}
     rows = []
-    for r in bundle["parity"]["rows"]:
+    for r in renamed["rows"]:
         r = dict(r)
         if isinstance(r.get("shape"), list):
             r["shape"] = tuple(r["shape"])
@@ -47,67 +87,67 @@ def _dist(a: list, b: list) -> float:
     return math.sqrt(num / den) if den > 0 else math.nan
 
 
-def _curves(a: Bundle, b: Bundle, arms, steps: int):
+def _curves(a: Bundle, b: Bundle, ra: dict, rb: dict, arms, steps: int):
     """Per step: A's and B's rows, the judge's (A's), the envelope runs' (from the side they perturb);
     ``dist_other`` from the snapshots both sides hold after that step (NaN where one lacks it)."""
     names = [arm.name for arm in arms]
     rank = {n: i for i, n in enumerate(names)}
-    source = {names[0]: a, names[1]: b, names[2]: a}
+    source = {names[0]: ra, names[1]: rb, names[2]: ra}
     for arm in arms[3:]:
-        source[arm.name] = a if arm.reference == a["target"] else b
+        source[arm.name] = ra if arm.reference == names[0] else rb
 
     def table(key):
-        rows = [r for n, bun in source.items() for r in bun["training"][key] if r["arm"] == n]
+        rows = [r for n, side in source.items() for r in side[key] if r["arm"] == n]
         rows.sort(key=lambda r: (r["step"], rank[r["arm"]]))
         return rows
 
     curves = table("curves")
     for r in curves:
-        if r["arm"] in (a["target"], b["target"]):
+        if r["arm"] in names[:2]:
             r["dist_other"] = math.nan
     for step in range(steps):
         pa, pb = a.snapshot(step + 1), b.snapshot(step + 1)
         if pa is None or pb is None:
             continue
         for r in curves:
-            if r["step"] == step and r["arm"] == a["target"]:
+            if r["step"] == step and r["arm"] == names[0]:
                 r["dist_other"] = _dist(pa, pb)
-            elif r["step"] == step and r["arm"] == b["target"]:
+            elif r["step"] == step and r["arm"] == names[1]:
                 r["dist_other"] = _dist(pb, pa)
     return curves, table("layer_grads"), table("activations"), source
 
 
-def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe):
+def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, labels=("A", "B")):
     from convcheck.env import audit
     from convcheck.env.fingerprint import Fingerprint
     from convcheck.parity import COLUMNS, ParityResult
     from convcheck.parity.result import first_flagged
     from convcheck.pipeline import CompareResult
-    from convcheck.targets import Target
     from convcheck.train import CURVE_COLUMNS, TrainConfig, TrainResult, make_arms
     from convcheck.train.result import arm_outcome, envelope_summary
     from convcheck.train.arms import lower_precision
 
-    ta, tb = Target.parse(a["target"]), Target.parse(b["target"])
+    ta, tb = _targets(a, b, labels)
+    ra, rb = _rename(a, ta), _rename(b, tb)
+    na, nb = str(ta), str(tb)
     cfg = config_of(a, (ta, tb), Target.parse(a["judge"]))  # the judge arm the curves were trained with
-    rows_a, rows_b = _rows(a, judge), _rows(b, judge)
+    rows_a, rows_b = _rows(a, ra, judge), _rows(b, rb, judge)
     parity = ParityResult(
         pd.DataFrame(rows_a + rows_b, columns=COLUMNS),
-        {a["target"]: first_flagged(rows_a), b["target"]: first_flagged(rows_b)}, cfg.tolerances,
-        a["parity"]["judge_loss"], {a["target"]: a["parity"]["loss"], b["target"]: b["parity"]["loss"]},
+        {na: first_flagged(rows_a), nb: first_flagged(rows_b)}, cfg.tolerances,
+        a["parity"]["judge_loss"], {na: a["parity"]["loss"], nb: b["parity"]["loss"]},
         list(a["parity"]["stochastic_layers"]),
-        {a["target"]: a["parity"]["self_difference"], b["target"]: b["parity"]["self_difference"]},
+        {na: a["parity"]["self_difference"], nb: b["parity"]["self_difference"]},
         judge=judge.name)
     # The recorded judge arm: the one trained on A's machine, named as recorded.
     arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]))
-    curves, grads, acts, source = _curves(a, b, arms, cfg.steps)
+    curves, grads, acts, source = _curves(a, b, ra, rb, arms, cfg.steps)
     training = TrainResult(
         curves=pd.DataFrame(curves, columns=CURVE_COLUMNS),
         layer_grads=pd.DataFrame(grads, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(acts, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
         arms=arms, config=TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), judge=a["judge"],
-        nonfinite_producer={n: tuple(bun["training"]["nonfinite_producer"].get(n) or ()) or None
-                            for n, bun in source.items()})
+        nonfinite_producer={n: tuple(side["producer"].get(n) or ()) or None for n, side in source.items()})
     training.outcomes = {arm.name: arm_outcome(arm, training.arm_curve(arm.name), cfg.tolerances)
                          for arm in arms if arm.role != "envelope"}
     training.envelope = envelope_summary(training, cfg.tolerances)
@@ -127,7 +167,7 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe):
     result = CompareResult(
         model=resolved, config=cfg, parity=parity, training=training, data_source=a["data_source"],
         batch_hashes=tuple(a["batch_sha256"]), init_hash=a["init_sha256"], data_stats=a["data_stats"],
-        notes=notes, findings=findings, fingerprint=fps[1 if training.lower_precision == b["target"] else 0],
+        notes=notes, findings=findings, fingerprint=fps[1 if training.lower_precision == nb else 0],
         judge_reason=judge.reason, recipe=recipe, batches_hash=a["batches_sha256"],
         loss_batch_ratio=judge.loss_batch_ratio)
     from convcheck.diagnose import diagnose

@@ -93,9 +93,24 @@ def test_options_that_differ_are_named(tmp_path, bundles, capsys):
     assert rc == 2 and "options (lr)" in err[0], err
 
 
-def test_same_target_twice_is_refused(bundles, capsys):
-    assert main(["diff", str(bundles[0]), str(bundles[0]), "--no-save"]) == 2
-    assert "two different target specs" in capsys.readouterr().err
+def test_same_target_on_two_machines_is_labelled(tmp_path, bundles):
+    """The same spec on both sides (cuda on two machines): cpu@A and cpu@B, with the envelope of B."""
+    from convcheck.bundle.record import record_run
+    from convcheck.config import CompareConfig
+
+    sides = []
+    for name in ("X", "Y"):
+        out = tmp_path / name
+        out.mkdir()
+        record_run("lenet", "cpu", CompareConfig(**{**CFG, "envelope": 1}), out)
+        sides.append(out)
+    result, _, _ = diff_bundles(*sides)
+    assert [str(t) for t in result.config.targets] == ["cpu@A", "cpu@B"]
+    assert set(result.parity.layers["target"]) == {"cpu@A", "cpu@B"}
+    assert list(result.training.curves["arm"].unique()) == ["cpu@A", "cpu@B", "cpu:float64", "cpu@B~1"]
+    curves = result.training.curves
+    assert (curves[curves["arm"] == "cpu@A"]["dist_other"] == 0).all()  # the same run twice
+    assert result.training.envelope.runs == 1 and result.verdict is not None
 
 
 def test_layers_pattern_and_snapshot_steps(tmp_path):
