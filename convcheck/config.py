@@ -52,6 +52,7 @@ class CompareConfig:
     schedule: object = "constant"  # constant, cosine, step:EVERY:GAMMA, onecycle, FILE.py:factory or a callable
     warmup: int = 0  # linear warm-up steps before the schedule
     clip_grad_norm: float | None = None
+    ddp_sync_bn: bool = False  # data-parallel targets: convert BatchNorm to SyncBatchNorm (issue 12)
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1, STEPS_MAX)

@@ -347,3 +347,12 @@ def test_emulate_tf32_target_applies_emulation_in_backward():
         grads[spec] = w.grad
     assert _err(grads["cpu"], grads["cpu:float64"]) < 1e-6
     assert _err(grads["cpu:emulate-tf32"], grads["cpu:float64"]) > 1e-4
+
+
+def test_ddp_specs_round_trip_and_leave_the_others_alone():
+    """Issue 12: ``ddp:DEVICE:N[:MODE]`` sets ``world``; every other spec keeps ``world=None``."""
+    for spec in ("ddp:cpu:2", "ddp:cpu:2:bf16", "ddp:cpu:4:amp-bf16", "ddp:cuda:8:amp-bf16"):
+        t = Target.parse(spec)
+        assert str(t) == spec and Target.parse(str(t)) == t and t.world == int(spec.split(":")[2])
+    assert Target.parse("ddp:cpu:2") != Target.parse("cpu")
+    assert Target.parse("cuda:1:tf32").world is None

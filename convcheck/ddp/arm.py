@@ -32,6 +32,8 @@ def check_batch_splits(x, world: int, target) -> None:
 
 class DDPArmState:
     def __init__(self, arm: Arm, build, steps: int, recipe, sync_bn: bool = False):
+        """``build(target)`` is called with the data-parallel target in the ranks (a builder may treat
+        it differently: ``sync_batchnorm_builder``), with the per-rank target for the mirror here."""
         self.arm = arm
         self.runner = arm.target.runner
         inner = arm.target.per_rank
@@ -43,6 +45,7 @@ class DDPArmState:
         self.bn: list[dict[str, tuple[float, float]]] = []
         self.losses: list[float] = []
         job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
+                      target=arm.target,
                       steps=steps, recipe=recipe, timeout_s=collective_timeout(),
                       threads=threads_per_rank(self.runner.world), sync_bn=sync_bn)
         self.pool = RankPool(arm.target, job)

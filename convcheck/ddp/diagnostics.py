@@ -150,3 +150,19 @@ def drift_line(training, arm: str) -> str | None:
 def _world(training, arm: str) -> int:
     found = next((a for a in training.arms if a.name == arm), None)
     return int(getattr(found.target, "world", None) or 1) if found is not None else 1
+
+
+def ddp_verdict(findings: list[DDPFinding]):
+    """The verdict the first finding supports (category ``setup``, sub-cause ``ddp``), or None.
+
+    Meant for a rule in ``convcheck.diagnose.rules`` (priority between the environment findings and the
+    layer error): ``ddp_verdict(ev.ddp_findings)`` with ``Evidence.ddp_findings = ddp_findings(training)``."""
+    if not findings:
+        return None
+    from convcheck.diagnose.verdict import Verdict
+
+    main = findings[0]
+    evidence = list(main.evidence) + [f"also: {f.summary}" for f in findings[1:]]
+    remedies = [main.remedy] + [f.remedy for f in findings[1:] if f.remedy != main.remedy]
+    return Verdict(SETUP, main.summary, evidence, remedies, target=main.arm,
+                   layer=main.layers[0] if main.layers else None, sub_cause=SUB_CAUSE, symptoms=[main.kind])

@@ -54,7 +54,7 @@ def ddp_parity(target, build, batch, judge_grads: dict, loss_fn, seed: int) -> t
     runner = target.runner
     x, y = batch
     check_batch_splits(x, runner.world, target)
-    job = RankJob(arm=Arm(str(target), target.per_rank, "target"), build=build, steps=1,
+    job = RankJob(arm=Arm(str(target), target.per_rank, "target"), build=build, target=target, steps=1,
                   recipe=_parity_recipe(loss_fn), timeout_s=collective_timeout(),
                   threads=threads_per_rank(runner.world))
     pool = RankPool(target, job)
@@ -76,7 +76,8 @@ def ddp_parity(target, build, batch, judge_grads: dict, loss_fn, seed: int) -> t
         rows.append(dict(
             target=str(target), order=order, kind="grad", layer=layer or name, module="", param=name,
             shape="x".join(map(str, g.shape)), K=0, u=u, floor=floor, bound=bound, propagated=err,
-            local=math.nan, intrinsic=math.nan, over_floor=err / floor if floor and math.isfinite(floor) else math.nan,
+            # no own-arithmetic error (intrinsic) here: over_floor stays NaN so no "closest layer" reads it
+            local=math.nan, intrinsic=math.nan, over_floor=math.nan,
             needed=math.nan, nan=int(torch.isnan(g).sum()), inf=int(torch.isinf(g).sum()), input_nonfinite=0,
             grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()) if jg.numel() else math.nan,
             # never flagged as a *layer* (its own arithmetic is the per-rank runner's, checked on one

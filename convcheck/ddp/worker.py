@@ -43,7 +43,8 @@ class RankJob:
     recipe: Any
     timeout_s: float
     threads: int
-    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm (--ddp-sync-bn)
+    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm (as --ddp-sync-bn does through the builder)
+    target: Any = None  # the data-parallel target (build is called with it; None: the arm's)
 
 
 def rank_slice(x, rank: int, world: int):
@@ -126,7 +127,7 @@ class RankState:
         self.rank, self.world, self.job = rank, world, job
 
         def build(target):
-            model = job.build(target)
+            model = job.build(job.target if job.target is not None else target)
             if job.sync_bn:
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
             return swap_sync_batchnorm(model) if target.device == "cpu" else model

@@ -91,7 +91,7 @@ def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe):
     if arm.target.world is not None:  # data-parallel: N rank processes behind a proxy
         from convcheck.ddp.arm import DDPArmState
 
-        return DDPArmState(arm, build, cfg.steps, recipe, sync_bn=getattr(cfg, "ddp_sync_bn", False))
+        return DDPArmState(arm, build, cfg.steps, recipe)
     return ArmState(arm, build, cfg.steps, recipe)
 
 

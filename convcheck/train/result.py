@@ -52,7 +52,6 @@ class TrainConfig:
     steps: int = 30
     seed: int = 0
     recipe: object = None  # a convcheck.recipe.Recipe; None: the default (Adam, lr 1e-3, cross-entropy)
-    ddp_sync_bn: bool = False  # data-parallel arms convert BatchNorm to SyncBatchNorm (--ddp-sync-bn)
 
 
 @dataclass

@@ -1,0 +1,26 @@
+"""Data-parallel targets (``ddp:cpu:N``, ``ddp:cuda:N``): rank processes, their proxy, parity, diagnostics.
+
+- ``worker``: one rank (process group, DDP-wrapped copy, its slice of the batch, BatchNorm probe)
+- ``pool``: the parent's side (start, command, watch, one-line errors, shutdown)
+- ``arm``: ``DDPArmState``, a data-parallel arm in ``run_training``'s lockstep loop
+- ``parity``: the DDP-averaged gradient of one step against the judge's
+- ``syncbn``: ``GlooSyncBatchNorm``, SyncBatchNorm for gloo on the CPU
+- ``diagnostics``: per-rank BatchNorm statistics, a loss off by the world size -> verdict ``setup`` / ``ddp``
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def sync_batchnorm_builder(build):
+    """``build`` whose data-parallel copies have every BatchNorm converted to SyncBatchNorm
+    (``--ddp-sync-bn``); single-device copies, the judge's included, are left alone."""
+
+    def built(target) -> nn.Module:
+        model = build(target)
+        if getattr(target, "world", None) is not None:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return model
+
+    return built
