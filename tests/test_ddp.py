@@ -318,3 +318,15 @@ def test_cli_cifar_cnn_on_two_ranks(tmp_path):
     code = main(["compare", "--model", "cifar_cnn", "--targets", "cpu,ddp:cpu:2", "--steps", "20",
                  "--ddp-sync-bn", "--out", str(tmp_path)])
     assert code == 0
+
+
+def test_numeric_modes_compose_and_envelope_runs_of_a_ddp_target():
+    # ddp:cpu:2:bf16 is the lower-precision target: its envelope runs are data-parallel arms too
+    r = _train(_mlp, targets="cpu,ddp:cpu:2:bf16", steps=2, envelope=1)
+    c = r.curves
+    assert set(c["arm"]) == {"cpu", "ddp:cpu:2:bf16", "cpu:float64", "ddp:cpu:2:bf16~1"}
+    assert r.lower_precision == "ddp:cpu:2:bf16"
+    bf16 = c[c["arm"] == "ddp:cpu:2:bf16"]["loss"].to_numpy()
+    one = c[c["arm"] == "cpu"]["loss"].to_numpy()
+    assert abs(bf16 - one).max() < 0.05 and abs(bf16 - one).max() > 0  # bf16 rounding, same training
+    assert (c[c["arm"] == "ddp:cpu:2:bf16~1"]["dist_ref"] > 0).all()
