@@ -24,6 +24,10 @@ PREFIX = "convcheck-"
 def pytest_addoption(parser):
     group = parser.getgroup("convcheck", "convcheck: CPU/GPU parity")
     declare_compare_options(group.addoption, prefix=PREFIX)
+    group.addoption("--convcheck-record", dest="convcheck_record", default=None, metavar="DIR",
+                    help="record a baseline bundle per convcheck_baseline call into DIR (the test is then skipped)")
+    group.addoption("--convcheck-against", dest="convcheck_against", default=None, metavar="DIR",
+                    help="diagnose each convcheck_baseline call against its baseline in DIR (missing: the test fails)")
 
 
 def pytest_configure(config):
@@ -67,5 +71,26 @@ def convcheck_compare(request):
 
     def run(model, targets=None, **options):
         return compare(model, targets, config=config, **options)
+
+    return run
+
+
+@pytest.fixture
+def convcheck_baseline(request):
+    """``run(model, target, name=None) -> CompareResult``: this run of ``target`` diagnosed against the
+    baseline recorded with ``--convcheck-record DIR`` (checked with ``--convcheck-against DIR``)."""
+    from convcheck.bundle.baseline import run_baseline
+    from convcheck.config import with_options
+
+    config = _session_config(request.config)
+    marker = request.node.get_closest_marker("convcheck")
+    if marker:
+        config = with_options(config, **marker.kwargs)
+    opts = request.config.option
+
+    def run(model, target, name=None, **options):
+        return run_baseline(model, target, with_options(config, **options), record_dir=opts.convcheck_record,
+                            against_dir=opts.convcheck_against, nodeid=f"{request.node.path.stem}.{request.node.name}", name=name,
+                            fail=pytest.fail, skip=pytest.skip)
 
     return run

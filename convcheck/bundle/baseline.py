@@ -1,0 +1,49 @@
+"""pytest baselines (``--convcheck-record DIR`` / ``--convcheck-against DIR``), the way pytest-regressions
+keeps its files: record a bundle per test once, then diagnose later runs against it.
+
+A missing baseline fails the test with how to create it; it never passes silently.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from convcheck.config import CompareConfig
+
+
+def baseline_path(root: str, nodeid: str, target: str, name: str | None) -> Path:
+    key = name or re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")
+    return Path(root) / f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', target)}"
+
+
+def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: str | None, against_dir: str | None,
+                 nodeid: str, name: str | None = None, fail, skip):
+    """``nodeid``: the test's module stem and name (not pytest's node id, which moves with the rootdir).
+    Record (then ``skip`` saying where) or diff against the recorded baseline (returns the
+    ``CompareResult``); ``fail`` when neither option is given or the baseline is missing."""
+    from convcheck.bundle.diff import config_of, diff_bundles
+    from convcheck.bundle.reader import open_bundle
+    from convcheck.bundle.record import record_run
+    from convcheck.cli_record import _prepare_folder
+
+    if record_dir:
+        path = baseline_path(record_dir, nodeid, target, name)
+        folder, _ = _prepare_folder(path, force=True)
+        record_run(model, target, config, folder, snapshot_steps=None)
+        skip(f"convcheck: recorded the baseline {path}; run with --convcheck-against {record_dir} to check against it")
+    if not against_dir:
+        fail("convcheck: no baseline given: record one with 'pytest --convcheck-record DIR', then check against it "
+             "with 'pytest --convcheck-against DIR'")
+    path = baseline_path(against_dir, nodeid, target, name)
+    if not (path / "manifest.json").exists():
+        fail(f"convcheck: no baseline at {path}; create it with 'pytest --convcheck-record {against_dir}' "
+             "(on the machine whose run is the reference)")
+    recorded = open_bundle(path)
+    with tempfile.TemporaryDirectory(prefix="convcheck-here-") as tmp:
+        here = Path(tmp) / "here"
+        here.mkdir()
+        record_run(recorded["model"]["spec"], target, config_of(recorded, None, config.judge), here)
+        result, _, _ = diff_bundles(path, here, labels=("baseline", "here"))
+    return result
