@@ -72,8 +72,7 @@ def _log(msg: str) -> None:
 # --- healthy zoo ------------------------------------------------------------------------------------------
 
 def healthy(models, targets) -> pd.DataFrame:
-    """Every row measured (``checks.MEASURE_ALL``): the true floor and own error, not the cheap bound."""
-    checks.MEASURE_ALL = True
+    """Every row measured (``checks.measuring_all``): the true floor and own error, not the cheap bound."""
     frames = []
     for name in models:
         for batch, shape in HEALTHY_PLAN[name]:
@@ -82,11 +81,12 @@ def healthy(models, targets) -> pd.DataFrame:
             b = load_batches(None, input_shape=m.input_shape, num_classes=m.num_classes, batch_size=batch,
                              num_batches=1, seed=0)
             t0 = time.perf_counter()
-            r = run_parity(model_builder(m, initial_state(m, 0)), b.batches[0], [Target.parse(t) for t in targets])
+            with checks.measuring_all():
+                r = run_parity(model_builder(m, initial_state(m, 0)), b.batches[0],
+                               [Target.parse(t) for t in targets])
             _log(f"{name} {m.input_shape} batch {batch}: {time.perf_counter() - t0:.1f}s")
             t = r.layers.assign(model=name, input="x".join(map(str, m.input_shape)), batch=batch)
             frames.append(t[COLS])
-    checks.MEASURE_ALL = False
     return pd.concat(frames, ignore_index=True)
 
 
@@ -133,7 +133,7 @@ def sweep_summary(t: pd.DataFrame) -> str:
 
 def _write(name: str, frame: pd.DataFrame) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(OUT / f"{name}.csv", index=False)
+    frame.to_csv(OUT / f"{name}.csv", index=False, float_format="%.6g")
 
 
 def main(argv=None) -> int:
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--channels", default="1,8,64,512", help="sweep: conv input channels (K = 9 x channels)")
     ap.add_argument("--runs", default=str(gpu_floors.DEFAULT_RUNS))
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--name", default="", help="suffix of the output files (floors-<what><name>.md, <what><name>.csv)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -151,21 +152,21 @@ def main(argv=None) -> int:
     parts = []
     if args.what in ("healthy", "all"):
         t = healthy([m for m in args.models.split(",") if m], targets)
-        _write("healthy", t)
+        _write("healthy" + args.name, t)
         parts.append("## Healthy zoo on this CPU: own error over floor\n\n" + healthy_summary(t))
     if args.what in ("gpu", "all"):
         t = gpu_floors.gpu_rows(Path(args.runs))
-        _write("gpu", t)
+        _write("gpu" + args.name, t)
         parts.append("## Real H200 layer tables against floors computed here\n\n" + gpu_floors.summary(t))
     if args.what in ("sweep", "all"):
         t = sweep(targets, [int(c) for c in args.channels.split(",")])
-        _write("sweep", t)
+        _write("sweep" + args.name, t)
         parts.append("## Injected-error sweep: detection limits\n\n" + sweep_summary(t))
     head = (f"# Layer floors (bound_factor F = {DEFAULT_TOLERANCES.bound_factor:g}, absolute term "
             f"{FLOOR_ABSOLUTE:g}); torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
     text = head + "\n" + "\n\n".join(parts) + "\n"
     print(text)
-    (HERE / "results" / f"floors-{args.what}.md").write_text(text)
+    (HERE / "results" / f"floors-{args.what}{args.name}.md").write_text(text)
     return 0
 
 

@@ -21,6 +21,8 @@ from convcheck.thresholds import (
     ENVELOPE_RUN,
     ENVELOPE_SPREAD_FLOOR,
     EXPLODING_LAYER_RATIO,
+    FALLING_MIN_POINTS,
+    FALLING_SIGNIFICANCE,
     FP16_MAX,
     INPUT_ABS_MAX,
     INPUT_STD_MAX,
@@ -116,7 +118,7 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     chance = math.log(num_classes) if num_classes and num_classes > 1 else math.nan
     if (len(half) >= PLATEAU_MIN_STEPS and math.isfinite(chance)
             and all(abs(v - chance) < PLATEAU_TOLERANCE * chance for v in half)
-            and half[0] - half[-1] < PLATEAU_MIN_DROP * chance):
+            and half[0] - half[-1] < PLATEAU_MIN_DROP * chance and not falling(finite)):
         out.append(Symptom(LOSS_PLATEAU, arm, f"loss stays at {half[-1]:.3f}, within "
                            f"{PLATEAU_TOLERANCE:.0%} of chance ln({num_classes}) = {chance:.3f}, "
                            f"over the last {len(half)} steps", value=half[-1]))
@@ -130,6 +132,28 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
                                f"{OSCILLATION_SWING:.0%} in {share:.0%} of the steps without falling",
                                value=share))
     return out
+
+
+def falling(losses: list[float]) -> bool:
+    """The loss is still falling: over the second half of the run (at least FALLING_MIN_POINTS
+    finite losses) a least-squares line falls by more than FALLING_SIGNIFICANCE times the
+    root-mean-square spread of the losses around it."""
+    finite = [v for v in losses if math.isfinite(v)]
+    tail = finite[-max(FALLING_MIN_POINTS, len(finite) // 2):]
+    n = len(tail)
+    if n < FALLING_MIN_POINTS:
+        return False
+    mean_x, mean_y = (n - 1) / 2, sum(tail) / n
+    slope = (sum((i - mean_x) * (v - mean_y) for i, v in enumerate(tail))
+             / sum((i - mean_x) ** 2 for i in range(n)))
+    spread = math.sqrt(sum((v - (mean_y + slope * (i - mean_x))) ** 2 for i, v in enumerate(tail)) / n)
+    return slope < 0 and -slope * (n - 1) > FALLING_SIGNIFICANCE * spread
+
+
+def still_falling(curves: pd.DataFrame, arm: str) -> bool:
+    """``falling`` on one arm's loss curve."""
+    c = curves[curves["arm"] == arm].sort_values("step")
+    return falling([float(v) for v in c["loss"]])
 
 
 def _gradient_problems(c: pd.DataFrame, g: pd.DataFrame, arm: str, lr: float, losses) -> list[Symptom]:

@@ -168,6 +168,39 @@ def test_judge_fails_with_data_out_of_range_and_no_symptom():
     assert v.remedies == ["train longer or raise the learning rate", "check data, labels and loss"]
 
 
+def test_a_loss_still_falling_says_run_more_steps():
+    v = R.judge_fails(evidence(converged=(False, False, False), steps=12, still_falling={JUDGE: True}))
+    assert v.headline.startswith("training setup: no arm converges in 12 steps, but the loss is still falling (")
+    assert "run more steps" in v.headline and v.remedies[0] == "run more steps (--steps 24)"
+
+
+@pytest.mark.parametrize("losses, expected", [
+    ([2.297, 2.306, 2.261, 2.256, 2.242, 2.249], True),  # lenet's first steps: falling, noisily
+    ([2.30 - 0.01 * i for i in range(12)], True),         # slowly but steadily: no plateau
+    ([2.30, 2.31, 2.29, 2.30, 2.31, 2.30, 2.29, 2.30], False),  # noise around a level
+    ([2.30] * 10, False),
+    ([2.3, 2.2, 2.1], False),                               # too few losses to say
+    ([2.3, math.nan, 2.2, 2.1, 2.0, 1.9, 1.8], True),       # non-finite losses are left out
+])
+def test_still_falling(losses, expected):
+    assert S.falling(losses) is expected
+
+
+@pytest.mark.parametrize("tail, plateau", [([2.30, 2.31, 2.29, 2.30, 2.31, 2.30, 2.29, 2.30, 2.31, 2.30], True),
+                                           ([2.300 - 0.004 * i for i in range(10)], False)])
+def test_a_plateau_is_a_loss_that_stopped_falling(tail, plateau):
+    """Near chance (ln 10 = 2.303) for the second half: a plateau only when it no longer falls (a
+    loss falling by 0.036 over 10 steps is below the 2% rule's 0.046 but still falling)."""
+    import pandas as pd
+
+    losses = [2.31] * 10 + tail
+    curves = pd.DataFrame(dict(arm=JUDGE, step=range(20), loss=losses, grad_norm=1.0, update_ratio=1e-3))
+    grads = pd.DataFrame(columns=["arm", "step", "layer", "grad_norm", "zero_frac"])
+    acts = pd.DataFrame(columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"])
+    found = [p.name for p in S.training_problems(curves, grads, acts, JUDGE, 10, 1e-3)]
+    assert (S.LOSS_PLATEAU in found) is plateau
+
+
 @pytest.mark.parametrize("change", [
     dict(steps=1),  # one step says nothing about convergence
     dict(target_symptoms=(layer_error(),)),  # one-step parity names a target-only cause

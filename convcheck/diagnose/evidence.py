@@ -74,6 +74,7 @@ class Evidence:
     # --- training: per-arm outcomes (targets and judge) and the envelope runs' summary
     outcomes: Mapping[str, ArmOutcome] = field(default_factory=dict)
     envelope: EnvelopeSummary | None = None
+    still_falling: Mapping[str, bool] = field(default_factory=dict)  # per arm: its loss still falls at the end
     # --- symptoms
     target_symptoms: tuple[S.Symptom, ...] = ()  # ranked; the drift is not among them
     drift: S.Symptom | None = None  # S.DRIFT or S.DRIFT_WITHIN, None without an envelope
@@ -130,6 +131,7 @@ def gather(result) -> Evidence:
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
         target_facts={str(t): _facts(t.runner) for t in cfg.targets},
         outcomes=dict(training.outcomes), envelope=training.envelope,
+        still_falling={a: S.still_falling(training.curves, a) for a in training.outcomes},
         target_symptoms=symptoms, layer_notes=_layer_notes(result, symptoms),
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),

@@ -84,8 +84,9 @@ def judge_fails(ev: Evidence) -> Verdict | None:
     """The float64 judge does not converge either (and one-step parity names no target-only
     cause): the setup. The main symptom is the judge's first training problem in
     ``SETUP_PRIORITY``; exploding gradients say "learning rate {lr} is too high, gradients
-    explode ({why})"; without any, "no arm converges in {steps} steps ({why})". Remedies: the
-    main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
+    explode ({why})"; without any, "no arm converges in {steps} steps ({why})", or, when the judge's
+    loss is still falling, "..., but the loss is still falling (a -> b): run more steps" with more
+    steps as the remedy. Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
     judge = ev.judge_outcome
     if not ev.judgeable or judge is None or judge.converged or ev.step0_symptoms:
         return None
@@ -96,6 +97,12 @@ def judge_fails(ev: Evidence) -> Verdict | None:
                   key=lambda s: SETUP_PRIORITY.index(s.name) if s.name in SETUP_PRIORITY else _UNLISTED)
     lines = symptom_lines(syms, 4) + training_lines(ev)
     names = [s.name for s in syms]
+    if not syms and ev.still_falling.get(ev.judge):
+        return judge_fails.verdict(
+            lines, headline=f"training setup: no arm converges in {ev.steps} steps, but the loss is still falling "
+                            f"({judge.first_loss:.4g} -> {judge.final_loss:.4g}): run more steps ({why})",
+            remedies=[f"run more steps (--steps {2 * ev.steps})", "or raise the learning rate"],
+            sub_cause=S.NO_CONVERGENCE, symptoms=names)
     if not syms:
         return judge_fails.verdict(
             lines, headline=f"training setup: no arm converges in {ev.steps} steps ({why})",

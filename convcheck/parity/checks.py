@@ -18,6 +18,7 @@ the floor and the intrinsic error of every row.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -33,6 +34,17 @@ from convcheck.thresholds import DESTROYED_ERROR
 from convcheck.tolerances import Tolerances
 
 MEASURE_ALL = False
+
+
+@contextlib.contextmanager
+def measuring_all():
+    """Measure every row's floor and intrinsic error inside (calibration and the sweep's noise)."""
+    global MEASURE_ALL
+    before, MEASURE_ALL = MEASURE_ALL, True
+    try:
+        yield
+    finally:
+        MEASURE_ALL = before
 
 
 def row_verdict(tol: Tolerances, local: float, intrinsic: float, floor: float) -> dict:

@@ -149,6 +149,14 @@ def _curves(c: Console, result) -> None:
         t.add_column(f"envelope {env_arms[0].reference} (min..max of {len(env_arms)})", justify="right")
     for a in [x for x in main_arms if x.role == "target"]:
         t.add_column(f"dist {a.name}-judge", justify="right")
+    # The drift verdict compares the targets' parameter distance with the envelope runs' spread:
+    # show both, so the table and the verdict read the same numbers.
+    pair = _drift_pair(result) if env_arms else None
+    if pair is not None:
+        t.add_column(f"dist {pair[0]}-{pair[1]}", justify="right")
+        t.add_column("envelope spread (dist)", justify="right")
+        other = curves[curves["arm"] == pair[0]].set_index("step")["dist_other"]
+        spread = curves[curves["role"] == "envelope"].groupby("step")["dist_ref"].max()
     loss = curves.pivot(index="step", columns="arm", values="loss")
     dist = curves.pivot(index="step", columns="arm", values="dist_judge")
     for s in shown:
@@ -157,8 +165,17 @@ def _curves(c: Console, result) -> None:
             vals = [loss.at[s, a.name] for a in env_arms]
             row.append(f"{fmt(min(vals), 3)}..{fmt(max(vals), 3)}")
         row += [fmt(dist.at[s, a.name]) for a in main_arms if a.role == "target"]
+        if pair is not None:
+            row += [fmt(other.get(s)), fmt(spread.get(s))]
         t.add_row(*row)
     c.print(t)
+
+
+def _drift_pair(result) -> tuple[str, str] | None:
+    """The two targets as the drift rule pairs them (a target arm first, the judge last)."""
+    judge = str(result.config.judge)
+    names = sorted((str(x) for x in result.config.targets), key=lambda n: n == judge)
+    return (names[0], names[1]) if len(names) == 2 else None
 
 
 def _training(c: Console, result) -> None:
