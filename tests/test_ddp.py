@@ -330,3 +330,20 @@ def test_numeric_modes_compose_and_envelope_runs_of_a_ddp_target():
     one = c[c["arm"] == "cpu"]["loss"].to_numpy()
     assert abs(bf16 - one).max() < 0.05 and abs(bf16 - one).max() > 0  # bf16 rounding, same training
     assert (c[c["arm"] == "ddp:cpu:2:bf16~1"]["dist_ref"] > 0).all()
+
+
+def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(monkeypatch):
+    monkeypatch.setenv("CONVCHECK_DDP_TIMEOUT", "2")
+
+    def stuck_on_rank_1(out, y):
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_rank() == 1:
+            time.sleep(30)
+        return F.cross_entropy(out, y)
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed) as err:
+        _train(_mlp, steps=1, loss=stuck_on_rank_1)
+    msg = str(err.value)
+    assert "\n" not in msg and "rank 0 of 2 failed during training step 1" in msg
+    assert "rank 1 had not finished the step" in msg
+    assert time.perf_counter() - t0 < 15

@@ -12,6 +12,7 @@ reaps every rank, so none is left behind.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from multiprocessing.connection import wait
@@ -91,7 +92,7 @@ class RankPool:
                         self._died(r, what)
                     if status == "error":
                         self._root_cause(what)  # a peer's death shows up as a connection error here
-                        self._failed(rank, payload, what)
+                        self._failed(rank, payload, what, [q for q in pending if q != rank and q not in answers])
                     answers[r] = payload
                 elif self.procs[r].sentinel in ready:
                     self._died(r, what)
@@ -111,8 +112,12 @@ class RankPool:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
         raise RunFailed(f"{self.target}: rank {rank} of {self.world} {how} during {what}")
 
-    def _failed(self, rank: int, info: dict, what: str):
-        message = f"{info['kind']}: {info['message']}" if info["message"] else info["kind"]
+    def _failed(self, rank: int, info: dict, what: str, silent: list[int] | None = None):
+        text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", info["message"])  # gloo's source location
+        message = f"{info['kind']}: {text}" if text else info["kind"]
+        if silent and "timed out" in message.lower() or silent and "timeout" in message.lower():
+            names = ", ".join(str(q) for q in silent)
+            message = f"{message} (rank {names} had not finished the step: the one that is stuck or slow)"
         if info.get("convcheck"):  # the same class of error (the user's code, a usage error), naming the rank
             from convcheck import errors
 
@@ -128,7 +133,7 @@ class RankPool:
                 conn.send(("close", ()))
             except (BrokenPipeError, OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 2.0  # a rank busy in a command gets SIGTERM after this
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
