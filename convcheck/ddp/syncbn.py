@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 
 class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
