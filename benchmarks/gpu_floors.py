@@ -28,7 +28,8 @@ from convcheck.targets import Target
 from convcheck.thresholds import GRAD_ACCUMULATION
 from convcheck.tolerances import DEFAULT_TOLERANCES
 
-DEFAULT_RUNS = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs" / "h200-2026-11-30"
+# copied from ../shared/gpu-runs/h200-2026-11-30 (tests/data/real/README.md)
+DEFAULT_RUNS = Path(__file__).resolve().parents[1] / "tests" / "data" / "real" / "h200-2026-11-30"
 
 
 def h200_precision(spec: str) -> tuple[PrecisionModel, torch.dtype]:
@@ -110,7 +111,11 @@ def gpu_rows(runs: Path) -> pd.DataFrame:
     rows = []
     for run in sorted(p for p in runs.iterdir() if p.is_dir() and p.name.startswith("compare-")):
         rows += run_rows(run)
-    t = pd.DataFrame(rows)
+    return verdicts(pd.DataFrame(rows))
+
+
+def verdicts(t: pd.DataFrame) -> pd.DataFrame:
+    """over_floor and flagged for rows of GPU local errors against computed floors."""
     tol = DEFAULT_TOLERANCES
     t["over_floor"] = t["local"] / t["floor"]
     t["flagged"] = [tol.is_flagged(e, f) for e, f in zip(t["local"], t["floor"])]
