@@ -305,8 +305,23 @@ def test_scenario_batchnorm_at_per_rank_batch_2_on_4_ranks(sync):
         assert r.verdict.category == "ok" and v is None
     else:
         assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "1")
-        assert "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0]
-        assert r.verdict.category != "ok"  # today 'numerics' (drift beyond the envelope) until wired
+        assert (r.verdict.category, r.verdict.sub_cause, r.verdict.layer) == ("setup", "ddp", "1")
+        assert "BatchNorm layers '1'" in r.verdict.headline
+        assert "SyncBatchNorm.convert_sync_batchnorm" in r.verdict.remedies[0]
+
+
+@pytest.mark.slow
+def test_scenario_summed_loss_is_a_loss_scale_verdict():
+    import convcheck
+
+    def summed(out, y):
+        return F.cross_entropy(out, y, reduction="sum")
+    def conv():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 4))
+    r = convcheck.compare(conv, input_shape=(3, 8, 8), num_classes=4, targets="cpu,ddp:cpu:2", batch_size=8,
+                          steps=15, envelope=1, optimizer="sgd", lr=0.002, loss=summed)
+    assert (r.verdict.category, r.verdict.sub_cause) == ("setup", "ddp")
+    assert "off by the world size (1/2)" in r.verdict.headline
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from convcheck.diagnose import (
     verdict_rule,
 )
 from convcheck.diagnose import rules as R
+from convcheck.ddp.diagnostics import DDPFinding
 from convcheck.env import Finding
 from convcheck.train.result import ArmOutcome, EnvelopeSummary
 
@@ -71,6 +72,23 @@ PROBE = Finding("PROBE001", "info", "info", "NVML not available", "", "pynvml")
 
 # --- every rule: one case where it fires, one where it stays quiet ---------------------------
 
+DDP_BN = DDPFinding("batchnorm_per_rank", "ddp:cpu:2", "BatchNorm layers '1' normalise each of the 2 ranks' "
+                    "slice with its own batch statistics", ("a rank's channel mean is 0.8 global std away",),
+                    "torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)", ("1",))
+DDP_SUM = DDPFinding("loss_scale", "ddp:cpu:2", "the loss scale on ddp:cpu:2 is off by the world size (1/2)",
+                     ("first-step gradient norm 0.5 vs 1",), "average the loss over the batch")
+
+
+def test_ddp_setup_verdict():
+    # a loss off by the world size fires even inside the envelope; BatchNorm per rank only beyond it
+    v = R.ddp_setup(evidence(low="ddp:cpu:2", ddp_findings=(DDP_SUM, DDP_BN), drift=drift(arm="cpu", beyond=False)))
+    assert (v.category, v.sub_cause, v.target, v.layer) == ("setup", "ddp", "ddp:cpu:2", None)
+    assert "off by the world size" in v.headline and v.symptoms == ["loss_scale"]
+    v = R.ddp_setup(evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu")))
+    assert "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0]
+    assert R.ddp_setup(evidence()) is None
+
+
 # rule id -> (evidence it fires on, evidence it stays quiet on, category, target, layer, headline part)
 CASES = {
     "V001": (evidence(stochastic_layers=("3", "5")), evidence(),
@@ -96,6 +114,9 @@ CASES = {
     "V008": (evidence(low="cpu:fp16", target_symptoms=(nonfinite(),), target_facts={"cpu:fp16": FP16}),
              evidence(low="cpu:fp16", drift=drift(beyond=False)),
              "numerics", "cpu:fp16", "3", "float16 overflow in '3' on cpu:fp16"),
+    "V009": (evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu")),
+             evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu", beyond=False)),
+             "setup", "ddp:cpu:2", "1", "data-parallel setup: BatchNorm layers '1' normalise"),
 }
 
 
@@ -315,7 +336,7 @@ def test_precision_effect_headlines_and_remedies(symptom, low, facts, headline, 
 def test_rules_run_in_priority_order_with_unique_ids():
     assert [r.priority for r in RULES] == sorted(r.priority for r in RULES)
     assert len({r.id for r in RULES}) == len({r.priority for r in RULES}) == len(RULES)
-    assert [r.id for r in RULES] == [f"V00{i}" for i in range(1, 9)]
+    assert [r.id for r in RULES] == ["V001", "V002", "V003", "V004", "V005", "V006", "V009", "V007", "V008"]
 
 
 def test_a_clashing_rule_is_refused():

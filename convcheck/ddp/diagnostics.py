@@ -59,7 +59,7 @@ def single_device_partner(training, arm: str) -> str | None:
 
 def batchnorm_per_rank(training, arm: str) -> DDPFinding | None:
     """Per-rank BatchNorm statistics off the global batch's, layer by layer (worst over steps)."""
-    steps = training.ddp_batchnorm.get(arm) or []
+    steps = getattr(training, "ddp_batchnorm", {}).get(arm) or []
     worst: dict[str, tuple[float, float]] = {}
     for record in steps:
         for layer, (shift, change) in record.items():

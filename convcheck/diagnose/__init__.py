@@ -15,6 +15,8 @@ V003 30    fragile-envelope setup            every target converges, envelope ru
 V004 40    self-difference  nondeterminism   a target differs from itself run to run
 V005 50    hardware-finding hardware         a target symptom with a hardware finding
 V006 60    version-finding  version          a target symptom with a version finding
+V009 65    ddp-setup        setup            a ddp: target's loss is off by the world size, or its
+                                             per-rank BatchNorm statistics (drift beyond envelope)
 V007 70    layer-error      layer            the main target symptom: a layer's local error far
                                              above its bound
 V008 80    precision-effect numerics         any other target symptom (NaN/Inf producer,

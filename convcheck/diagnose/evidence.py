@@ -89,6 +89,8 @@ class Evidence:
     layer_notes: tuple[S.Symptom, ...] = ()
     # --- environment findings (convcheck.env.Finding)
     findings: tuple = ()
+    # --- data-parallel targets (convcheck.ddp.diagnostics.DDPFinding), in priority order
+    ddp_findings: tuple = ()
 
     @property
     def judgeable(self) -> bool:
@@ -139,8 +141,17 @@ def gather(result) -> Evidence:
                                                  judge, result.model.num_classes, cfg.lr)),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=dict(parity.self_difference),
         flagged_layers=dict(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
-        findings=tuple(result.findings or ()),
+        findings=tuple(result.findings or ()), ddp_findings=_ddp_findings(training),
     )
+
+
+def _ddp_findings(training) -> tuple:
+    """Why a ``ddp:`` arm trains differently from one device (none without a data-parallel target)."""
+    if not any(getattr(getattr(a, "target", None), "world", None) for a in getattr(training, "arms", ())):
+        return ()
+    from convcheck.ddp.diagnostics import ddp_findings
+
+    return tuple(ddp_findings(training))
 
 
 def _facts(runner) -> TargetFacts:

@@ -198,6 +198,25 @@ def layer_note_lines(ev: Evidence) -> list[str]:
 
 
 @verdict_rule(
+    "V009", "ddp-setup", priority=65, category="setup",
+    headline="data-parallel setup: {summary}",
+    remedies=("compare the data-parallel setup with the single-device one (convcheck.ddp.diagnostics)",))
+def ddp_setup(ev: Evidence) -> Verdict | None:
+    """A ``ddp:`` target trains another model than one device: a loss off by the world size (always), or
+    BatchNorm layers normalising each rank's slice on its own (when the drift leaves the envelope, or
+    there is no envelope to tell). Sub-cause ``ddp``."""
+    beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
+    found = [f for f in ev.ddp_findings if f.kind == "loss_scale" or beyond]
+    if not found:
+        return None
+    main = found[0]
+    evidence = list(main.evidence) + [f"also: {f.summary}" for f in found[1:]] + training_lines(ev)
+    return ddp_setup.verdict(
+        evidence, {"summary": main.summary}, remedies=[f.remedy for f in found], target=main.arm,
+        layer=main.layers[0] if main.layers else None, sub_cause="ddp", symptoms=[f.kind for f in found])
+
+
+@verdict_rule(
     "V007", "layer-error", priority=70, category="layer",
     headline="layer '{layer}'{module} computes something else on {target}: its own error is far above "
              "what the precision allows; later layers only pass it on",
