@@ -48,6 +48,10 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
     for key in sorted(set(a["config"]) | set(b["config"])):
         if a["config"].get(key) != b["config"].get(key):
             raise _differs(f"options ({key})", a["config"].get(key), b["config"].get(key), na, nb)
+    for option in sorted(set(a["code_sha256"]) | set(b["code_sha256"])):
+        ha, hb = a["code_sha256"].get(option), b["code_sha256"].get(option)
+        if ha != hb:
+            raise _differs(f"{option} code (SHA-256 of the file)", (ha or "none")[:12], (hb or "none")[:12], na, nb)
     if a["tolerances"] != b["tolerances"]:
         raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
 
@@ -93,6 +97,7 @@ def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=
     from convcheck.targets import default_judge, parse_judge
 
     judge, reason = (parse_judge(judge_spec), "re-run here (--judge)") if judge_spec else default_judge()
+    check_code(a)
     m = a["model"]
     shape = tuple(m["input_shape"]) if m.get("input_shape") else input_shape
     cfg = config_of(a, None, judge)
@@ -121,6 +126,28 @@ def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=
         calls, _, grads, _ = run_judge(build(judge), first, judge.runner, cfg.seed, recipe.loss)
         ratio = loss_reduction_probe(build(judge), judge.runner, first, recipe.loss)
     return JudgeRecord(str(judge), reason, {k: c.output for k, c in calls.items()}, grads, ratio, resolved, recipe)
+
+
+def check_code(bundle: Bundle) -> None:
+    """Before anything is imported: every ``FILE.py`` the bundle names (model, data, loss, optimizer,
+    schedule) must be here with the bytes it recorded, so a bundle can only run code already trusted here."""
+    import hashlib
+    from pathlib import Path
+
+    from convcheck.bundle.record import code_files
+
+    recorded = bundle["code_sha256"]
+    for option, path in code_files(bundle["model"]["spec"], bundle["config"]).items():
+        if option not in recorded:
+            raise UsageError(f"bundle {bundle.path}: {option} {path} has no recorded SHA-256; refusing to run it")
+        try:
+            here = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise UsageError(f"{option} {path} (named by bundle {bundle.path}) cannot be read here "
+                             f"({exc.strerror or exc}); re-running the judge needs it") from None
+        if here != recorded[option]:
+            raise UsageError(f"{option} {path} here (SHA-256 {here[:12]}) is not the file the bundle recorded "
+                             f"({recorded[option][:12]}); refusing to run it")
 
 
 def judge_from_bundle(j: Bundle, a: Bundle) -> JudgeRecord:

@@ -210,6 +210,8 @@ def check_manifest(m) -> dict:
     for key, most in (("steps", 10**6), ("batch_size", 10**6), ("seed", 2**63), ("envelope", 100)):
         if not 0 <= _get(cfg, key, int, "config") <= most:
             raise _Bad(f"config.{key} = {cfg[key]} is outside 0..{most}")
+    for option, h in _get(m, "code_sha256", dict, "manifest").items():
+        _sha(h, f"code_sha256.{option}")
     _get(m, "tolerances", dict, "manifest")
     _get(m, "versions", dict, "manifest")
     _get(m, "fingerprint", dict, "manifest")

@@ -64,6 +64,29 @@ def source_sha256(resolved) -> str | None:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+CODE_OPTIONS = ("data", "loss", "optimizer", "schedule")
+
+
+def code_files(model_spec: str, config: dict) -> dict[str, str]:
+    """``{option: path}`` for every ``FILE.py:name`` the run imports (the model and the options)."""
+    out = {}
+    for option, spec in (("model", model_spec), *((k, config.get(k)) for k in CODE_OPTIONS)):
+        if isinstance(spec, str) and ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
+            out[option] = spec.rsplit(":", 1)[0]
+    return out
+
+
+def code_hashes(model_spec: str, config: dict) -> dict[str, str]:
+    """SHA-256 of each code file the run imports, by option (``diff`` runs none whose bytes differ)."""
+    out = {}
+    for option, path in code_files(model_spec, config).items():
+        try:
+            out[option] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            pass
+    return out
+
+
 def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return v  # json writes NaN / Infinity, which Python reads back
@@ -143,7 +166,7 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
                   "num_classes": resolved.num_classes, "task": resolved.task},
         "target": str(target), "judge": str(judge), "judge_reason": judge_reason,
         "config": config_dict(cfg), "tolerances": _plain(dataclasses.asdict(cfg.tolerances)),
-        "layers_pattern": layers,
+        "layers_pattern": layers, "code_sha256": code_hashes(model_spec, config_dict(cfg)),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                      "numpy": __import__("numpy").__version__},
         "fingerprint": fingerprint.to_dict(),

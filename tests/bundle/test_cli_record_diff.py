@@ -190,3 +190,30 @@ def test_compare_against_a_recorded_run(bundles, tmp_path, capsys, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     assert main(["compare", "--against", str(bundles[1]), "--targets", "cpu,cuda", "--no-save"]) == 2
     assert "--targets SPEC" in capsys.readouterr().err
+
+
+NET = """
+import torch.nn as nn
+
+def net():
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+"""
+
+
+def test_code_a_bundle_names_runs_only_with_the_recorded_bytes(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.py").write_text(NET)
+    common = ["--model", "net.py:net", "--input-shape", "1,4,4", "--classes", "3", *SMALL]
+    assert main(["record", *common, "--target", "cpu", "--out", "A"]) == 0
+    assert main(["record", *common, "--target", "cpu:bf16", "--out", "B"]) == 0
+    assert main(["diff", "A", "B", "--no-save", "--json"]) in (0, 1)
+    capsys.readouterr()
+    (tmp_path / "net.py").write_text(NET + "\nraise SystemExit('must not run')\n")
+    assert main(["diff", "A", "B", "--no-save"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the file the bundle recorded" in err[0], err
+    m = json.loads((tmp_path / "A" / "manifest.json").read_text())
+    m["code_sha256"] = {}
+    (tmp_path / "A" / "manifest.json").write_text(json.dumps(m))
+    assert main(["diff", "A", "B", "--no-save"]) == 2
+    assert "has no recorded SHA-256" in capsys.readouterr().err
