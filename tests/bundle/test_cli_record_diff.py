@@ -216,4 +216,9 @@ def test_code_a_bundle_names_runs_only_with_the_recorded_bytes(tmp_path, capsys,
     m["code_sha256"] = {}
     (tmp_path / "A" / "manifest.json").write_text(json.dumps(m))
     assert main(["diff", "A", "B", "--no-save"]) == 2
+    assert "did not run the same model code" in capsys.readouterr().err
+    m = json.loads((tmp_path / "B" / "manifest.json").read_text())
+    m["code_sha256"] = {}
+    (tmp_path / "B" / "manifest.json").write_text(json.dumps(m))
+    assert main(["diff", "A", "B", "--no-save"]) == 2
     assert "has no recorded SHA-256" in capsys.readouterr().err
