@@ -237,7 +237,28 @@ def check_manifest(m) -> dict:
         if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
                                   and isinstance(v[1], str)):
             raise _Bad(f"training.nonfinite_producer[{arm!r}] is not [step, layer] or null")
+    _check_names(m)
     return _check_arrays(_get(m, "arrays", dict, "manifest"))
+
+
+def _check_names(m: dict) -> None:
+    """Every parity row is the recorded target's; every training row one of its arms (the target, the
+    judge, the target's envelope runs ``target~k``); each arm's curve holds steps 0..steps-1 once."""
+    target, judge, steps = m["target"], m["judge"], m["config"]["steps"]
+    for i, r in enumerate(m["parity"]["rows"]):
+        if r["target"] != target:
+            raise _Bad(f"parity.rows[{i}].target is {r['target']!r:.40}, not the recorded target {target!r}")
+    arms = {target, judge, *(f"{target}~{k + 1}" for k in range(m["config"]["envelope"]))}
+    seen: dict[str, list[int]] = {}
+    for key in ("curves", "layer_grads", "activations"):
+        for i, r in enumerate(m["training"][key]):
+            if r["arm"] not in arms or not 0 <= r["step"] < steps:
+                raise _Bad(f"training.{key}[{i}] is arm {r['arm']!r:.40} step {r['step']}, not one of this run's")
+            if key == "curves":
+                seen.setdefault(r["arm"], []).append(r["step"])
+    for arm in (target, judge):
+        if sorted(seen.get(arm, [])) != list(range(steps)):
+            raise _Bad(f"training.curves of {arm} do not hold steps 0..{steps - 1} once each")
 
 
 def _check_arrays(arrays: dict) -> int:

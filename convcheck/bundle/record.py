@@ -147,8 +147,10 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
         writer = BundleWriter(folder)
         torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass
         _capture(build(target), target, first, cfg.seed, recipe.loss, writer, layers)
-        arms = [Arm(str(target), target, "target"), Arm(str(judge), judge, "judge")]
-        for k in range(cfg.envelope):
+        # A float64 target recorded as a judge for others (diff --judge RUN_J) trains once, as the judge.
+        arms = [Arm(str(judge), judge, "judge")] if target == judge else \
+            [Arm(str(target), target, "target"), Arm(str(judge), judge, "judge")]
+        for k in range(cfg.envelope if target != judge else 0):
             arms.append(Arm(f"{target}~{k + 1}", target, "envelope", perturb_seed=(cfg.seed * 1000 + k + 1) % 2**63,
                             reference=str(target)))
         n_params = sum(v.numel() for v in state.values())
