@@ -100,10 +100,14 @@ class RankPool:
 
     def _root_cause(self, what: str, grace_s: float = 1.0) -> None:
         """When a rank reports an error, a rank that died (killed, crashed) is the cause: name it."""
-        wait([p.sentinel for p in self.procs], timeout=grace_s)
-        for rank, p in enumerate(self.procs):
-            if p.exitcode is not None and p.exitcode != 0:
-                self._died(rank, what)
+        deadline = time.monotonic() + grace_s  # a killed peer may still be tearing down
+        while True:
+            for rank, p in enumerate(self.procs):
+                if p.exitcode is not None and p.exitcode != 0:
+                    self._died(rank, what)
+            if time.monotonic() >= deadline or all(p.exitcode is not None for p in self.procs):
+                return
+            time.sleep(0.02)
 
     def _died(self, rank: int, what: str):
         p = self.procs[rank]
