@@ -26,7 +26,7 @@ from convcheck.errors import RunFailed, UsageError
 from convcheck.models import ResolvedModel, check_input_shape, resolve_model
 from convcheck.parity import ParityResult, run_parity
 from convcheck.recipe import Recipe, build_recipe
-from convcheck.recipe_symptoms import loss_reduction_probe
+from convcheck.recipe_probe import loss_reduction_probe
 from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
 from convcheck.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms, run_training
 

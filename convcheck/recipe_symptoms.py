@@ -9,7 +9,8 @@ Each returns a ``Symptom`` naming the part implicated, with the numbers:
 * gradient clipping too tight: (nearly) every step clipped and no convergence;
 * weight decay that also shrinks normalisation layers' weights and biases.
 
-Detectors never run a model; the probe runs in the pipeline and its ratio is evidence.
+Detectors never run a model (this module imports no torch); the probe
+(``convcheck.recipe_probe``) runs in the pipeline and its ratio is evidence.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-import torch
-import torch.nn as nn
 
 from convcheck.symptoms import Symptom
 from convcheck.thresholds import (
-    CLIPPED_SHARE, LR_JUMP_FACTOR, SCHEDULE_WINDOW, SUMMED_LOSS_HIGH, SUMMED_LOSS_LOW,
+    CLIPPED_SHARE, LOSS_RISE_FACTOR, LR_JUMP_FACTOR, SCHEDULE_WINDOW, SUMMED_LOSS_HIGH, SUMMED_LOSS_LOW,
 )
 
 LOSS_SUMMED = "loss summed over the batch"
@@ -42,34 +41,6 @@ REMEDIES = {
 }
 
 
-def loss_reduction_probe(model: nn.Module, runner, batch, loss_fn) -> float:
-    """loss(batch) / mean(loss(first half), loss(second half)) in float64, in eval mode (no batch statistics):
-    ~1 for a mean-reduced loss, ~2 for a loss summed over the batch; NaN when it cannot tell."""
-    from convcheck.batch import batch_size_of, map_tensors
-
-    inputs, target = batch
-    n = batch_size_of(inputs)
-    if n < 2:
-        return math.nan
-    half = n // 2
-
-    def part(sl):
-        return map_tensors(inputs, lambda t: t[sl] if t.dim() and t.shape[0] == n else t), \
-            map_tensors(target, lambda t: t[sl] if t.dim() and t.shape[0] == n else t)
-
-    was_training = model.training
-    model.eval()
-    try:
-        with runner.applied(), torch.no_grad():
-            losses = [float(runner.forward_loss(model, *b, loss_fn)[1])
-                      for b in (part(slice(0, 2 * half)), part(slice(0, half)), part(slice(half, 2 * half)))]
-    finally:
-        model.train(was_training)
-    full, a, b = losses
-    mean_halves = (a + b) / 2
-    return full / mean_halves if all(map(math.isfinite, losses)) and mean_halves > 0 else math.nan
-
-
 def loss_summed(ratio: float, arm: str) -> Symptom | None:
     if not (SUMMED_LOSS_LOW <= ratio <= SUMMED_LOSS_HIGH):
         return None
@@ -78,25 +49,50 @@ def loss_summed(ratio: float, arm: str) -> Symptom | None:
 
 
 def schedule_divergence(curves: pd.DataFrame, arm: str, warmup: int) -> Symptom | None:
-    """The arm's loss turns non-finite (or first rises by LOSS_RISE) right after a rise of the learning rate."""
+    """The arm's loss turns non-finite (or rises by LOSS_RISE_FACTOR) during warm-up, within
+    ``SCHEDULE_WINDOW`` steps after it ends, or right after the schedule raises the learning rate."""
     c = curves[curves["arm"] == arm].sort_values("step")
     if "lr" not in c or len(c) < 2:
         return None
     lr, loss = list(c["lr"]), list(c["loss"])
-    bad = next((i for i, v in enumerate(loss) if not math.isfinite(v) or (i and v > 1.5 * loss[0])), None)
+    bad = next((i for i, v in enumerate(loss) if not math.isfinite(v) or (i and v > LOSS_RISE_FACTOR * loss[0])),
+               None)
     if bad is None:
         return None
-    changes = [i for i in range(1, len(lr)) if lr[i] > LR_JUMP_FACTOR * lr[i - 1]]
-    if warmup:
-        changes.append(min(warmup, len(lr) - 1))
-    near = [i for i in changes if 0 <= bad - i <= SCHEDULE_WINDOW]
-    if not near:
+    where = _schedule_change(lr, warmup, bad)
+    if where is None:
         return None
-    at = max(near)
-    why = "warm-up ends" if warmup and at == min(warmup, len(lr) - 1) else f"the learning rate jumps to {lr[at]:.3g}"
-    return Symptom(SCHEDULE_DIVERGENCE, arm, f"the loss diverges at step {bad} ({loss[bad]:.4g}), "
-                   f"{bad - at} step(s) after {why} at step {at} (lr {lr[at]:.3g}, peak {max(lr):.3g})",
-                   step=bad, value=lr[at])
+    return Symptom(SCHEDULE_DIVERGENCE, arm, f"the loss diverges at step {bad} ({loss[bad]:.4g}) {where} "
+                   f"(lr {lr[bad]:.3g} then, peak {max(lr):.3g})", step=bad, value=lr[bad])
+
+
+def _schedule_change(lr: list[float], warmup: int, bad: int) -> str | None:
+    """Where in the schedule step ``bad`` lies, if the schedule can be blamed; else None."""
+    if warmup and bad < warmup:
+        return f"during the {warmup}-step warm-up"
+    if warmup and bad - warmup <= SCHEDULE_WINDOW:
+        return f"{bad - warmup} step(s) after warm-up ends at step {warmup}"
+    jumps = [i for i in range(max(1, warmup + 1), len(lr)) if lr[i] > LR_JUMP_FACTOR * lr[i - 1]]
+    near = [i for i in jumps if 0 <= bad - i <= SCHEDULE_WINDOW]
+    if near:
+        return f"{bad - max(near)} step(s) after the learning rate jumps to {lr[max(near)]:.3g} at step {max(near)}"
+    return None
+
+
+def recipe_problems(result) -> list[Symptom]:
+    """The judge's recipe symptoms of one comparison (read only: the probe ran in the pipeline)."""
+    cfg, training = result.config, result.training
+    judge = str(cfg.judge)
+    outcome = training.outcomes.get(judge)
+    layers = result.parity.layers
+    norms = sorted(set(layers.loc[layers["module"].isin(NORM_MODULES), "layer"])) \
+        if len(layers) and "module" in layers else []
+    found = [loss_summed(getattr(result, "loss_batch_ratio", math.nan), judge),
+             schedule_divergence(training.curves, judge, getattr(cfg, "warmup", 0)),
+             clipping_too_tight(training.curves, judge, getattr(cfg, "clip_grad_norm", None),
+                                bool(outcome and outcome.converged)),
+             decay_on_norms(norms, getattr(cfg, "weight_decay", 0.0), getattr(cfg, "optimizer", None), judge)]
+    return [s for s in found if s is not None]
 
 
 def clipping_too_tight(curves: pd.DataFrame, arm: str, clip: float | None, converged: bool) -> Symptom | None:
@@ -112,11 +108,13 @@ def clipping_too_tight(curves: pd.DataFrame, arm: str, clip: float | None, conve
                    value=share)
 
 
-def decay_on_norms(model: nn.Module | None, weight_decay: float, optimizer: str, arm: str) -> Symptom | None:
-    if model is None or not weight_decay or ":" in str(optimizer):
+NORM_MODULES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm")
+
+
+def decay_on_norms(norms: list[str], weight_decay: float, optimizer, arm: str) -> Symptom | None:
+    """``norms``: names of the model's normalisation layers (``norm_layers``, or from the parity table)."""
+    if not weight_decay or not isinstance(optimizer, str) or ":" in optimizer:
         return None  # a factory may exclude them itself
-    norms = [n for n, m in model.named_modules()
-             if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm))]
     if not norms:
         return None
     return Symptom(DECAY_ON_NORMS, arm, f"weight decay {weight_decay:g} applies to every parameter, the "

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import convcheck.recipe_symptoms as R
+from convcheck.recipe_probe import loss_reduction_probe, norm_layers
 from convcheck.runners import cross_entropy
 from convcheck.targets import Target
 
@@ -34,11 +35,11 @@ def _batch(n=8):
 def test_loss_reduction_probe(reduction, expected):
     judge = Target.parse("cpu:float64").runner
     model = judge.place(_mlp())
-    ratio = R.loss_reduction_probe(model, judge, _batch(),
+    ratio = loss_reduction_probe(model, judge, _batch(),
                                    lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction))
     assert ratio == pytest.approx(expected, rel=1e-9)
     assert model.training  # put back in training mode
-    assert math.isnan(R.loss_reduction_probe(model, judge, _batch(1), cross_entropy))
+    assert math.isnan(loss_reduction_probe(model, judge, _batch(1), cross_entropy))
 
 
 def test_loss_summed_fires_only_near_two():
@@ -50,7 +51,10 @@ def test_divergence_right_after_warmup_blames_the_schedule():
     lr = [0.025, 0.05, 0.075, 0.1, 0.1, 0.1]
     loss = [2.3, 2.1, 1.9, 1.8, math.nan, math.nan]
     s = R.schedule_divergence(_curves(loss, lr), "cpu:float64", warmup=3)
-    assert s.name == R.SCHEDULE_DIVERGENCE and s.step == 4 and "warm-up ends at step 3" in s.evidence
+    assert s.name == R.SCHEDULE_DIVERGENCE and s.step == 4 and "1 step(s) after warm-up ends at step 3" in s.evidence
+    during = R.schedule_divergence(_curves([2.3, 9.0, math.nan, math.nan, math.nan, math.nan], lr), "cpu:float64",
+                                   warmup=3)
+    assert "during the 3-step warm-up" in during.evidence
 
 
 def test_divergence_at_a_step_jump_blames_the_schedule():
@@ -74,12 +78,13 @@ def test_clipping_that_acts_on_every_step_without_convergence():
 
 
 def test_weight_decay_on_norms():
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4))
-    s = R.decay_on_norms(net, 5e-4, "sgd", "cpu:float64")
+    norms = norm_layers(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4)))
+    assert norms == ["1", "2"]
+    s = R.decay_on_norms(norms, 5e-4, "sgd", "cpu:float64")
     assert s.name == R.DECAY_ON_NORMS and "2 normalisation layer(s) (1, 2)" in s.evidence
-    assert R.decay_on_norms(net, 0.0, "sgd", "j") is None
-    assert R.decay_on_norms(nn.Linear(2, 2), 5e-4, "sgd", "j") is None
-    assert R.decay_on_norms(net, 5e-4, "opt.py:factory", "j") is None
+    assert R.decay_on_norms(norms, 0.0, "sgd", "j") is None
+    assert R.decay_on_norms([], 5e-4, "sgd", "j") is None
+    assert R.decay_on_norms(norms, 5e-4, "opt.py:factory", "j") is None
 
 
 def test_labels_out_of_range_for_the_output_are_a_usage_error():
@@ -88,3 +93,46 @@ def test_labels_out_of_range_for_the_output_are_a_usage_error():
     with pytest.raises(UsageError, match=r"labels span 0\.\.5 but the model outputs 3 classes"):
         cross_entropy(torch.zeros(2, 3), torch.tensor([0, 5]))
     assert float(cross_entropy(torch.zeros(2, 3), torch.tensor([-100, 2]))) == pytest.approx(math.log(3))
+
+
+# --- the setup verdict names the part of the recipe (real runs) ----------------------------------
+
+def _mlp4():
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+SMALL = dict(input_shape=(1, 4, 4), num_classes=4, envelope=0, env_findings=[], batch_size=64)
+
+
+def test_a_summed_loss_is_named_when_the_judge_diverges():
+    from convcheck.pipeline import compare
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=8, optimizer="sgd", lr=0.5,
+                loss=lambda o, t: nn.functional.cross_entropy(o.float(), t, reduction="sum"), **SMALL)
+    v = r.verdict
+    assert v.category == "setup" and v.sub_cause == R.LOSS_SUMMED, (v.headline, v.evidence)
+    assert "loss summed over the batch" in v.headline and "average the loss" in v.remedies[0]
+
+
+def test_the_same_run_averaged_is_not_blamed_on_the_loss():
+    from convcheck.pipeline import compare
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=8, optimizer="sgd", lr=0.5, **SMALL)
+    assert r.verdict.sub_cause != R.LOSS_SUMMED
+
+
+def test_clipping_too_tight_is_named():
+    from convcheck.pipeline import compare
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=8, optimizer="sgd", lr=0.05, clip_grad_norm=1e-4, **SMALL)
+    v = r.verdict
+    assert v.category == "setup" and v.sub_cause == R.CLIPPING_TOO_TIGHT, (v.headline, v.evidence)
+
+
+def test_a_divergence_during_warmup_is_blamed_on_the_schedule():
+    from convcheck.pipeline import compare
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=10, optimizer="sgd", lr=20.0, warmup=4, **SMALL)
+    v = r.verdict
+    assert v.category == "setup" and v.sub_cause == R.SCHEDULE_DIVERGENCE, (v.headline, v.evidence)
+    assert any("warm-up" in e for e in v.evidence) and "warm up for longer" in v.remedies[0]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck import symptoms as S
+from convcheck.recipe_symptoms import recipe_problems
 from convcheck.config import CompareConfig
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
 from convcheck.tolerances import Tolerances
@@ -138,7 +139,8 @@ def gather(result) -> Evidence:
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
-                                                 judge, result.model.num_classes, cfg.lr)),
+                                                 judge, result.model.num_classes, cfg.lr))
+        + tuple(recipe_problems(result)),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=dict(parity.self_difference),
         flagged_layers=dict(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), ddp_findings=_ddp_findings(training),

@@ -7,6 +7,7 @@ stable (V001...); priorities leave gaps for new rules.
 
 from __future__ import annotations
 
+from convcheck import recipe_symptoms as R
 from convcheck import symptoms as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
@@ -29,8 +30,11 @@ SETUP_REMEDIES = {
     S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
     S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
 }
-SETUP_PRIORITY = [S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
-                  S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS]
+# The parts of the user's own recipe come first: when one is implicated it is the cause the others show.
+SETUP_PRIORITY = [R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
+                  S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
+                  S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
+SETUP_REMEDIES.update(R.REMEDIES)
 _UNLISTED = 99
 
 
