@@ -273,7 +273,10 @@ def ill_conditioned(layers: pd.DataFrame, target: str) -> Symptom | None:
     not to blame: its local error and its floor (exact arithmetic on its operands rounded to that
     precision) are both at least DESTROYED_ERROR. Not flagged: a numerics finding naming it."""
     t = layers[(layers["target"] == target) & (layers["kind"] == "forward") & ~layers["flagged"]]
-    lost = t[(t["local"] >= DESTROYED_ERROR) & (t["floor"] >= DESTROYED_ERROR)]
+    # finite only: an input the target's format cannot hold at all (an overflow upstream) is named
+    # by the non-finite scan, not here
+    lost = t[(t["local"] >= DESTROYED_ERROR) & (t["floor"] >= DESTROYED_ERROR)
+             & t["local"].map(math.isfinite) & t["floor"].map(math.isfinite)]
     if not len(lost):
         return None
     r = lost.sort_values("order").iloc[0]

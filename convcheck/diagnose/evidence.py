@@ -56,6 +56,7 @@ class LayerMargin:
     ratio: float  # error / floor
     floor: float
     module: str = ""
+    measured: bool = True  # False: settled against the free lower bound of its floor (no float64 re-run)
 
 
 @dataclass(frozen=True)
@@ -175,10 +176,11 @@ def _closest_layers(layers) -> tuple[LayerMargin, ...]:
     out = []
     for name, rows in table.groupby("target", sort=False):
         w = rows.sort_values("over_floor").iloc[-1]
-        own = w["intrinsic"] if math.isfinite(w["intrinsic"]) else w["local"]
+        measured = math.isfinite(w["intrinsic"])
+        own = w["intrinsic"] if measured else w["local"]
         where = str(w["layer"] if w["kind"] == "forward" else w["param"])
         out.append(LayerMargin(str(name), where, float(own), float(w["over_floor"]), float(w["floor"]),
-                               str(w["module"])))
+                               str(w["module"]), measured))
     return tuple(out)
 
 

@@ -342,9 +342,14 @@ def ok_verdict(ev: Evidence) -> Verdict:
     """Both targets train alike; the evidence says how close they came to a finding."""
     evidence = training_lines(ev)
     for m in ev.closest_layers:
-        evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above its floor is "
-                        f"'{m.layer}' ({m.module}) with its own error {m.error:.2e}, {m.ratio:.2g}x its floor "
-                        f"{m.floor:.2e}")
+        if m.measured:
+            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above its floor is "
+                            f"'{m.layer}' ({m.module}) with its own error {m.error:.2e}, {m.ratio:.2g}x its floor "
+                            f"{m.floor:.2e}")
+        else:
+            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above is '{m.layer}' "
+                            f"({m.module}) with local error {m.error:.2e}, {m.ratio:.2g}x the rounding of its "
+                            f"result {m.floor:.2e} (a lower bound of its floor)")
     evidence += layer_note_lines(ev)
     if ev.drift is not None:
         evidence.append(ev.drift.evidence)

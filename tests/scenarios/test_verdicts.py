@@ -62,6 +62,7 @@ def test_fp16_overflow_names_the_producer(clean_env):
     assert v.layer == "3"  # Gain(1e5): the first layer whose output is Inf from finite inputs
     assert "overflow" in v.headline and "65504" in v.headline
     assert v.sub_cause == "non-finite forward"
+    assert "ill-conditioned layer" not in v.symptoms  # the next layer's input overflows: not its own conditioning
 
 
 def test_learning_rate_far_too_high_is_setup(clean_env):
