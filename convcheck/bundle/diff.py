@@ -93,7 +93,7 @@ def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=
     from convcheck.parity.judge_pass import run_judge
     from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
     from convcheck.bundle.record import source_sha256
-    from convcheck.recipe_symptoms import loss_reduction_probe
+    from convcheck.recipe_probe import loss_reduction_probe
     from convcheck.targets import default_judge, parse_judge
 
     judge, reason = (parse_judge(judge_spec), "re-run here (--judge)") if judge_spec else default_judge()
