@@ -79,8 +79,10 @@ OUTCOME_ABSOLUTE = 1e-12
 # the first (Tolerances.converged_loss_ratio is the user's knob; this is its default).
 CONVERGED_LOSS_RATIO = 0.9
 CONVERGED_TAIL = 3
-# Convergence is judged from this many steps on: one loss value says nothing about it.
-CONVERGENCE_MIN_STEPS = 2
+# Convergence is judged from this many steps on: the rule averages the last 3 losses against the
+# first, so fewer steps say nothing about it (2 steps of ResNet-50 must not count as converged, nor
+# as a failed setup); a shorter run's verdict says convergence was not judged.
+CONVERGENCE_MIN_STEPS = 5
 # An envelope run counts as failed when it ends this much (relative) above the run it perturbs.
 FRAGILE_MARGIN = 0.10
 # Below this a norm counts as zero (a relative error of a cancelled reference is meaningless;

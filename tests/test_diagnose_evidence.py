@@ -126,7 +126,7 @@ def test_a_small_flagged_layer_is_a_note_not_a_verdict():
 def test_one_step_is_not_judged_for_convergence():
     v = diagnose(fake_result(steps=1))
     assert v.category == "ok"
-    assert v.evidence[-1] == "convergence is not judged from 1 step; run --steps 2 or more for that"
+    assert v.evidence[-1] == "convergence is not judged from 1 step; run --steps 5 or more for that"
 
 
 def test_gather_passes_stochastic_layers_on():

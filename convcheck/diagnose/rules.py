@@ -7,6 +7,8 @@ stable (V001...); priorities leave gaps for new rules.
 
 from __future__ import annotations
 
+import math
+
 from convcheck import recipe_symptoms as R
 from convcheck import symptoms as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
@@ -44,6 +46,8 @@ def training_lines(ev: Evidence) -> list[str]:
     out = []
     for name, info in ev.outcomes.items():
         state = "converged" if info.converged else "did not converge"
+        if not ev.judgeable and math.isfinite(info.final_loss):
+            state = "trained (convergence not judged)"
         out.append(f"{name}: {state}, loss {info.first_loss:.4g} -> {info.final_loss:.4g}"
                    + (f", first non-finite at step {info.first_nonfinite_step}"
                       if info.first_nonfinite_step is not None else ""))

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from convcheck.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
 
@@ -181,8 +182,11 @@ def _drift_pair(result) -> tuple[str, str] | None:
 def _training(c: Console, result) -> None:
     tr = result.training
     parts = []
+    judged = result.config.steps >= CONVERGENCE_MIN_STEPS
     for name, info in tr.outcomes.items():
         state = "[green]converged[/green]" if info.converged else "[red]did not converge[/red]"
+        if not judged and math.isfinite(info.final_loss):
+            state = f"trained, convergence not judged from {result.config.steps} step(s)"
         extra = ""
         if info.first_nonfinite_step is not None:
             extra += f", first non-finite at step {info.first_nonfinite_step}"
