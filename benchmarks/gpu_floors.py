@@ -99,8 +99,8 @@ def _grad_floor(meter, module, jc, args, half, r, judge_grads, judge) -> float:
     matmul = op_class(module) != "elementwise"
     g = jc.grad_output.to(half if matmul else torch.float32)
     ref = judge.reference_module(private_copy(module))
-    want = reference_grads(ref, args, g, judge)
-    best = meter.grads(module, ref, args, g, want, half if matmul else torch.float32)
+    want = None if meter.rounds_grads(module, args, g) else reference_grads(ref, args, g, judge)
+    best = meter.grads(module, ref, args, g, half if matmul else torch.float32, want)
     if pname not in best:
         return math.nan
     acc = GRAD_ACCUMULATION * meter.precision.for_module(module).accumulate * math.sqrt(max(1, r.K))

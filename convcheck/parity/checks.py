@@ -88,18 +88,30 @@ class LocalGrads:
         dtypes = (runner.param_dtype, out_dtype) if op_class(module) != "elementwise" else (runner.param_dtype,)
         self.grad_dtype = max(dtypes, key=dtype_unit_roundoff)
         self.out_dtype = out_dtype
-        self._refs: tuple[dict, dict] | None = None
+        self.args = tuple(runner.cast_input(j) if isinstance(j, torch.Tensor) else j for j in jc.inputs)
+        self.g = jc.grad_output.to(device=runner.torch_device, dtype=out_dtype)  # as local_backward feeds it
+        self._ref: nn.Module | None = None
+        self._want: dict | None = None
+        self._best: dict | None = None
 
-    def refs(self) -> tuple[dict, dict]:
-        """``(float64 gradients on the cast operands, the floor's gradients)``, computed once."""
-        if self._refs is None:
-            runner, judge = self.runner, self.meter.judge
-            args = tuple(runner.cast_input(j) if isinstance(j, torch.Tensor) else j for j in self.jc.inputs)
-            g = self.jc.grad_output.to(device=runner.torch_device, dtype=self.out_dtype)  # as local_backward
-            ref = judge.reference_module(private_copy(self.module))
-            want = reference_grads(ref, args, g, judge)
-            self._refs = want, self.meter.grads(self.module, ref, args, g, want, self.grad_dtype)
-        return self._refs
+    def ref(self) -> nn.Module:
+        if self._ref is None:
+            self._ref = self.meter.judge.reference_module(private_copy(self.module))
+        return self._ref
+
+    def want(self) -> dict:
+        """The float64 copy's gradients on the same cast operands (for the intrinsic error), once."""
+        if self._want is None:
+            self._want = reference_grads(self.ref(), self.args, self.g, self.meter.judge)
+        return self._want
+
+    def best(self) -> dict:
+        """The floor's gradients, once (from ``want`` where the rounding changes nothing)."""
+        if self._best is None:
+            meter = self.meter
+            shared = None if meter.rounds_grads(self.module, self.args, self.g) else self.want()
+            self._best = meter.grads(self.module, self.ref(), self.args, self.g, self.grad_dtype, shared)
+        return self._best
 
     def check(self, tol: Tolerances, pname: str, jg: torch.Tensor, accumulation: float) -> dict:
         """The row of one parameter: cheap first, then the float64 gradients. A gradient that
@@ -114,20 +126,26 @@ class LocalGrads:
         lower = self.meter.output_rounding(jg, self.grad_dtype) + accumulation
         if not MEASURE_ALL and not tol.is_flagged(local, lower):
             return dict(local=local, **row_verdict(tol, local, math.nan, lower))
-        errors = self._errors(pname, jg, accumulation, terms)
+        errors = self._errors(tol, pname, jg, accumulation, terms)
         if not terms and row_verdict(tol, **errors)["flagged"] and math.isfinite(errors["intrinsic"]):
             terms = self._terms(pname)
             if terms:
-                errors = self._errors(pname, jg, accumulation, terms)
+                errors = self._errors(tol, pname, jg, accumulation, terms)
         return dict(local=errors["local"], intrinsic=errors["intrinsic"], **row_verdict(tol, **errors))
 
     def _terms(self, pname: str) -> float:
         return grad_terms_norm(self.module, self.jc, self.meter.judge).get(pname) or 0.0
 
-    def _errors(self, pname: str, jg, accumulation: float, terms: float = 0.0) -> dict[str, float]:
-        want, best = (r.get(pname) for r in self.refs())
-        mine = self.mine[pname]
-        if want is None or best is None:
-            return dict(local=rel_l2(mine, jg, floor=terms), intrinsic=math.nan, floor=math.nan)
-        return dict(local=rel_l2(mine, jg, floor=terms), intrinsic=rel_l2(mine, want, floor=terms),
-                    floor=rel_l2(best, jg, floor=terms) + accumulation)
+    def _errors(self, tol: Tolerances, pname: str, jg, accumulation: float, terms: float = 0.0) -> dict[str, float]:
+        """Local, floor (plus ``accumulation``) and, where the local error is above its bound,
+        intrinsic; relative to the judge's gradient, or to ``terms`` where that is larger."""
+        mine, best = self.mine[pname], self.best().get(pname)
+        local = rel_l2(mine, jg, floor=terms)
+        if best is None:
+            return dict(local=local, intrinsic=math.nan, floor=math.nan)
+        floor = rel_l2(best, jg, floor=terms) + accumulation
+        intrinsic = math.nan
+        if MEASURE_ALL or tol.is_flagged(local, floor):
+            want = self.want().get(pname)
+            intrinsic = rel_l2(mine, want, floor=terms) if want is not None else math.nan
+        return dict(local=local, intrinsic=intrinsic, floor=floor)

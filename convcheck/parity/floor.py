@@ -110,14 +110,20 @@ class FloorMeter:
             return math.nan
         return rel_l2(round_to(out, dtype_unit_roundoff(out_dtype), out_dtype), judge_out)
 
-    def grads(self, module: nn.Module, ref: nn.Module, args: tuple, grad_output: torch.Tensor,
-              reference: dict[str, torch.Tensor], grad_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The best parameter gradients at this precision: ``ref`` fed operand-rounded ``args``,
-        ``grad_output`` and parameters, each gradient rounded to ``grad_dtype``; ``reference``
-        (unrounded) is reused when the rounding changes nothing."""
+    def rounds_grads(self, module: nn.Module, args: tuple, grad_output: torch.Tensor) -> bool:
+        """Whether a gradient's floor rounds any operand (the output gradient too) beyond the target's."""
         op = self.precision.for_module(module)
-        g = round_to(self.judge.reference(grad_output), op.operand, self.dtype)
-        if self.rounds(module, args) or op.operand > dtype_unit_roundoff(grad_output.dtype):
+        return self.rounds(module, args) or (op_class(module) != "elementwise"
+                                             and op.operand > dtype_unit_roundoff(grad_output.dtype))
+
+    def grads(self, module: nn.Module, ref: nn.Module, args: tuple, grad_output: torch.Tensor,
+              grad_dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The best parameter gradients at this precision: ``ref`` fed operand-rounded ``args``,
+        ``grad_output`` and parameters, each gradient rounded to ``grad_dtype``. Where the rounding
+        changes nothing (``rounds_grads`` is False) ``reference``, the float64 gradients on the
+        unrounded operands, is rounded instead (and must be given)."""
+        if self.rounds_grads(module, args, grad_output):
+            g = round_to(self.judge.reference(grad_output), self.precision.for_module(module).operand, self.dtype)
             reference = reference_grads(*self._rounded(module, ref, args), g, self.judge)
         u = dtype_unit_roundoff(grad_dtype)
         return {n: round_to(t, u, grad_dtype) for n, t in reference.items()}
