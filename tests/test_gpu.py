@@ -336,3 +336,41 @@ def test_resnet50_compare_at_batch_32_with_the_gpu_judge():
     assert r.verdict is not None and r.verdict.category in ("ok", "numerics", "setup")
     assert set(r.training.outcomes) == {"cuda:tf32", "cuda:no-tf32", "cuda:float64"}
     assert r.timings["parity_s"] > 0 and r.timings["train_s"] > 0
+
+
+# --- layer floors on GPU targets (issue 10) -------------------------------------------------------------
+
+
+@needs_tf32  # bfloat16 also needs compute capability >= 8.0
+@pytest.mark.parametrize("target", ["cuda:bf16", "cuda:fp16", "cuda:amp-fp16", "cuda:amp-bf16", "cuda:tf32"])
+def test_a_conv_wrong_by_ten_times_its_noise_is_flagged_on_the_gpu(target):
+    """The injected-error sweep (tests/scenarios/sweep.py) on real kernels, K = 4608. With TF32 the
+    floor assumes TF32 operands; cuDNN may still pick a float32 kernel (noise ~1e-7, far below that
+    floor), so there the limit is read against the floor: flagged within 10x of it."""
+    from scenarios.sweep import detection_limit
+
+    lim = detection_limit(target, 512)
+    assert lim.before >= 30  # the old rule, from the same rows
+    if target == "cuda:tf32":
+        assert lim.eps_after <= 10 * lim.floor, (lim.eps_after, lim.floor, lim.noise)
+    else:
+        assert lim.after <= 10, (lim.eps_after, lim.noise, lim.floor)
+
+
+@needs_tf32
+@pytest.mark.parametrize("name, batch", [("lenet", 32), ("cifar_cnn", 16), ("resnet18", 4)])
+def test_the_healthy_zoo_is_flagged_nowhere_on_the_gpu(name, batch):
+    from convcheck.data import load_batches
+    from convcheck.models import resolve_model
+    from convcheck.parity import run_parity
+    from convcheck.pipeline import initial_state, model_builder
+
+    shape = dict(input_shape=(3, 64, 64), num_classes=10) if name == "resnet18" else {}
+    model = resolve_model(name, **shape)
+    batches = load_batches(None, input_shape=model.input_shape, num_classes=model.num_classes,
+                           batch_size=batch, num_batches=1, seed=0)
+    specs = ("cuda", "cuda:tf32", "cuda:no-tf32", "cuda:bf16", "cuda:fp16", "cuda:amp-fp16", "cuda:amp-bf16")
+    r = run_parity(model_builder(model, initial_state(model, 0)), batches.batches[0],
+                   [Target.parse(s) for s in specs], seed=0)
+    assert all(v is None for v in r.first_flagged.values()), r.flagged()[["target", "layer", "param", "local",
+                                                                            "intrinsic", "floor", "bound"]]
