@@ -60,8 +60,10 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "iterable of batches")
     opt("workers", type=int, metavar="N", help="DataLoader workers for a Dataset (default %(default)s)")
     opt("bound-factor", type=float,
-        help="flag a layer whose local error exceeds this many times its expected bound (default %(default)s)")
-    opt("min-error", type=float, help="...and exceeds this relative error (default %(default)s)")
+        help="flag a layer whose own error exceeds this many times its floor (the same layer in float64 on "
+             "operands rounded to the target's precision) plus 4e-7 (default %(default)s)")
+    opt("min-error", type=float,
+        help="a flagged layer whose error stays below this is a note, not the verdict (default %(default)s)")
 
 
 def _betas(text: str) -> tuple[float, float]:
