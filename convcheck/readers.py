@@ -104,9 +104,23 @@ def _read_idx(path: str, magic: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
 
+def _check_npz_sizes(path: str) -> None:
+    """What the archive's members expand to, read from the zip directory before anything is decompressed:
+    a small .npz that would expand past ``MAX_IDX_BYTES`` is refused in one line, not loaded."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            total = sum(info.file_size for info in z.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # not a zip (a plain .npy, or damaged): np.load says what it is
+    if total > MAX_IDX_BYTES:
+        raise UsageError(f"{path}: its arrays would expand to {total / 2**30:.1f} GiB, more than the "
+                         f"{MAX_IDX_BYTES / 2**30:.0f} GiB convcheck reads")
+
+
 def _read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     if not os.path.isfile(path):
         raise UsageError(f"npz file {path} does not exist")
+    _check_npz_sizes(path)
     try:
         f = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:

@@ -347,3 +347,17 @@ def test_hash_state_dict():
     t = torch.arange(6.0)
     assert hash_state_dict({"a": t}) != hash_state_dict({"b": t})
     assert hash_state_dict({"a": t}) != hash_state_dict({"a": t.reshape(2, 3)})
+
+
+def test_npz_that_would_expand_past_the_limit_is_refused_before_loading(tmp_path, monkeypatch):
+    import zipfile
+
+    import convcheck.readers as readers
+
+    path = tmp_path / "big.npz"
+    np.savez_compressed(path, x=np.zeros((64, 1, 28, 28)), y=np.zeros(64, dtype=np.int64))
+    with zipfile.ZipFile(path) as z:
+        total = sum(i.file_size for i in z.infolist())
+    monkeypatch.setattr(readers, "MAX_IDX_BYTES", total - 1)  # the same check, with a small limit
+    with pytest.raises(UsageError, match="would expand to .* GiB, more than"):
+        load_batches(f"npz:{path}", input_shape=(1, 28, 28), num_classes=10, batch_size=4, num_batches=1, seed=0)
