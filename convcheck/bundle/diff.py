@@ -12,16 +12,11 @@ parameter snapshots both sides hold. Each side's environment is audited, and the
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
-import pandas as pd
 import torch
 
+from convcheck.bundle.common import JudgeRecord, config_of  # noqa: F401 - config_of re-exported
 from convcheck.bundle.reader import Bundle
-from convcheck.config import CompareConfig
 from convcheck.errors import UsageError
-from convcheck.tolerances import Tolerances
 
 _SAME = ("init_sha256", "batches_sha256", "data_source")
 
@@ -54,36 +49,6 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
             raise _differs(f"{option} code (SHA-256 of the file)", (ha or "none")[:12], (hb or "none")[:12], na, nb)
     if a["tolerances"] != b["tolerances"]:
         raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
-
-
-def config_of(bundle: Bundle, targets, judge) -> CompareConfig:
-    values = dict(bundle["config"])
-    if isinstance(values.get("betas"), list):
-        values["betas"] = tuple(values["betas"])
-    fields = {f.name for f in dataclasses.fields(CompareConfig)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise UsageError(f"bundle {bundle.path}: config.{unknown[0]} is not an option of this convcheck")
-    try:
-        tol = Tolerances(**bundle["tolerances"])
-        return CompareConfig(**values, targets=targets, judge=judge, tolerances=tol)
-    except TypeError as exc:
-        raise UsageError(f"bundle {bundle.path}: config is not valid here ({exc})") from None
-
-
-# --- the judge ------------------------------------------------------------------
-
-@dataclasses.dataclass
-class JudgeRecord:
-    """The judge's per-layer outputs and parameter gradients of the parity step (float64 tensors)."""
-
-    name: str
-    reason: str
-    outputs: dict
-    grads: dict
-    loss_batch_ratio: float = math.nan
-    resolved: object = None
-    recipe: object = None
 
 
 def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=None) -> JudgeRecord:

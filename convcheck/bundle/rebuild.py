@@ -1,4 +1,4 @@
-"""A ``CompareResult`` from two checked bundles and a ``JudgeRecord`` (``convcheck.bundle.diff``)."""
+"""A ``CompareResult`` from two checked bundles and a ``JudgeRecord`` (made by ``convcheck.bundle.diff``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import torch
 
-from convcheck.bundle.diff import JudgeRecord, config_of
+from convcheck.bundle.common import JudgeRecord, config_of
 from convcheck.bundle.reader import Bundle
 from convcheck.metrics import rel_l2
 from convcheck.targets import Target

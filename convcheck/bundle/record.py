@@ -123,13 +123,11 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
                num_classes=None, layers: str | None = None, snapshot_steps: str | None = None,
                fingerprint=None) -> dict:
     """Run ``target_spec`` against the judge and write the bundle into ``folder``; returns the manifest."""
-    from convcheck import __version__
     from convcheck.datasets import is_user_data
     from convcheck.env import collect
     from convcheck.parity import run_parity
     from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
     from convcheck.train import TrainConfig, run_training
-    from convcheck.train.arms import Arm
 
     target = Target.parse(target_spec)
     target.check_available()
@@ -147,19 +145,39 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
         writer = BundleWriter(folder)
         torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass
         _capture(build(target), target, first, cfg.seed, recipe.loss, writer, layers)
-        # A float64 target recorded as a judge for others (diff --judge RUN_J) trains once, as the judge.
-        arms = [Arm(str(judge), judge, "judge")] if target == judge else \
-            [Arm(str(target), target, "target"), Arm(str(judge), judge, "judge")]
-        for k in range(cfg.envelope if target != judge else 0):
-            arms.append(Arm(f"{target}~{k + 1}", target, "envelope", perturb_seed=(cfg.seed * 1000 + k + 1) % 2**63,
-                            reference=str(target)))
+        arms = _arms(target, judge, cfg)
         n_params = sum(v.numel() for v in state.values())
         snaps = parse_snapshot_steps(snapshot_steps, cfg.steps, n_params)
         snapper = _Snapshotter(build, target, snaps, writer, len(arms))
         training = run_training(snapper.build, stream, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed,
                                 recipe=recipe), tolerances=cfg.tolerances, progress=snapper.progress)
     fingerprint = fingerprint or collect()
-    manifest = {
+    run = dict(resolved=resolved, target=target, judge=judge, judge_reason=judge_reason, cfg=cfg, state=state,
+               stream=stream, notes=notes, parity=parity, training=training)
+    manifest = _manifest(model_spec, layers, fingerprint, **run)
+    writer.finish(manifest)
+    return manifest
+
+
+def _arms(target: Target, judge: Target, cfg: CompareConfig) -> list:
+    """The recorded target (with its envelope runs) and the judge; a float64 target recorded as a judge
+    for others (``diff --judge RUN_J``) trains once, as the judge."""
+    from convcheck.train.arms import Arm
+
+    if target == judge:
+        return [Arm(str(judge), judge, "judge")]
+    arms = [Arm(str(target), target, "target"), Arm(str(judge), judge, "judge")]
+    for k in range(cfg.envelope):
+        arms.append(Arm(f"{target}~{k + 1}", target, "envelope", perturb_seed=(cfg.seed * 1000 + k + 1) % 2**63,
+                        reference=str(target)))
+    return arms
+
+
+def _manifest(model_spec, layers, fingerprint, *, resolved, target, judge, judge_reason, cfg, state, stream,
+              notes, parity, training) -> dict:
+    from convcheck import __version__
+
+    return {
         "convcheck_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {"spec": model_spec, "name": resolved.name, "source": resolved.source,
@@ -183,8 +201,6 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
                      "nonfinite_producer": {a: list(v) if v else None
                                             for a, v in training.nonfinite_producer.items()}},
     }
-    writer.finish(manifest)
-    return manifest
 
 
 def _capture(model, target: Target, batch, seed: int, loss_fn, writer: BundleWriter, layers: str | None) -> None:

@@ -111,7 +111,7 @@ def _findings(findings: list[Finding]) -> list[str]:
 
 
 def _stack(fp: Fingerprint) -> list[str]:
-    h, tb, d, m = fp.host, fp.torch, fp.driver, fp.math
+    h, tb, m = fp.host, fp.torch, fp.math
     rows = [
         ("OS", _join(h.os, h.machine)),
         ("Python", h.python),
