@@ -138,15 +138,17 @@ class SharedDropoutMasks:
             return None
         x = inputs[0]
         self._calls += 1
-        gen = torch.Generator().manual_seed(self.seed * 7919 + self._calls)
-        if isinstance(module, nn.Dropout):
-            shape = x.shape
-        else:  # channel dropout: one draw per (sample, channel)
-            shape = x.shape[:2] + (1,) * (x.dim() - 2)
-        keep = torch.rand(shape, generator=gen, dtype=torch.float64) >= module.p
+        keep = self._keep(module, x, torch.Generator().manual_seed(self.seed * 7919 + self._calls))
         mask = keep.to(device=x.device, dtype=x.dtype) / (1.0 - module.p)
         self.last_mask = mask
         return x * mask
+
+    def _keep(self, module, x: torch.Tensor, gen: torch.Generator, rows: int | None = None) -> torch.Tensor:
+        """The keep-mask for ``x``, drawn on the CPU for ``rows`` samples (default: x's own batch)."""
+        full = (rows if rows is not None else x.shape[0],) + tuple(x.shape[1:])
+        # channel dropout: one draw per (sample, channel)
+        shape = full if isinstance(module, nn.Dropout) else full[:2] + (1,) * (x.dim() - 2)
+        return torch.rand(shape, generator=gen, dtype=torch.float64) >= module.p
 
 
 def is_shared_dropout(module: nn.Module) -> bool:

@@ -36,12 +36,7 @@ def run_diff(args) -> int:
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
-    if folder is None and not args.no_save:
-        folder = RunFolder.default(result.model.name)
-    _show(result, differences, args)
-    if folder is not None:
-        _write(result, fps, differences, folder, args.force)
-    return 0 if result else 1
+    return _finish(result, fps, differences, folder, args)
 
 
 def _show(result, differences, args) -> None:
@@ -107,6 +102,13 @@ def run_against(args) -> int:
         here.mkdir()
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
         result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+    return _finish(result, fps, differences, folder, args)
+
+
+def _finish(result, fps, differences, folder, args) -> int:
+    """Show the comparison, write its folder (a default one unless --out or --no-save), exit 0 or 1."""
+    from convcheck.report.folder import RunFolder
+
     if folder is None and not args.no_save:
         folder = RunFolder.default(result.model.name)
     _show(result, differences, args)

@@ -62,19 +62,10 @@ class RankDropoutMasks(SharedDropoutMasks):
         super().__init__(model, seed)
         self.rank, self.world = rank, world
 
-    def _hook(self, module, inputs, output):
-        if not module.training or module.p == 0:
-            return None
-        x = inputs[0]
-        self._calls += 1
-        gen = torch.Generator().manual_seed(self.seed * 7919 + self._calls)
-        full = (x.shape[0] * self.world,) + tuple(x.shape[1:])
-        shape = full if isinstance(module, nn.Dropout) else full[:2] + (1,) * (x.dim() - 2)
-        keep = torch.rand(shape, generator=gen, dtype=torch.float64) >= module.p
-        keep = keep.narrow(0, self.rank * x.shape[0], x.shape[0])
-        mask = keep.to(device=x.device, dtype=x.dtype) / (1.0 - module.p)
-        self.last_mask = mask
-        return x * mask
+    def _keep(self, module, x, gen, rows=None):
+        """The global batch's mask (the single-device arms' draw), this rank's rows of it."""
+        keep = super()._keep(module, x, gen, rows=x.shape[0] * self.world)
+        return keep.narrow(0, self.rank * x.shape[0], x.shape[0])
 
 
 class BatchNormProbe:
