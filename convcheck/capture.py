@@ -7,8 +7,10 @@ one ``relu`` module two or three times per block) gets one key per call:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -46,24 +48,84 @@ def first_tensor(obj) -> torch.Tensor | None:
 
 OnCall = Callable[[str, str, nn.Module, tuple, torch.Tensor], None]
 
+_SUSPENDED = [0]
+
+
+@contextlib.contextmanager
+def hooks_suspended():
+    """Inside, convcheck's capture hooks ignore module calls (a private re-run of a module's code
+    calls the real modules' hooks only where it reaches a module it does not replace)."""
+    _SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED[0] -= 1
+
+
+def hooks_live() -> bool:
+    return _SUSPENDED[0] == 0
+
+
+@dataclass
+class ChildCall:
+    """One call of a module's direct child, as its parent saw it."""
+
+    key: str
+    name: str  # the child's module name (``layer1.0.conv1``)
+    inputs: tuple
+    output: object  # the whole output (a tensor, or a tuple/dict holding tensors)
+
+
+@dataclass
+class ParentCall:
+    """One finished call of a module with children: its inputs, keyword inputs, output and the
+    calls of its direct children in call order (what its own code fed them and got back)."""
+
+    key: str
+    name: str
+    module: nn.Module
+    inputs: tuple
+    kwargs: dict
+    output: object
+    children: list[ChildCall] = field(default_factory=list)
+
 
 class LeafCalls:
     """Calls ``on_call(key, name, module, inputs, output)`` after every leaf module call.
 
+    With ``on_parent`` it also calls ``on_parent(ParentCall)`` after every call of a module with
+    children (the root included), once its children have run; ``keep`` is applied to what a
+    parent records of its children's calls, at the time of each call (the judge keeps snapshots:
+    the parent's own code may change a child's output in place afterwards). With ``grad_in``,
+    ``grad_in(key, gradient)`` receives the gradient with respect to each call's input (its own
+    use of the input: the call reads it through a view of its own).
+
     Use as a context manager; hooks are removed on exit. ``order`` lists the
-    keys in call order once the forward has run.
+    keys of leaf calls in call order once the forward has run.
     """
 
-    def __init__(self, model: nn.Module, on_call: OnCall):
+    def __init__(self, model: nn.Module, on_call: OnCall, on_parent: Callable[[ParentCall], None] | None = None,
+                 keep: Callable | None = None, grad_in: Callable[[str, torch.Tensor], None] | None = None):
         self.model = model
         self.on_call = on_call
+        self.on_parent = on_parent
+        self.keep = keep or (lambda obj: obj)
+        self.grad_in = grad_in
         self.order: list[str] = []
         self._counts: Counter[str] = Counter()
         self._handles: list = []
+        self._stack: list[ParentCall] = []
 
     def __enter__(self) -> "LeafCalls":
-        for name, module in leaf_modules(self.model):
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+        self._stack.clear()
+        leaves = {id(m) for _, m in leaf_modules(self.model)}
+        for name, module in named_modules(self.model):
+            if self.on_parent is None and self.grad_in is None:
+                if id(module) in leaves:
+                    self._handles.append(module.register_forward_hook(self._leaf_only(name)))
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._enter(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._exit(id(module) in leaves), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,17 +133,69 @@ class LeafCalls:
             h.remove()
         self._handles.clear()
 
-    def _hook(self, name: str):
+    def _key(self, name: str) -> str:
+        self._counts[name] += 1
+        n = self._counts[name]
+        return name if n == 1 else f"{name}#{n}"
+
+    def _leaf_only(self, name: str):
         def hook(module, inputs, output):
-            self._counts[name] += 1
-            n = self._counts[name]
-            key = name if n == 1 else f"{name}#{n}"
+            if not hooks_live():
+                return
+            key = self._key(name)
             self.order.append(key)
             out = first_tensor(output)
             if out is not None:
                 self.on_call(key, name, module, inputs, out)
 
         return hook
+
+    def _enter(self, name: str):
+        def hook(module, args, kwargs):
+            if not hooks_live():
+                return None
+            key = self._key(name)
+            if self.grad_in is not None and torch.is_grad_enabled():
+                args = tuple(self._watched(key, a) for a in args)
+                kwargs = {k: self._watched(key, v) for k, v in kwargs.items()}
+            self._stack.append(ParentCall(key, name, module, self.keep(args), self.keep(dict(kwargs)), None))
+            return args, kwargs
+
+        return hook
+
+    def _watched(self, key: str, t):
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or not t.is_floating_point():
+            return t
+        view = t.view_as(t)
+        view.register_hook(lambda g: self.grad_in(key, g))
+        return view
+
+    def _exit(self, leaf: bool):
+        def hook(module, args, kwargs, output):
+            if not hooks_live() or not self._stack or self._stack[-1].module is not module:
+                return
+            call = self._stack.pop()
+            call.output = output
+            if self._stack:
+                self._stack[-1].children.append(ChildCall(call.key, call.name, call.inputs, self.keep(output)))
+            if leaf:
+                self.order.append(call.key)
+                out = first_tensor(output)
+                if out is not None:
+                    self.on_call(call.key, call.name, module, args, out)
+            elif self.on_parent is not None:
+                self.on_parent(call)
+
+        return hook
+
+
+def _root_name(model: nn.Module) -> str:
+    return type(model).__name__
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module, named as ``leaf_modules`` names them (the root by its class name)."""
+    return [(n or _root_name(model), m) for n, m in model.named_modules()]
 
 
 def module_copy(module: nn.Module) -> nn.Module:

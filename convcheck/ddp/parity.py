@@ -79,7 +79,7 @@ def ddp_parity(target, build, batch, judge_grads: dict, loss_fn, seed: int) -> t
             # no own-arithmetic error (intrinsic) here: over_floor stays NaN so no "closest layer" reads it
             local=math.nan, intrinsic=math.nan, over_floor=math.nan,
             needed=math.nan, nan=int(torch.isnan(g).sum()), inf=int(torch.isinf(g).sum()), input_nonfinite=0,
-            grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()) if jg.numel() else math.nan,
+            grad_out_nonfinite=0, grad_in_nonfinite=0, ref_absmax=float(jg.abs().max()) if jg.numel() else math.nan,
             # never flagged as a *layer* (its own arithmetic is the per-rank runner's, checked on one
             # device); propagated > bound is read by convcheck.ddp.diagnostics as a setup problem
             flagged=False,

@@ -285,9 +285,13 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     layer = main.layer
     headline = None
     facts = ev.target_facts.get(main.arm) or TargetFacts()
+    op = main.extra.get("op")
     if main.name == S.NONFINITE_FORWARD and main.extra.get("overflow") and facts.compute_format == "float16":
-        headline = (f"float16 overflow in '{layer}' on {main.arm}: it produces the first Inf "
+        where = f"{op} in '{layer}' (its own code)" if op else f"'{layer}'"
+        headline = (f"float16 overflow in {where} on {main.arm}: it produces the first Inf "
                     f"(values reach {main.value:.4g} > 65504)")
+    elif main.name in S.NONFINITE_TENSORS and op:
+        headline = f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name in S.NONFINITE_TENSORS:
         headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.DRIFT:
@@ -308,6 +312,14 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     layer = main.layer
     out = []
     float16 = t is not None and t.half_compute and t.compute_format == "float16"
+    op = main.extra.get("op")
+    if main.name in S.NONFINITE_TENSORS and op and float16 and main.extra.get("overflow"):
+        out.append(f"{op} in '{layer}' overflows float16: scale its operands down before it (attention "
+                   f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
+                   + (" (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else ""))
+    elif main.name in S.NONFINITE_TENSORS and op:
+        out.append(f"find what makes {op} in '{layer}' (its own code) produce NaN/Inf: its input range, a "
+                   "division by zero, log or sqrt of a non-positive value")
     if main.name in S.NONFINITE_TENSORS or main.name == S.GRADSCALER_COLLAPSE:
         if t is not None and t.mixed_precision and float16:
             out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from convcheck.capture import LeafCalls, SharedDropoutMasks, tensors_in
+from convcheck.batch import map_tensors
+from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, tensors_in
 from convcheck.runners import Runner
 
 
@@ -18,6 +19,9 @@ class JudgeCall:
     inputs: tuple
     output: torch.Tensor
     grad_output: torch.Tensor | None = None
+    full: object = None  # the whole output as the call returned it (set from its parent's record)
+    kwargs: dict = field(default_factory=dict)
+    children: list[str] | None = None  # a module with children: its children's call keys, in order
 
 
 class _Snapshots:
@@ -54,8 +58,21 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
         if out.requires_grad:
             out.register_hook(lambda g, rec=rec: setattr(rec, "grad_output", g.detach()))
 
+    def on_parent(call: ParentCall):
+        # a module with children: what its own code was given and gave back (parity.own_code)
+        out = first_tensor(call.output)
+        if out is None:
+            return
+        calls[call.key] = JudgeCall(call.name, type(call.module).__name__, call.inputs, snap(out),
+                                    full=keep(call.output), kwargs=call.kwargs,
+                                    children=[c.key for c in call.children])
+        for c in call.children:
+            if c.key in calls:
+                calls[c.key].full = c.output
+
+    keep = lambda obj: map_tensors(obj, snap)  # noqa: E731
     with judge.applied():
-        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call) as lc:
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent, keep=keep) as lc:
             _, loss = judge.forward_loss(model, x, y, loss_fn)
         snap.clear()
         judge.backward(loss)
@@ -77,17 +94,25 @@ def stochastic_layers(model: nn.Module, x, calls: dict, judge: Runner, seed: int
     """Re-run the judge's forward under another random seed (same shared masks): a layer
     whose output moves while its input does not draws random numbers of its own."""
     found: list[str] = []
+    moved: set[str] = set()  # calls whose output differs from the judge's record
 
-    def on_call(key, name, module, inputs, out):
+    def on_call(key, name, module, inputs, out, children=()):
         jc = calls.get(key)
-        if jc is None or tuple(jc.output.shape) != tuple(out.shape):
+        if jc is None or tuple(jc.output.shape) != tuple(out.shape) or _identical(out.detach(), jc.output):
             return
+        moved.add(key)
         same_in = all(_identical(a, b) for a, b in zip(tensors_in(inputs), tensors_in(jc.inputs)))
-        if same_in and not _identical(out.detach(), jc.output):
+        # a module with children: its own code draws when none of its children's outputs moved
+        if same_in and not any(c.key in moved for c in children):
             found.append(key)
+
+    def on_parent(call: ParentCall):
+        out = first_tensor(call.output)
+        if out is not None:
+            on_call(call.key, call.name, call.module, call.inputs, out, call.children)
 
     torch.manual_seed(seed + 7777)
     with judge.applied(), torch.no_grad():
-        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call):
+        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent):
             judge.forward(model, x)
     return found

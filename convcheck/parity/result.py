@@ -17,7 +17,7 @@ from convcheck.tolerances import Tolerances
 COLUMNS = [
     "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "floor", "bound",
     "propagated", "local", "intrinsic", "over_floor", "needed", "nan", "inf", "input_nonfinite",
-    "grad_out_nonfinite", "ref_absmax", "flagged",
+    "grad_out_nonfinite", "grad_in_nonfinite", "ref_absmax", "flagged",
 ]
 
 

@@ -12,11 +12,14 @@ import torch
 import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
-from convcheck.capture import LeafCalls, SharedDropoutMasks, is_shared_dropout, tensors_in
+from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
 from convcheck.metrics import grad_reduction_length, nonfinite_count, reduction_length, rel_l2
 from convcheck.parity.checks import LocalGrads, check_forward
 from convcheck.parity.floor import FloorMeter
 from convcheck.parity.local import cast_args, target_call
+from convcheck.parity.own_check import OwnCodeCheck, first_nonfinite_op, own_code_produces
+from convcheck.layer_names import own_code_label
+from convcheck.parity.own_code import REPLAY_FAILURES
 from convcheck.runners import Runner
 from convcheck.thresholds import GRAD_ACCUMULATION
 from convcheck.tolerances import Tolerances
@@ -31,6 +34,7 @@ class TargetPass:
         self.calls, self.judge_grads = record
         self.tol, self.stochastic, self.seed = tol, set(stochastic), seed
         self.rows: list[dict] = []
+        self.by_key: dict[str, dict] = {}
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
         self.masks: SharedDropoutMasks | None = None
@@ -42,7 +46,7 @@ class TargetPass:
         self.masks = SharedDropoutMasks(model, self.seed)
         scale = self.runner.parity_loss_scale
         with self.runner.applied():
-            with self.masks, LeafCalls(model, self._on_call):
+            with self.masks, LeafCalls(model, self._on_call, self._on_parent, grad_in=self._grad_in):
                 out, loss = self.runner.forward_loss(model, x, y, loss_fn)
             self.runner.backward(loss, scale)
             self._grad_rows(model, batch_size_of(x), scale)
@@ -52,29 +56,80 @@ class TargetPass:
 
     # -- forward rows -----------------------------------------------------------------
 
-    def _on_call(self, key, name, module, inputs, out):
-        jc = self.calls.get(key)
-        order = len(self.rows)
+    def _row(self, key: str, label: str, inputs, out: torch.Tensor, jc) -> dict:
         nan, inf = nonfinite_count(out)
-        row = dict(
-            target=self.name, order=order, kind="forward", layer=key, module=type(module).__name__,
+        return dict(
+            target=self.name, order=len(self.rows), kind="forward", layer=key, module=label,
             param="", shape="x".join(map(str, out.shape)), K=0, u=self.runner.unit_roundoff, bound=math.nan,
             propagated=math.nan, local=math.nan, intrinsic=math.nan, floor=math.nan, over_floor=math.nan,
             needed=math.nan, nan=nan, inf=inf,
             input_nonfinite=sum(sum(nonfinite_count(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
+            grad_in_nonfinite=0,
             ref_absmax=float(jc.output.abs().max()) if jc is not None and jc.output.numel() else math.nan,
             flagged=False,
         )
+
+    def _add(self, key: str, row: dict, out: torch.Tensor) -> None:
+        self.rows.append(row)
+        self.by_key[key] = row
+        if out.requires_grad:
+            out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
+
+    def _grad_in(self, key: str, g: torch.Tensor) -> None:
+        row = self.by_key.get(key)
+        if row is not None:
+            row["grad_in_nonfinite"] += sum(nonfinite_count(g))
+
+    def _on_call(self, key, name, module, inputs, out):
+        jc = self.calls.get(key)
+        order = len(self.rows)
+        row = self._row(key, type(module).__name__, inputs, out, jc)
         if jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic:
             row.update(self._forward_errors(module, jc, inputs, out))
-        self.rows.append(row)
+        self._add(key, row, out)
         if jc is not None:
             if name not in self.first_call:
                 self.first_call[name] = (order, module, key, out.dtype)
             else:  # called again: its parameter gradient sums every call, a one-call local run can't match it
                 self.reused.add(name)
-        if out.requires_grad:
-            out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
+
+    def _on_parent(self, call: ParentCall) -> None:
+        """A module with children: a row for its own code (``parity.own_code``) when it computes
+        anything of its own, or when NaN/Inf first appear in it (naming the op)."""
+        out, jc = first_tensor(call.output), self.calls.get(call.key)
+        if out is None:
+            return
+        check, errors = None, None
+        if jc is not None and jc.children is not None and call.key not in self.stochastic:
+            try:
+                check = OwnCodeCheck(call, jc, self.calls, self.runner.torch_device)
+                errors = check.errors(self.tol, self.floors)
+            except REPLAY_FAILURES:  # code that cannot be replayed on recorded values is not measured
+                check, errors = None, None
+        produced = own_code_produces(call)
+        if errors is None and not produced:
+            return
+        row = self._row(call.key, own_code_label(type(call.module).__name__), call.inputs, out, jc)
+        if jc is not None and tuple(jc.output.shape) == tuple(out.shape):
+            row["propagated"] = rel_l2(out, jc.output)
+        row.update(errors or {})
+        if produced:
+            self._name_the_op(call, row, check)
+        self._add(call.key, row, out)
+
+    def _name_the_op(self, call: ParentCall, row: dict, check: OwnCodeCheck | None) -> None:
+        try:
+            found = first_nonfinite_op(call)
+        except REPLAY_FAILURES:
+            return
+        if found is None:
+            return
+        row["module"] = own_code_label(type(call.module).__name__, found[1])
+        if check is not None:
+            try:
+                row["ref_absmax"] = check.judge_absmax_at(found[0], self.judge)
+            except REPLAY_FAILURES:
+                pass
 
     def _forward_errors(self, module, jc, inputs, out) -> dict:
         k = reduction_length(module, jc.inputs, jc.output)
@@ -121,7 +176,7 @@ class TargetPass:
             target=self.name, order=order, kind="grad", layer=name, module=jc.module, param=full,
             shape="x".join(map(str, p.shape)), K=k, u=op.operand, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
-            nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, ref_absmax=float(jg.abs().max()),
+            nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0, ref_absmax=float(jg.abs().max()),
             flagged=False,
         )
         row.update(local.check(self.tol, pname, jg, accumulation))

@@ -132,3 +132,74 @@ class Center(nn.Module):
 def offset_center_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), Offset(1000.0), Center(), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+
+
+# --- code inside modules with children (their own code) ---------------------------------------
+
+class NaiveAttention(nn.Module):
+    """Self-attention over the pixels of a feature map, energies not scaled by 1/sqrt(d): with
+    features of a few hundred, q.k reaches ~1e5, past float16's 65504; softmax turns the Inf
+    into NaN. Its arithmetic is its own code: the 1x1 projections are its only children."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        q = self.q(x).flatten(2).transpose(1, 2)
+        k = self.k(x).flatten(2)
+        energies = torch.bmm(q, k)
+        attn = torch.softmax(energies, dim=-1)
+        out = torch.bmm(attn, self.v(x).flatten(2).transpose(1, 2))
+        return x + out.transpose(1, 2).reshape(n, c, h, w)
+
+
+class AttentionNet(nn.Module):
+    def __init__(self, gain: float = 200.0):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(1, 16, 3, stride=4, padding=1), nn.ReLU(), Gain(gain))
+        self.attn = NaiveAttention(16)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(16 * 7 * 7, 10))
+
+    def forward(self, x):
+        return self.head(self.attn(self.encoder(x)))
+
+
+def attention_overflow_net() -> nn.Module:
+    return AttentionNet(200.0)
+
+
+def attention_net() -> nn.Module:
+    """The same attention at a scale float16 holds (energies of a few units)."""
+    return AttentionNet(1.0)
+
+
+class OffsetResidual(nn.Module):
+    """A residual block whose ``out + identity`` is written as ``(out + 64 identity) - 63 identity``
+    (a shift trick): exact in float64, but in bfloat16 the sum with 64 identity rounds away ~6
+    of ``out``'s 8 bits. Its children (convs, BatchNorms, ReLU) are all healthy."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out = (out + identity * 64.0) - identity * 63.0
+        return self.relu(out)
+
+
+def lossy_residual_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(), OffsetResidual(8),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 10),
+    )
