@@ -9,10 +9,12 @@ reports its worst point.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from convcheck.batch import map_tensors
 from convcheck.capture import ParentCall, cast_like, tensors_in
 from convcheck.metrics import rel_l2
 from convcheck.parity import checks
@@ -52,16 +54,25 @@ class OwnCodeCheck:
         self.module = call.module
         self.args = tuple(cast_struct(j, a, device) for j, a in zip(jc.inputs, call.inputs))
         self.kwargs = {k: cast_struct(v, call.kwargs.get(k), device) for k, v in jc.kwargs.items()}
-        self.children = [(child_attribute(call.name, c.name), cast_struct(calls[c.key].full, c.output, device))
+        # per child call: the judge's output and how the target's call returned it (dtypes)
+        self.recorded = [(child_attribute(call.name, c.name), calls[c.key].full, _dtypes(c.output))
                          for c in call.children]
-        self.judge_children = [(child_attribute(call.name, c.name), calls[c.key].full) for c in call.children]
+        self.device = device
         self.want = judge_points([calls[c.key].inputs for c in call.children], jc.full)
         self.jc = jc
+
+    def children(self, then=None) -> list:
+        """``(attribute, make)`` per child call: the judge's output cast as the target's call returned
+        it, then mapped by ``then`` (to float64 for the references)."""
+        def make(judge, like):
+            value = cast_struct(judge, like, self.device)
+            return value if then is None else map_tensors(value, then)
+        return [(attr, functools.partial(make, judge, like)) for attr, judge, like in self.recorded]
 
     def errors(self, tol: Tolerances, meter: FloorMeter) -> dict | None:
         """The row's error columns (its worst point), or None when nothing in it is its own."""
         with torch.no_grad():
-            got = run_own_code(self.module, self.args, self.kwargs, self.children).tensors
+            got = run_own_code(self.module, self.args, self.kwargs, self.children()).tensors
         if len(got) != len(self.want):
             raise _Diverged("another number of values than in the judge's run")
         points = [(i, g, self.want[i]) for i, g in enumerate(got) if g is not None]
@@ -93,23 +104,35 @@ class OwnCodeCheck:
 
     def _reference(self, judge, mode) -> list:
         with torch.no_grad(), torch.autocast(judge.torch_device.type, enabled=False):
+            children = self.children(then=judge.reference)
             if mode is None:
-                return run_own_code(self.module, self.args, self.kwargs, self.children, judge.reference).tensors
+                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference).tensors
             with mode:
-                return run_own_code(self.module, self.args, self.kwargs, self.children, judge.reference).tensors
+                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference).tensors
 
     def judge_absmax_at(self, index: int, judge) -> float:
         """The judge's largest magnitude at the ``index``-th floating result of the own code."""
+        children = [(attr, functools.partial(_fresh, judge_out)) for attr, judge_out, _ in self.recorded]
         probe = FirstNonfinite(at=index)
         with torch.no_grad(), torch.autocast(judge.torch_device.type, enabled=False), probe:
-            run_own_code(self.module, self.jc.inputs, self.jc.kwargs, self.judge_children, judge.reference)
+            run_own_code(self.module, self.jc.inputs, self.jc.kwargs, children, judge.reference)
         return probe.absmax
+
+
+def _fresh(value):
+    """A copy of a recorded value to hand out (the code may change it in place)."""
+    return map_tensors(value, lambda t: t.detach().clone())
+
+
+def _dtypes(out):
+    """What a call returned, kept as empty tensors of its dtypes (a cast needs no more)."""
+    return map_tensors(out, lambda t: t.new_empty(0))
 
 
 def first_nonfinite_op(call: ParentCall) -> tuple[int, str] | None:
     """The first op of ``call``'s own code that turns finite values into NaN/Inf, replayed on the
     target's own values (under whatever mode the target's forward is in)."""
-    children = [(child_attribute(call.name, c.name), c.output) for c in call.children]
+    children = [(child_attribute(call.name, c.name), functools.partial(_fresh, c.output)) for c in call.children]
     probe = FirstNonfinite()
     with torch.no_grad(), probe:
         run_own_code(call.module, call.inputs, call.kwargs, children)

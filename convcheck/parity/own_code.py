@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -98,16 +99,21 @@ def child_attribute(parent: str, child: str) -> str:
     return child[len(parent) + 1:] if child.startswith(parent + ".") else child
 
 
+def plain_container(module: nn.Module) -> bool:
+    """A module whose ``forward`` is ``nn.Sequential``'s own: it only chains its children."""
+    return type(module).forward is nn.Sequential.forward
+
+
 class Replay:
-    """One run of ``module``'s own code: its direct children replay ``outputs`` (per attribute, in
-    call order) and report the inputs they are handed. ``convert`` maps every value going in
-    (arguments, parameters, buffers, replayed outputs) to the run's precision and device."""
+    """One run of ``module``'s own code: its direct children hand out ``outputs`` (per attribute,
+    in call order: functions making the value to hand out, so only the values in use are held) and
+    record what they are handed. ``convert`` maps the module's arguments, parameters and buffers
+    to the run's precision and device."""
 
     def __init__(self, module: nn.Module, outputs: dict[str, list], convert):
         self.convert = convert
-        self.fed: list[tuple[int, tuple]] = []  # (child call index, inputs) in call order
-        self._handed: list[tuple[torch.Tensor, int]] = []
-        self._calls = {attr: [] for attr in outputs}
+        self.fed: list[tuple[str, int, list]] = []  # (child, call index, own values handed to it)
+        self._handed: list[tuple[weakref.ref, int]] = []
         self.shell = _shell(module, convert)
         for attr, outs in outputs.items():
             child = module._modules.get(attr)
@@ -115,37 +121,46 @@ class Replay:
                 raise _Diverged(f"'{attr}' is not a direct child")
             stub = _shell(child, convert)
             stub.__class__ = _replay_class(type(child))
-            stub._replay_outputs = [map_tensors(o, convert) for o in outs]
+            stub._replay_outputs = outs
             stub._replay_next, stub._replay_name = 0, attr
             stub._replay_sink = self._sink
             stub._replay_hand_out = self._hand_out
             self.shell._modules[attr] = stub
 
     def _sink(self, i: int, stub, args) -> None:
-        self.fed.append((stub._replay_name, i, args))
+        # decided now: a value the own code changes in place later was handed over as it is now
+        self.fed.append((stub._replay_name, i, self._own(tensors_in(args))))
 
-    def _hand_out(self, out):
-        def fresh(t: torch.Tensor) -> torch.Tensor:
-            c = t.clone()
-            self._handed.append((c, c._version))
-            return c
+    def _own(self, tensors: list) -> list:
+        return [None if not t.is_floating_point() or self.passed_on(t) else t for t in tensors]
+
+    def _hand_out(self, make):
         with _bookkeeping():
-            return map_tensors(out, fresh)
+            out = make()
+            for t in tensors_in(out):
+                self._handed.append((weakref.ref(t), t._version))
+        return out
 
     def __call__(self, args: tuple, kwargs: dict):
         with _bookkeeping():
-            args = tuple(map_tensors(a, self.convert) for a in args)
-            kwargs = {k: map_tensors(v, self.convert) for k, v in kwargs.items()}
+            args = tuple(map_tensors(a, self._converted) for a in args)
+            kwargs = {k: map_tensors(v, self._converted) for k, v in kwargs.items()}
         for t in tensors_in(list(args) + list(kwargs.values())):
-            self._handed.append((t, t._version))
+            self._handed.append((weakref.ref(t), t._version))
         with hooks_suspended():
             out = self.shell.forward(*args, **kwargs)
         return out
 
+    def _converted(self, t: torch.Tensor) -> torch.Tensor:
+        """An argument as the run takes it, never the caller's storage (the code may change it in place)."""
+        c = self.convert(t)
+        return c.clone() if c.data_ptr() == t.data_ptr() and c.numel() else c
+
     def passed_on(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a value the own code was handed (or a view of one), unchanged."""
-        for h, version in self._handed:
-            if (t is h or t._base is h) and t._version == version:
+        for ref, version in self._handed:
+            h = ref()
+            if h is not None and (t is h or t._base is h) and t._version == version:
                 return True
         return False
 
@@ -159,25 +174,24 @@ class Points:
 
 def run_own_code(module: nn.Module, args: tuple, kwargs: dict, children: list[tuple[str, object]],
                  convert=lambda t: t.detach()) -> Points:
-    """Run ``module``'s own code once: ``children`` are ``(attribute, output)`` per child call in
-    call order. Raises ``_Diverged`` when the code takes another path."""
+    """Run ``module``'s own code once: ``children`` are ``(attribute, make)`` per child call in call
+    order, ``make()`` the value that call hands back (a new tensor: the code may change it in
+    place). Raises ``_Diverged`` when the code takes another path."""
     outputs: dict[str, list] = {}
-    for attr, out in children:
-        outputs.setdefault(attr, []).append(out)
+    for attr, make in children:
+        outputs.setdefault(attr, []).append(make)
     with _bookkeeping():
         replay = Replay(module, outputs, convert)
     out = replay(args, kwargs)
-    order = [(attr, outputs[attr]) for attr, _ in children]
-    if [(a, i) for a, i, _ in replay.fed] != _call_indices(order):
+    if [(a, i) for a, i, _ in replay.fed] != _call_indices([attr for attr, _ in children]):
         raise _Diverged("the children were called in another order")
-    tensors = [t for _, _, fed in replay.fed for t in tensors_in(fed)] + tensors_in(out)
-    return Points([None if replay.passed_on(t) or not t.is_floating_point() else t for t in tensors])
+    return Points([t for _, _, fed in replay.fed for t in fed] + replay._own(tensors_in(out)))
 
 
-def _call_indices(order: list[tuple[str, list]]) -> list[tuple[str, int]]:
+def _call_indices(order: list[str]) -> list[tuple[str, int]]:
     seen: dict[str, int] = {}
     out = []
-    for attr, _ in order:
+    for attr in order:
         out.append((attr, seen.get(attr, 0)))
         seen[attr] = seen.get(attr, 0) + 1
     return out

@@ -19,7 +19,7 @@ from convcheck.parity.floor import FloorMeter
 from convcheck.parity.local import cast_args, target_call
 from convcheck.parity.own_check import OwnCodeCheck, first_nonfinite_op, own_code_produces
 from convcheck.layer_names import own_code_label
-from convcheck.parity.own_code import REPLAY_FAILURES
+from convcheck.parity.own_code import REPLAY_FAILURES, plain_container
 from convcheck.runners import Runner
 from convcheck.thresholds import GRAD_ACCUMULATION
 from convcheck.tolerances import Tolerances
@@ -35,6 +35,7 @@ class TargetPass:
         self.tol, self.stochastic, self.seed = tol, set(stochastic), seed
         self.rows: list[dict] = []
         self.by_key: dict[str, dict] = {}
+        self.own_params: dict[str, tuple[int, nn.Module]] = {}  # modules with children and parameters of their own
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
         self.masks: SharedDropoutMasks | None = None
@@ -99,8 +100,11 @@ class TargetPass:
         out, jc = first_tensor(call.output), self.calls.get(call.key)
         if out is None:
             return
+        if call.name not in self.own_params and any(True for _ in call.module.parameters(recurse=False)):
+            self.own_params[call.name] = (len(self.rows), call.module)
         check, errors = None, None
-        if jc is not None and jc.children is not None and call.key not in self.stochastic:
+        if jc is not None and jc.children is not None and call.key not in self.stochastic \
+                and not plain_container(call.module):
             try:
                 check = OwnCodeCheck(call, jc, self.calls, self.runner.torch_device)
                 errors = check.errors(self.tol, self.floors)
@@ -163,6 +167,26 @@ class TargetPass:
                     self.rows.append(self._grad_row(order, name, local, (full, pname, p), g.detach() / scale, jg,
                                                     batch_size))
 
+        for name, (order, module) in self.own_params.items():
+            label = own_code_label(type(module).__name__)
+            for pname, p in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name in modules else pname
+                g, jg = grads.get(full), self.judge_grads.get(full)
+                if g is not None and jg is not None:
+                    self.rows.append(self._own_grad_row(order, name, label, full, p, g.detach() / scale, jg))
+
+    def _own_grad_row(self, order, name, label, full, p, g, jg) -> dict:
+        """A parameter of a module's own code: its gradient against the judge's (propagated error and
+        NaN/Inf; no one-layer re-run separates its own part)."""
+        nan, inf = nonfinite_count(g)
+        return dict(
+            target=self.name, order=order, kind="grad", layer=name, module=label, param=full,
+            shape="x".join(map(str, p.shape)), K=0, u=self.runner.unit_roundoff, floor=math.nan, bound=math.nan,
+            propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
+            nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
+            ref_absmax=float(jg.abs().max()) if jg.numel() else math.nan, flagged=False,
+        )
+
     def _grad_row(self, order, name, local: LocalGrads, param, g, jg, batch_size) -> dict:
         full, pname, p = param
         jc = local.jc
@@ -176,8 +200,8 @@ class TargetPass:
             target=self.name, order=order, kind="grad", layer=name, module=jc.module, param=full,
             shape="x".join(map(str, p.shape)), K=k, u=op.operand, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
-            nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0, ref_absmax=float(jg.abs().max()),
-            flagged=False,
+            nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
+            ref_absmax=float(jg.abs().max()), flagged=False,
         )
         row.update(local.check(self.tol, pname, jg, accumulation))
         return row

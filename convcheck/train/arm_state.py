@@ -7,15 +7,11 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import SharedDropoutMasks, leaf_modules, tensors_in
+from convcheck.capture import SharedDropoutMasks, leaf_modules, named_modules
 from convcheck.thresholds import SATURATED_ABS
 from convcheck.train.arms import Arm, perturb_
+from convcheck.train.nonfinite import FirstProducer
 
-def all_finite(t: torch.Tensor) -> bool:
-    """One reduction instead of an elementwise isfinite: a NaN/Inf anywhere makes the sum non-finite."""
-    if not t.is_floating_point():
-        return True
-    return math.isfinite(float(t.detach().sum(dtype=torch.float64)))
 
 
 class ArmState:
@@ -30,28 +26,31 @@ class ArmState:
         self.clip = recipe.clip_grad_norm
         self.scaler = self.runner.make_grad_scaler()
         self.loss_fn = recipe.loss
-        self.layers = [(n, m) for n, m in leaf_modules(self.model)
+        # every module holding parameters of its own: leaves, and modules with children whose own
+        # code uses parameters (a layer-scale gamma, a temperature)
+        self.layers = [(n, m) for n, m in named_modules(self.model)
                        if any(True for _ in m.parameters(recurse=False))]
         self.acts: list[tuple[str, str, float, float]] = []
-        self.step_index = 0
-        self.producer: tuple[int, str] | None = None
         # ``masks(model)``: a data-parallel rank takes its slice of the global batch's masks
         self.masks = masks(self.model) if masks is not None else SharedDropoutMasks(self.model, 0)
         self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
         self._hooks = [m.register_forward_hook(self._act_hook(n))
                        for n, m in leaf_modules(self.model)
                        if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
-        self._hooks += [m.register_forward_hook(self._finite_hook(n)) for n, m in leaf_modules(self.model)]
+        self.first_producer = FirstProducer(self.model)
 
-    def _finite_hook(self, name):
-        def hook(module, inputs, output):
-            if self.producer is not None or not torch.is_grad_enabled():
-                return
-            outs = tensors_in(output)
-            if outs and not all(all_finite(t) for t in outs):
-                if all(all_finite(t) for t in tensors_in(inputs)):
-                    self.producer = (self.step_index, name)
-        return hook
+    @property
+    def step_index(self) -> int:
+        return self.first_producer.step_index
+
+    @step_index.setter
+    def step_index(self, index: int) -> None:
+        self.first_producer.next_step(index)
+
+    @property
+    def producer(self) -> tuple[int, str] | None:
+        """The first call that turned finite inputs into NaN/Inf (a leaf, or a module's own code)."""
+        return self.first_producer.found
 
     def _act_hook(self, name):
         def hook(module, inputs, output):
@@ -69,6 +68,7 @@ class ArmState:
     def close(self):
         for h in self._hooks:
             h.remove()
+        self.first_producer.close()
         self.masks.__exit__(None, None, None)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, seed: int, rng_seed: int) -> dict:

@@ -88,3 +88,45 @@ def test_a_healthy_resnet_has_own_code_rows_and_none_flagged(target):
     # every BasicBlock's ``out += identity`` is measured; the containers (layer1..4) have nothing of their own
     assert sorted(own["layer"]) == sorted(f"layer{i}.{j}" for i in range(1, 5) for j in range(2))
     assert not t["flagged"].any(), t[t["flagged"]][["layer", "module", "local", "intrinsic", "floor"]]
+
+
+def test_a_nan_first_made_by_own_code_during_training_is_named_by_its_module():
+    """Training (not the parity step): the attention's energies overflow only once the gain has grown."""
+    from .models import AttentionNet
+
+    class Growing(AttentionNet):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            self.encoder[2].gain = 1.0 if self.calls <= 3 else 400.0  # step 3 on: past float16's range
+            return super().forward(x)
+
+    # plain SGD: Adam's eps (1e-8) is 0 in float16 and turns zero gradients into NaN weights on its own
+    r = compare(Growing, "cpu,cpu:fp16", steps=6, envelope=0, env_findings=[], optimizer="sgd", lr=0.01,
+                **MNIST_SHAPE)
+    step, layer = r.training.nonfinite_producer["cpu:fp16"]
+    assert layer == "attn" and step >= 1, (step, layer)
+    assert r.training.nonfinite_producer["cpu"] is None
+
+
+def test_parameters_of_own_code_get_gradient_rows_and_training_norms():
+    import torch
+    import torch.nn as nn
+
+    class LayerScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.gamma = nn.Parameter(torch.full((16,), 0.1))
+
+        def forward(self, x):
+            return x + self.gamma * self.fc(x)
+
+    def net():
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 16), LayerScale(), nn.Linear(16, 10))
+
+    r = compare(net, "cpu,cpu:bf16", steps=2, envelope=0, env_findings=[], **MNIST_SHAPE)
+    t = r.parity.layers
+    gamma = t[(t["kind"] == "grad") & (t["param"] == "2.gamma")]
+    assert set(gamma["target"]) == {"cpu", "cpu:bf16"}
+    assert (gamma["module"] == "LayerScale (own code)").all() and (gamma["propagated"] > 0).all()
+    assert "2" in set(r.training.layer_grads["layer"]), sorted(set(r.training.layer_grads["layer"]))

@@ -1,0 +1,62 @@
+"""The first call of a training run that turns finite inputs into NaN/Inf: a leaf module, or the
+own code of a module with children (its output, or an input it hands a child, is the first
+non-finite value while its inputs and the outputs of its children are finite)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from convcheck.capture import LeafCalls, ParentCall, first_tensor, tensors_in
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """One reduction instead of an elementwise isfinite: a NaN/Inf anywhere makes the sum non-finite."""
+    if not t.is_floating_point():
+        return True
+    return math.isfinite(float(t.detach().sum(dtype=torch.float64)))
+
+
+def _finite(obj) -> bool:
+    return all(all_finite(t) for t in tensors_in(obj))
+
+
+class FirstProducer:
+    """Watches every module call while gradients are on (training forwards, not probes);
+    ``found`` is ``(step index, module name)`` of the first producer, once."""
+
+    def __init__(self, model: nn.Module):
+        self.found: tuple[int, str] | None = None
+        self.step_index = 0
+        self._calls = LeafCalls(model, self._leaf, self._parent)
+        self._calls.__enter__()
+
+    def next_step(self, index: int) -> None:
+        self.step_index = index
+        self._calls.order.clear()  # keys are not needed across steps: nothing grows with the run
+        self._calls._counts.clear()
+
+    def close(self) -> None:
+        self._calls.__exit__(None, None, None)
+
+    def _watching(self) -> bool:
+        return self.found is None and torch.is_grad_enabled()
+
+    def _leaf(self, key, name, module, inputs, out) -> None:
+        if self._watching() and not all_finite(out) and _finite(inputs):
+            self.found = (self.step_index, name)
+
+    def _parent(self, call: ParentCall) -> None:
+        if not self._watching():
+            return
+        out = first_tensor(call.output)
+        handed = [c.inputs for c in call.children]
+        if (out is None or all_finite(out)) and _finite(handed):
+            return
+        if not _finite(list(call.inputs) + list(call.kwargs.values())):
+            return
+        if any(_finite(c.inputs) and not _finite(c.output) for c in call.children):
+            return  # a child (or something inside it) produced them; its own hook named it
+        self.found = (self.step_index, call.name)
