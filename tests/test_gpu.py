@@ -374,3 +374,22 @@ def test_the_healthy_zoo_is_flagged_nowhere_on_the_gpu(name, batch):
                    [Target.parse(s) for s in specs], seed=0)
     assert all(v is None for v in r.first_flagged.values()), r.flagged()[["target", "layer", "param", "local",
                                                                             "intrinsic", "floor", "bound"]]
+
+
+def test_attention_overflowing_under_amp_fp16_is_named_with_its_op():
+    """Issue 15 on a GPU: the self-attention's energies overflow float16 under autocast; the
+    attention block's own code (bmm) is named, not the classifier the NaN reaches last."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scenarios.models import attention_overflow_net
+
+    from convcheck.pipeline import compare
+
+    r = compare(attention_overflow_net, "cuda,cuda:amp-fp16", steps=3, envelope=0, env_findings=[],
+                input_shape=(1, 28, 28), num_classes=10)
+    v = r.verdict
+    assert v.layer == "attn", v.headline
+    assert "bmm in 'attn'" in v.headline, v.headline
+    assert any("torch.autocast(device_type, enabled=False)" in rem for rem in v.remedies), v.remedies

@@ -177,7 +177,8 @@ PARITY_COLUMNS = {
     "target": str, "order": int, "kind": str, "layer": str, "module": str, "param": (str, type(None)),
     "shape": (str, type(None)), "K": (int, type(None)), "u": _F, "floor": _F, "bound": _F, "propagated": _F,
     "local": _F, "intrinsic": _F, "over_floor": _F, "needed": _F, "nan": int, "inf": int,
-    "input_nonfinite": int, "grad_out_nonfinite": int, "ref_absmax": _F, "flagged": bool,
+    "input_nonfinite": int, "grad_out_nonfinite": int, "grad_in_nonfinite": (int, type(None)), "ref_absmax": _F,
+    "flagged": bool,
 }
 CURVE_COLUMNS = {
     "arm": str, "role": str, "target": str, "step": int, "loss": _F, "grad_norm": _F, "dist_judge": _F,
