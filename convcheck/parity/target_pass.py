@@ -35,6 +35,7 @@ class TargetPass:
         self.tol, self.stochastic, self.seed = tol, set(stochastic), seed
         self.rows: list[dict] = []
         self.by_key: dict[str, dict] = {}
+        self.nonfinite_seen = False  # a NaN/Inf in any leaf call's input or output so far
         self.own_params: dict[str, tuple[int, nn.Module]] = {}  # modules with children and parameters of their own
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
@@ -85,6 +86,7 @@ class TargetPass:
         jc = self.calls.get(key)
         order = len(self.rows)
         row = self._row(key, type(module).__name__, inputs, out, jc)
+        self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
         if jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic:
             row.update(self._forward_errors(module, jc, inputs, out))
         self._add(key, row, out)
@@ -110,7 +112,8 @@ class TargetPass:
                 errors = check.errors(self.tol, self.floors)
             except REPLAY_FAILURES:  # code that cannot be replayed on recorded values is not measured
                 check, errors = None, None
-        produced = own_code_produces(call)
+        # the full scan of its inputs and its children's only where a NaN/Inf has been seen
+        produced = (self.nonfinite_seen or sum(nonfinite_count(out)) > 0) and own_code_produces(call)
         if errors is None and not produced:
             return
         row = self._row(call.key, own_code_label(type(call.module).__name__), call.inputs, out, jc)

@@ -30,6 +30,7 @@ class FirstProducer:
     def __init__(self, model: nn.Module):
         self.found: tuple[int, str] | None = None
         self.step_index = 0
+        self._dirty = False
         self._calls = LeafCalls(model, self._leaf, self._parent)
         self._calls.__enter__()
 
@@ -45,13 +46,17 @@ class FirstProducer:
         return self.found is None and torch.is_grad_enabled()
 
     def _leaf(self, key, name, module, inputs, out) -> None:
-        if self._watching() and not all_finite(out) and _finite(inputs):
-            self.found = (self.step_index, name)
+        if self._watching() and not all_finite(out):
+            self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
+            if _finite(inputs):
+                self.found = (self.step_index, name)
 
     def _parent(self, call: ParentCall) -> None:
         if not self._watching():
             return
         out = first_tensor(call.output)
+        if not self._dirty and (out is None or all_finite(out)):
+            return  # nothing non-finite anywhere yet: one reduction of the output, no more
         handed = [c.inputs for c in call.children]
         if (out is None or all_finite(out)) and _finite(handed):
             return
