@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # types only: importing convcheck.train would import the trai
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
 # A layer that computes something else outranks what it causes downstream (gradient zeros in
 # the next layer, no convergence); among layer errors the largest comes first.
-_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.NONFINITE_BACKWARD: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
+_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
 _CONFIG = CompareConfig()  # the defaults of the config facts
@@ -262,6 +262,14 @@ def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
     producer = training.nonfinite_producer.get(name)
     if producer is not None and training.nonfinite_producer.get(judge) is None:
         step, layer = producer
+        if training.nonfinite_weights.get(name):
+            curve = training.arm_curve(name)
+            before = curve[curve["step"] == step - 1]
+            finite = bool(len(before)) and not bool(before["nonfinite_grad"].any())
+            return [S.Symptom(S.NONFINITE_WEIGHTS, name, f"the optimizer step after training step {step - 1} "
+                              f"made the weights of '{layer}' NaN/Inf" + (" while its gradients were finite"
+                                                                          if finite else ""),
+                              layer=layer, step=step, extra={"finite_gradients": finite})]
         return [S.Symptom(S.NONFINITE_FORWARD, name, f"'{layer}' turned finite inputs into NaN/Inf "
                           f"at training step {step}", layer=layer, step=step)]
     return []

@@ -292,6 +292,9 @@ def precision_effect(ev: Evidence) -> Verdict | None:
                     f"(values reach {main.value:.4g} > 65504)")
     elif main.name in S.NONFINITE_TENSORS and op:
         headline = f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm} from finite inputs"
+    elif main.name == S.NONFINITE_WEIGHTS:
+        headline = (f"the optimizer step makes the weights of '{layer}' NaN/Inf on {main.arm} after training step "
+                    f"{main.step - 1}" + (" (its gradients were finite)" if main.extra.get("finite_gradients") else ""))
     elif main.name in S.NONFINITE_TENSORS:
         headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.DRIFT:
@@ -304,6 +307,16 @@ def precision_effect(ev: Evidence) -> Verdict | None:
         _symptom_evidence(ev), {"symptom": main.name, "target": main.arm, "where": _where(layer)},
         headline=headline, remedies=numerics_remedies(ev, main) or None, target=main.arm, layer=layer,
         sub_cause=main.name, symptoms=[s.name for s in ev.symptoms])
+
+
+def _weights_remedies(t: TargetFacts | None, layer: str) -> list[str]:
+    """An optimizer step that makes weights NaN/Inf: in float16 weights, Adam's eps is the usual cause."""
+    if t is not None and t.half_storage and t.compute_format == "float16":
+        return ["the optimizer computes in the weights' float16: Adam/AdamW's eps (1e-8 by default) is 0 in float16, "
+                "so every zero gradient entry divides 0 by 0; use eps >= 1e-4 (--eps 1e-4), or keep float32 weights "
+                "and compute in float16 under autocast (amp-fp16) with a GradScaler"]
+    return [f"find what makes the update of '{layer}' NaN/Inf: the learning rate, the optimizer's eps at this "
+            "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
 
 
 def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
@@ -330,6 +343,8 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
             out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
                        "log or sqrt of a non-positive value")
         out.append("scale activations down (add normalisation before the layer)")
+    if main.name == S.NONFINITE_WEIGHTS:
+        out.extend(_weights_remedies(t, layer))
     if main.name == S.GRADIENT_UNDERFLOW and float16:
         out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
     elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits

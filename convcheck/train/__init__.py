@@ -75,6 +75,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         layer_grads=pd.DataFrame(grad_rows, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(act_rows, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
         arms=arms, config=cfg, judge=judge, nonfinite_producer={s.arm.name: s.producer for s in states},
+        nonfinite_weights={s.arm.name: bool(getattr(s, "producer_weights", False)) for s in states},
         ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
     )
     result.outcomes = {a.name: arm_outcome(a, result.arm_curve(a.name), tolerances)

@@ -48,6 +48,11 @@ class ArmState:
         self.first_producer.next_step(index)
 
     @property
+    def producer_weights(self) -> bool:
+        """Whether the producer's own weights were NaN/Inf when it ran (an optimizer step made them so)."""
+        return self.first_producer.weights
+
+    @property
     def producer(self) -> tuple[int, str] | None:
         """The first call that turned finite inputs into NaN/Inf (a leaf, or a module's own code)."""
         return self.first_producer.found

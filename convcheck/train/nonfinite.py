@@ -29,6 +29,8 @@ class FirstProducer:
 
     def __init__(self, model: nn.Module):
         self.found: tuple[int, str] | None = None
+        # the producer's own weights were already NaN/Inf: an optimizer step made them so
+        self.weights = False
         self.step_index = 0
         self._dirty = False
         self._calls = LeafCalls(model, self._leaf, self._parent)
@@ -49,7 +51,7 @@ class FirstProducer:
         if self._watching() and not all_finite(out):
             self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
             if _finite(inputs):
-                self.found = (self.step_index, name)
+                self._blame(name, module)
 
     def _parent(self, call: ParentCall) -> None:
         if not self._watching():
@@ -64,4 +66,8 @@ class FirstProducer:
             return
         if any(_finite(c.inputs) and not _finite(c.output) for c in call.children):
             return  # a child (or something inside it) produced them; its own hook named it
-        self.found = (self.step_index, call.name)
+        self._blame(call.name, call.module)
+
+    def _blame(self, name: str, module: nn.Module) -> None:
+        self.found = (self.step_index, name)
+        self.weights = not all(all_finite(p) for p in module.parameters(recurse=False))

@@ -68,6 +68,8 @@ class TrainResult:
     # Per arm: (step, layer) where a leaf module first turned finite inputs into a
     # non-finite output during training, or None.
     nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
+    # Per arm: whether that producer's own weights were already NaN/Inf (the optimizer step before made them so)
+    nonfinite_weights: dict[str, bool] = field(default_factory=dict)
     # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
     # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
     ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)

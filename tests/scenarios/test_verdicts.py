@@ -211,3 +211,17 @@ def test_an_ill_conditioned_layer_is_a_numerics_finding_not_a_culprit(clean_env)
     assert "'2' (Center) is ill-conditioned at cpu:bf16's precision" in v.headline
     assert r.parity.first_flagged == {"cpu": None, "cpu:bf16": None}
     assert any("float32" in rem for rem in v.remedies)
+
+
+def test_adam_eps_that_is_zero_in_float16_is_named_not_the_first_layer(clean_env):
+    """Whole-model float16 with Adam's default eps (1e-8 is 0 in float16): the first optimizer step turns
+    every weight with a zero gradient entry into 0/0 = NaN. The conv that then meets NaN weights is not
+    the culprit; the optimizer step is, with the eps remedy (which, applied, trains)."""
+    r = compare("lenet", "cpu,cpu:fp16", steps=3, envelope=0, batch_size=16, env_findings=clean_env)
+    v = r.verdict
+    assert v.category == "numerics", v.headline
+    assert v.headline.startswith("the optimizer step makes the weights of 'conv1' NaN/Inf on cpu:fp16"), v.headline
+    assert v.sub_cause == "non-finite weights"
+    assert any("eps >= 1e-4" in rem for rem in v.remedies), v.remedies
+    fixed = compare("lenet", "cpu,cpu:fp16", steps=8, envelope=0, batch_size=16, env_findings=clean_env, eps=1e-4)
+    assert fixed.training.nonfinite_producer["cpu:fp16"] is None, fixed.verdict.headline
