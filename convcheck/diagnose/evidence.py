@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck import symptoms as S
+from convcheck.producers import nonfinite_producer
 from convcheck.recipe_symptoms import recipe_problems
 from convcheck.config import CompareConfig
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
@@ -256,7 +257,7 @@ def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
     """The one-step producer of NaN/Inf (parity), else the first producer during training when
     the judge's training had none."""
     training, judge = result.training, str(result.config.judge)
-    nf = S.nonfinite_producer(result.parity.layers, name)
+    nf = nonfinite_producer(result.parity.layers, name)
     if nf is not None:
         return [nf]
     producer = training.nonfinite_producer.get(name)
