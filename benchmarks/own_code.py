@@ -3,7 +3,8 @@
     python benchmarks/own_code.py --model resnet50 --batch 2 --target cpu          # this checkout
     PYTHONPATH=/path/to/old/checkout python benchmarks/own_code.py ...              # another commit
 
-Prints one JSON line: the parity step's wall time (median of ``--repeats``), a bare float32
+Prints one JSON line: the parity step's wall and CPU time (medians of ``--repeats``; with one
+thread the CPU time is the steadiest figure on a shared machine), a bare float32
 step of the same model in the same process (the ratio is what to compare across commits: it
 cancels a machine that is busier on one run than on the other), and this process's peak RSS
 (run one measurement per process, so the peak is this parity step's).
@@ -55,19 +56,21 @@ def main() -> None:
         torch.nn.functional.cross_entropy(bare(x.float()), y).backward()
 
     target = Target.parse(a.target)
-    bares, parities = [], []
+    bares, parities, cpu = [], [], []
     for _ in range(a.repeats):
         t0 = time.perf_counter()
         bare_step()
         bares.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = run_parity(build, (x, y), [target])
         parities.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     rows = result.layers
     print(json.dumps(dict(
         convcheck=convcheck.__file__, model=a.model, batch=a.batch, target=a.target, threads=a.threads,
         bare_s=statistics.median(bares), parity_s=statistics.median(parities),
         parity_x_bare=statistics.median(parities) / statistics.median(bares),
+        parity_cpu_s=statistics.median(cpu),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         rows=len(rows), own_code_rows=int(rows["module"].str.contains("own code").sum()),
         flagged=int(rows["flagged"].sum()),
