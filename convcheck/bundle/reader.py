@@ -238,6 +238,9 @@ def check_manifest(m) -> dict:
         if v is not None and not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
                                   and isinstance(v[1], str)):
             raise _Bad(f"training.nonfinite_producer[{arm!r}] is not [step, layer] or null")
+    weights = train.get("nonfinite_weights", {})  # optional: bundles before it was recorded
+    if not isinstance(weights, dict) or not all(isinstance(v, bool) for v in weights.values()):
+        raise _Bad("training.nonfinite_weights is not an object of true/false")
     _check_names(m)
     return _check_arrays(_get(m, "arrays", dict, "manifest"))
 

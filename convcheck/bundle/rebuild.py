@@ -48,6 +48,7 @@ def _rename(bundle: Bundle, target: Target) -> dict:
     for r in out["curves"]:
         r["target"] = name(r["target"])
     out["producer"] = {name(k): v for k, v in bundle["training"]["nonfinite_producer"].items()}
+    out["weights"] = {name(k): v for k, v in bundle["training"].get("nonfinite_weights", {}).items()}
     out["rows"] = [{**r, "target": name(r["target"])} for r in bundle["parity"]["rows"]]
     return out
 
@@ -147,7 +148,8 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
         layer_grads=pd.DataFrame(grads, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(acts, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
         arms=arms, config=TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), judge=a["judge"],
-        nonfinite_producer={n: tuple(side["producer"].get(n) or ()) or None for n, side in source.items()})
+        nonfinite_producer={n: tuple(side["producer"].get(n) or ()) or None for n, side in source.items()},
+        nonfinite_weights={n: bool(side["weights"].get(n, False)) for n, side in source.items()})
     training.outcomes = {arm.name: arm_outcome(arm, training.arm_curve(arm.name), cfg.tolerances)
                          for arm in arms if arm.role != "envelope"}
     training.envelope = envelope_summary(training, cfg.tolerances)

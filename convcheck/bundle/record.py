@@ -199,7 +199,8 @@ def _manifest(model_spec, layers, fingerprint, *, resolved, target, judge, judge
         "training": {"curves": _records(training.curves), "layer_grads": _records(training.layer_grads),
                      "activations": _records(training.activations),
                      "nonfinite_producer": {a: list(v) if v else None
-                                            for a, v in training.nonfinite_producer.items()}},
+                                            for a, v in training.nonfinite_producer.items()},
+                     "nonfinite_weights": {a: bool(v) for a, v in training.nonfinite_weights.items()}},
     }
 
 

@@ -223,3 +223,14 @@ def test_code_a_bundle_names_runs_only_with_the_recorded_bytes(tmp_path, capsys,
     (tmp_path / "B" / "manifest.json").write_text(json.dumps(m))
     assert main(["diff", "A", "B", "--no-save"]) == 2
     assert "has no recorded SHA-256" in capsys.readouterr().err
+
+
+def test_an_optimizer_step_that_makes_fp16_weights_nan_diffs_as_compare_diagnoses_it(tmp_path, bundles):
+    """The 'non-finite weights' finding (Adam's eps is 0 in float16) survives the bundle."""
+    import convcheck
+
+    b = record(tmp_path, "cpu:fp16", "F")
+    result, _, _ = diff_bundles(bundles[0], b)
+    ref = convcheck.compare("lenet", "cpu,cpu:fp16", **CFG)
+    assert ref.verdict.sub_cause == "non-finite weights", ref.verdict.headline
+    assert result.verdict.headline == ref.verdict.headline
