@@ -91,7 +91,8 @@ def _after_failure(exc: BaseException, folder, stage: RunStage, args, config, fi
         try:
             from convcheck.report.export import write_partial
 
-            kept = write_partial(folder.ensure(), _partial_info(line, stage, args, config, fingerprint))
+            kept = write_partial(folder.ensure(), _partial_info(line, stage, args, config, fingerprint),
+                                 parity=stage.partial.get("parity"))
         except (OSError, ConvcheckError):
             kept = None
         if kept is not None:

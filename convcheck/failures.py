@@ -231,6 +231,7 @@ class RunStage:
         self.done = 0
         self.total = 0
         self.started = False  # a measuring stage (parity, train) began
+        self.partial: dict = {}  # results measured so far (a stopped run keeps them: ``keep``)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         self.stage, self.done, self.total = stage, done, total
@@ -240,6 +241,12 @@ class RunStage:
 
     def __bool__(self) -> bool:
         return True
+
+    def keep(self, **results) -> None:
+        """Results measured so far (``parity=``): a run stopped later keeps them in its partial report."""
+        self.partial.update(results)
+        if isinstance(self.inner, RunStage):
+            self.inner.keep(**results)
 
     def describe(self) -> str:
         if self.stage == "train" and self.total:

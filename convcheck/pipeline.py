@@ -240,6 +240,8 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
             build, first, list(cfg.targets), tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed,
             loss_fn=recipe.loss, progress=(lambda done, total: progress("parity", done, total)) if progress
             else None))
+        if hasattr(progress, "keep"):  # the RunStage: a run stopped in training keeps the parity table
+            progress.keep(parity=parity)
         loss_ratio = loss_reduction_probe(build(cfg.judge), cfg.judge.runner, first, recipe.loss)
         arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
         train_cfg = TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe)

@@ -135,9 +135,18 @@ def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool
     return writer.written
 
 
-def write_partial(out: str | os.PathLike, info: dict) -> Path:
-    """``summary.json`` with ``"complete": false`` and what is known of a run that stopped early."""
+def write_partial(out: str | os.PathLike, info: dict, parity=None) -> Path:
+    """``summary.json`` with ``"complete": false`` and what is known of a run that stopped early; with
+    ``parity`` (the one-step check, measured before the stop) also ``layers.csv`` and its summary."""
     path = Path(out) / "summary.json"
+    if parity is not None:
+        atomic_write_text(Path(out) / "layers.csv", parity.layers.to_csv(index=False))
+        flagged = parity.flagged()
+        info = {**info, "parity": {
+            "judge_loss": parity.judge_loss, "losses": parity.losses, "first_flagged": parity.first_flagged,
+            "flagged": [{"target": r.target, "layer": r.layer, "module": r.module, "kind": r.kind}
+                        for r in flagged.itertuples()],
+            "rows": len(parity.layers), "file": "layers.csv"}}
     atomic_write_text(path, json.dumps(_clean({"schema": SUMMARY_SCHEMA, "complete": False, **info}), indent=2)
                       + "\n")
     return path
