@@ -20,6 +20,7 @@ Every failure the user can fix is a one-line ``UsageError``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -48,6 +49,19 @@ class ResolvedModel:
     source: str                         # "zoo", "module" or "file"
     spec: str = ""                      # the --model text as given (record it to rebuild)
     task: str = "classification"        # classification | segmentation | regression (zoo models say)
+
+    def __reduce__(self):
+        """A user model from a file or module crosses to a spawned process (``ddp:cuda:N``) as its spec
+        (a file's factory cannot be pickled by reference) and is resolved again there."""
+        if self.source in ("file", "module") and self.spec:
+            return (_resolved_again, (self.spec, self.input_shape, self.num_classes, self.task, self.name))
+        return (ResolvedModel, (self.name, self.factory, self.input_shape, self.num_classes, self.source,
+                                self.spec, self.task))
+
+
+def _resolved_again(spec: str, input_shape, num_classes, task: str, name: str) -> "ResolvedModel":
+    resolved = resolve_model(spec, input_shape=input_shape, num_classes=num_classes, infer=False)
+    return dataclasses.replace(resolved, task=task, name=name)
 
 
 def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,

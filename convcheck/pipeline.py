@@ -106,20 +106,29 @@ def initial_state(model: ResolvedModel, seed: int) -> dict[str, torch.Tensor]:
             for k, v in m.state_dict().items()}
 
 
-def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Callable[[Target], nn.Module]:
-    """``build(target)``: the model with the shared weights, placed by the target's runner."""
+class ModelBuilder:
+    """``build(target)``: the model with the shared weights, placed by the target's runner.
 
-    def build(target: Target) -> nn.Module:
-        m = model.factory()
-        m.load_state_dict(state)
+    A class, not a closure: a data-parallel target whose ranks are spawned (``ddp:cuda:N``) gets it
+    pickled (the model by its spec where it has one: ``ResolvedModel.__reduce__``, and the weights)."""
+
+    def __init__(self, model: ResolvedModel, state: dict[str, torch.Tensor]):
+        self.model, self.state = model, state
+
+    def __call__(self, target: Target) -> nn.Module:
+        m = self.model.factory()
+        m.load_state_dict(self.state)
         disable_inplace(m)
         target.runner.place(m)
         for name, p in m.state_dict().items():  # load_state_dict may round float64 values
             if p.is_floating_point():
-                p.copy_(state[name].to(p.dtype))
+                p.copy_(self.state[name].to(p.dtype))
         return m.train()
 
-    return build
+
+def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Callable[[Target], nn.Module]:
+    """``build(target)``: the model with the shared weights, placed by the target's runner."""
+    return ModelBuilder(model, state)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -44,13 +44,35 @@ class Recipe:
     make_schedule: Callable  # (optimizer, steps) -> LRScheduler | None
     schedule_name: str
     clip_grad_norm: float | None
+    # what it was built from: (the config's recipe fields, task); a spawned process (ddp:cuda:N) gets the
+    # recipe as this and builds it again, as the optimizer and schedule factories are closures
+    source: tuple | None = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self):
+        if self.source is None:  # built by hand: pickled field by field (fails on a closure)
+            return (Recipe, tuple(getattr(self, f) for f in RECIPE_ATTRS))
+        return (_recipe_again, self.source)
+
+
+RECIPE_ATTRS = ("loss", "loss_name", "make_optimizer", "optimizer_name", "make_schedule", "schedule_name",
+                "clip_grad_norm")
+# The config fields build_recipe reads.
+RECIPE_FIELDS = ("loss", "optimizer", "lr", "momentum", "nesterov", "weight_decay", "betas", "eps", "schedule",
+                 "warmup", "clip_grad_norm")
 
 
 def build_recipe(cfg, task: str = "classification") -> Recipe:
     loss, loss_name = _loss(cfg.loss, task)
     make_opt, opt_name = _optimizer(cfg)
     make_sched, sched_name = _schedule(cfg)
-    return Recipe(loss, loss_name, make_opt, opt_name, make_sched, sched_name, cfg.clip_grad_norm)
+    source = ({f: getattr(cfg, f) for f in RECIPE_FIELDS}, task)
+    return Recipe(loss, loss_name, make_opt, opt_name, make_sched, sched_name, cfg.clip_grad_norm, source)
+
+
+def _recipe_again(fields: dict, task: str) -> Recipe:
+    from types import SimpleNamespace
+
+    return build_recipe(SimpleNamespace(**fields), task)
 
 
 # --- loss ------------------------------------------------------------------------------------------
@@ -69,17 +91,25 @@ def _loss(spec, task: str = "classification"):
         return cross_entropy, "cross-entropy" + (" per pixel" if task == "segmentation" else "")
     if callable(spec):
         fn, name = spec, getattr(spec, "__name__", type(spec).__name__)
-    else:
-        fn, name = load_callable(str(spec), "loss")
-    return _checked_loss(fn, name), name
+        return CheckedLoss(fn, name), name
+    fn, name = load_callable(str(spec), "loss")
+    return CheckedLoss(fn, name, str(spec)), name
 
 
-def _checked_loss(fn: Callable, name: str) -> Callable:
-    """The user's loss, its failures and wrong results one-line usage errors."""
+class CheckedLoss:
+    """The user's loss, its failures and wrong results one-line usage errors. Pickled as its spec when it
+    came from one (a file's function cannot be pickled by reference), else as the function."""
 
-    def loss(output, target):
+    def __init__(self, fn: Callable, name: str, spec: str | None = None):
+        self.fn, self.__name__, self.spec = fn, name, spec
+
+    def __reduce__(self):
+        return (_loss_again, (self.spec,)) if self.spec else (CheckedLoss, (self.fn, self.__name__))
+
+    def __call__(self, output, target):
+        name = self.__name__
         try:
-            value = fn(output, target)
+            value = self.fn(output, target)
         except Exception as exc:  # the user's code: a usage error naming it
             raise UsageError(f"loss {name!r} raised {one_line(exc)}") from None
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
@@ -93,8 +123,9 @@ def _checked_loss(fn: Callable, name: str) -> Callable:
             raise UsageError(f"loss {name!r} returned a tensor with no gradient (detached from the output?)")
         return value.reshape(())
 
-    loss.__name__ = name
-    return loss
+
+def _loss_again(spec: str) -> CheckedLoss:
+    return _loss(spec)[0]
 
 
 # --- optimizer -------------------------------------------------------------------------------------

@@ -175,6 +175,7 @@ def test_gpu_plan_has_every_step_the_issue_lists(dc):
     for targets in ("cpu,cuda", "cuda:tf32,cuda:no-tf32", "cuda,cuda:amp-fp16", "cuda,cuda:amp-bf16"):
         assert any(f"--model lenet --targets {targets} " in c for c in commands.values()), targets
     assert any("--model cifar_cnn --targets cuda:tf32,cpu:emulate-tf32" in c for c in commands.values())
+    assert any("--model lenet --targets cuda,ddp:cuda:1 " in c for c in commands.values())  # NCCL (issue 12)
     resnet = commands["compare-resnet50-cpu_cuda"]
     assert "--targets cpu,cuda" in resnet and "--steps 3" in resnet and "--batch-size 4" in resnet
     assert all("--json" in s.argv and "--out" in s.argv for s in names.values() if s.kind == "compare")

@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch.nn as nn
 
 
-def sync_batchnorm_builder(build):
+class sync_batchnorm_builder:  # noqa: N801 - used as a function: build = sync_batchnorm_builder(build)
     """``build`` whose data-parallel copies have every BatchNorm converted to SyncBatchNorm
-    (``--ddp-sync-bn``); single-device copies, the judge's included, are left alone."""
+    (``--ddp-sync-bn``); single-device copies, the judge's included, are left alone. A class so that
+    it pickles (spawned ranks) whenever ``build`` does."""
 
-    def built(target) -> nn.Module:
-        model = build(target)
+    def __init__(self, build):
+        self.build = build
+
+    def __call__(self, target) -> nn.Module:
+        model = self.build(target)
         if getattr(target, "world", None) is not None:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return model
-
-    return built

@@ -14,8 +14,6 @@ rows are never ``flagged``.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import torch
 
 from convcheck.capture import SharedDropoutMasks
@@ -30,9 +28,19 @@ DDP_GRAD_FACTOR = 10.0
 DDP_GRAD_MIN_U = 100.0
 
 
+def _frozen_sgd(params):
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def _no_schedule(opt, steps):
+    return None
+
+
 def _parity_recipe(loss_fn):
-    return SimpleNamespace(make_optimizer=lambda params: torch.optim.SGD(params, lr=0.0),
-                           make_schedule=lambda opt, steps: None, clip_grad_norm=None, loss=loss_fn)
+    """The ranks' recipe for the parity step (no update); module-level functions so that it pickles."""
+    from convcheck.recipe import Recipe
+
+    return Recipe(loss_fn, getattr(loss_fn, "__name__", "loss"), _frozen_sgd, "SGD", _no_schedule, "none", None)
 
 
 def single_device_grads(target, build, batch, loss_fn, seed: int) -> dict[str, torch.Tensor]:

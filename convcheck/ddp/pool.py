@@ -1,7 +1,9 @@
 """The parent's side of a data-parallel target: N rank processes, driven one command at a time.
 
 ``RankPool`` starts the ranks with ``torch.multiprocessing`` (fork on the CPU:
-the model factory, loss and recipe need not be picklable; spawn for CUDA),
+the model factory, loss and recipe need not be picklable; spawn for CUDA,
+which cannot fork, and on the CPU when ``CONVCHECK_DDP_START=spawn``: the job
+is pickled, the model by its spec, the recipe by its config fields),
 rendezvous on 127.0.0.1 at a free port, sends every rank the same command
 (the same global batch: each rank cuts its slice) and waits for all answers,
 watching the processes: a rank that raises or dies ends the run with one line
@@ -12,6 +14,7 @@ reaps every rank, so none is left behind.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import socket
 import time
@@ -21,7 +24,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from convcheck.ddp.worker import RankJob, rank_main
-from convcheck.errors import RunFailed
+from convcheck.errors import RunFailed, UsageError
 
 DEFAULT_TIMEOUT_S = 300.0  # every collective; CONVCHECK_DDP_TIMEOUT overrides it (seconds)
 
@@ -47,7 +50,8 @@ class RankPool:
     def __init__(self, target, job: RankJob):
         self.target, self.world = target, int(target.world)
         self.timeout_s = job.timeout_s
-        ctx = tmp.get_context("fork" if target.device == "cpu" else "spawn")
+        method = start_method(target)
+        ctx = tmp.get_context(method)
         port = free_port()
         backend = target.runner.backend
         self.procs, self.conns = [], []
@@ -56,7 +60,7 @@ class RankPool:
                 mine, theirs = ctx.Pipe()
                 p = ctx.Process(target=rank_main, args=(rank, self.world, port, theirs, job, backend),
                                 name=f"convcheck-{target}-rank{rank}", daemon=True)
-                p.start()
+                _start(p, method, target)
                 theirs.close()
                 self.procs.append(p)
                 self.conns.append(mine)
@@ -150,6 +154,29 @@ class RankPool:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+
+
+def start_method(target) -> str:
+    """``spawn`` for CUDA (a forked child cannot use CUDA); on the CPU ``fork`` unless
+    ``CONVCHECK_DDP_START=spawn`` (the spawn path, exercised on a CPU-only machine)."""
+    if target.device != "cpu":
+        return "spawn"
+    return "spawn" if os.environ.get("CONVCHECK_DDP_START", "").strip().lower() == "spawn" else "fork"
+
+
+def _start(process, method: str, target) -> None:
+    """Start one rank; with spawn its job is pickled: what cannot be is the user's to change (exit 2)."""
+    try:
+        process.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        if method != "spawn" or process.pid is not None:
+            raise
+        from convcheck.user_code import one_line
+
+        raise UsageError(f"target {target}: its ranks are started with spawn, which pickles the model factory, "
+                         f"loss, optimizer and schedule, and one of them cannot be ({one_line(exc)}); give them "
+                         "as a zoo name or FILE.py:fn / package.module:fn, or as module-level functions, "
+                         "not lambdas or local functions") from None
 
 
 def threads_per_rank(world: int) -> int:

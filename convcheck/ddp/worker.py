@@ -35,7 +35,8 @@ from convcheck.train.arms import Arm
 
 @dataclass
 class RankJob:
-    """What every rank needs to build its copy (inherited by fork, never pickled on the CPU)."""
+    """What every rank needs to build its copy: inherited by fork (``ddp:cpu:N``), pickled for spawn
+    (``ddp:cuda:N``, or ``CONVCHECK_DDP_START=spawn``): then ``build`` and ``recipe`` must pickle."""
 
     arm: Arm  # the arm with the per-rank target
     build: Callable  # build(target) -> model with the shared initial weights
@@ -104,7 +105,7 @@ class BatchNormProbe:
             g_var = (packed[1] / world - g_mean * g_mean).clamp_min(0) + m.eps
             shift = float(((mean - g_mean).abs() / g_var.sqrt()).max())
             scale = float(((var + m.eps) / g_var).sqrt().sub(1).abs().max())
-            worst = torch.tensor([shift, scale], dtype=torch.float64)
+            worst = torch.tensor([shift, scale], dtype=torch.float64, device=mean.device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             out[name] = (float(worst[0]), float(worst[1]))
         self.stats.clear()
@@ -127,10 +128,12 @@ class RankState:
                               masks=lambda m: RankDropoutMasks(m, 0, rank, world))
         self.module = self.state.model
         self.probe = BatchNormProbe(self.module)
-        self.state.model = DistributedDataParallel(self.module)
+        cuda = job.arm.target.device == "cuda"  # NCCL: this rank's GPU (set in rank_main), collectives on it
+        self.comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.state.model = DistributedDataParallel(self.module, device_ids=[self.comm_device] if cuda else None)
 
     def _mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t)
         return float(t[0]) / self.world
 
@@ -143,7 +146,7 @@ class RankState:
         r["bn"] = self.probe.deviations(self.world)
         if self.rank != 0:
             return None
-        r["state"] = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        r["state"] = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
         r["producer"] = self.state.producer
         return r
 
@@ -164,7 +167,7 @@ class RankState:
         bn = self.probe.deviations(self.world)
         if self.rank != 0:
             return None
-        grads = {n: p.grad.detach().clone() / scale for n, p in self.module.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().cpu() / scale for n, p in self.module.named_parameters() if p.grad is not None}
         return dict(loss=mean_loss, grads=grads, bn=bn)
 
 
@@ -182,6 +185,8 @@ def rank_main(rank: int, world: int, port: int, conn, job: RankJob, backend: str
     _die_with_parent()
     torch.set_num_threads(max(1, job.threads))
     try:
+        if backend == "nccl":  # one GPU per rank: ddp:cuda:N runs on GPUs 0..N-1
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=job.timeout_s))
         state = RankState(rank, world, job)

@@ -68,7 +68,8 @@ class DDPRunner(Runner):
             return None if dist.is_gloo_available() else "this torch build has no gloo backend"
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if visible < self.world:
-            return f"{self.target} needs {self.world} CUDA GPUs, {visible} visible"
+            return (f"{self.target} needs {self.world} CUDA GPU{'s' if self.world > 1 else ''}, {visible} visible "
+                    f"(one process per GPU; ddp:cpu:{self.world} runs the same check over gloo on the CPU)")
         if not dist.is_nccl_available():
             return "this torch build has no NCCL backend"
         return None
