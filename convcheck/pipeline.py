@@ -216,6 +216,9 @@ def _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerpri
 def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig, str]:
     """Targets parsed and checked, the judge chosen (or the one asked for) and why."""
     pair = _parse_pair(cfg.targets, notes)
+    from convcheck.ddp.launch import check_not_under_torchrun
+
+    check_not_under_torchrun(pair)  # convcheck starts its own ranks: one line, exit 2, under torchrun
     for t in pair:
         t.check_available()
     if cfg.judge is not None:

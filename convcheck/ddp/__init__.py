@@ -5,6 +5,7 @@
 - ``arm``: ``DDPArmState``, a data-parallel arm in ``run_training``'s lockstep loop
 - ``parity``: the DDP-averaged gradient of one step against the judge's
 - ``syncbn``: ``GlooSyncBatchNorm``, SyncBatchNorm for gloo on the CPU
+- ``launch``: started by ``torchrun`` (``RANK``/``WORLD_SIZE``...)? refused in one line: convcheck starts its own ranks
 - ``diagnostics``: per-rank BatchNorm statistics, a loss off by the world size -> verdict ``setup`` / ``ddp``
 """
 
