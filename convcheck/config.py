@@ -53,6 +53,7 @@ class CompareConfig:
     warmup: int = 0  # linear warm-up steps before the schedule
     clip_grad_norm: float | None = None
     ddp_sync_bn: bool = False  # data-parallel targets: convert BatchNorm to SyncBatchNorm (issue 12)
+    ddp_no_broadcast_buffers: bool = False  # data-parallel targets: DistributedDataParallel(broadcast_buffers=False)
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1, STEPS_MAX)

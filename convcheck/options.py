@@ -15,7 +15,7 @@ from convcheck.config import OPTIMIZERS, CompareConfig, default, with_options
 OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "workers", "bound-factor",
                 "min-error",
                 "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
-                "warmup", "clip-grad-norm", "ddp-sync-bn")
+                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers")
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:
@@ -50,6 +50,8 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
     opt("clip-grad-norm", type=float, metavar="X", help="clip the gradient norm to X before every step")
     opt("ddp-sync-bn", action="store_true",
         help="ddp: targets: convert every BatchNorm to SyncBatchNorm in the data-parallel copies")
+    opt("ddp-no-broadcast-buffers", action="store_true",
+        help="ddp: targets: DistributedDataParallel(broadcast_buffers=False), as your own training may set it")
     opt("seed", type=int, help="seed for weights and batches (default %(default)s)")
     opt("envelope", type=int,
         help="perturbed runs of the lower-precision target for the noise envelope; 0 turns it off "

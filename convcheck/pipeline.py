@@ -279,10 +279,10 @@ def _prepare(resolved: ResolvedModel, cfg: CompareConfig, notes: list[str]):
     user_data = is_user_data(cfg.data)
     state = initial_state(resolved, cfg.seed)
     build = model_builder(resolved, state)
-    if cfg.ddp_sync_bn:  # data-parallel copies only (convcheck.ddp)
-        from convcheck.ddp import sync_batchnorm_builder
+    if cfg.ddp_sync_bn or cfg.ddp_no_broadcast_buffers:  # data-parallel copies only (convcheck.ddp)
+        from convcheck.ddp import ddp_builder
 
-        build = sync_batchnorm_builder(build)
+        build = ddp_builder(build, sync_bn=cfg.ddp_sync_bn, broadcast_buffers=not cfg.ddp_no_broadcast_buffers)
     if not user_data:  # the built-in sources make inputs of the model's declared shape
         check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes, task=resolved.task)
     stream = open_data(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,

@@ -30,6 +30,14 @@ def check_batch_splits(x, world: int, target) -> None:
                          f"(pick a --batch-size that is a multiple of {world})")
 
 
+def slice_hashes(x, y, world: int) -> list[str]:
+    """Each rank's slice of the global batch, hashed (its samples and targets)."""
+    from convcheck.batch import batch_hash
+    from convcheck.ddp.worker import rank_slice
+
+    return [batch_hash(rank_slice(x, r, world), rank_slice(y, r, world)) for r in range(world)]
+
+
 class DDPArmState:
     def __init__(self, arm: Arm, build, steps: int, recipe, sync_bn: bool = False):
         """``build(target)`` is called with the data-parallel target in the ranks (a builder may treat
@@ -44,6 +52,9 @@ class DDPArmState:
         self.producer: tuple[int, str] | None = None
         self.bn: list[dict[str, tuple[float, float]]] = []
         self.losses: list[float] = []
+        # evidence per step: each rank's slice hash, the buffers that differ across ranks at the forward's
+        # start; from the first step: the modules drawing unshared random numbers (convcheck.ddp.probes)
+        self.ranks: dict = {"slices": [], "buffers": [], "draws": None}
         job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
                       target=arm.target,
                       steps=steps, recipe=recipe, timeout_s=collective_timeout(),
@@ -61,6 +72,11 @@ class DDPArmState:
         if self.producer is None and producer is not None:
             self.producer = (self.step_index, producer[1])
         self.bn.append(r.pop("bn"))
+        self.ranks["buffers"].append(r.pop("buffers"))
+        draws = r.pop("draws")
+        if draws is not None:
+            self.ranks["draws"] = draws
+        self.ranks["slices"].append(slice_hashes(x, y, self.runner.world))
         self.losses.append(r["loss"])
         return r
 

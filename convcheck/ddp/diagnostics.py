@@ -12,6 +12,18 @@ verdict they support is category ``setup``, sub-cause ``ddp``.
 - ``loss_scale``: the data-parallel gradient (and loss) is the single-device
   one divided or multiplied by the world size: a loss summed over the batch
   (DDP averages the ranks' gradients) or a per-rank mean summed.
+- ``same_data``: two ranks' slices of the global batch hash alike: the data
+  is not sharded (every rank loads the same samples: no DistributedSampler).
+- ``buffers_not_broadcast``: a buffer differs across ranks when the forward
+  starts (``broadcast_buffers=False``, or a buffer set per rank).
+- ``dropout_per_rank``: a module draws from torch's global generators in its
+  forward (``F.dropout``...), which the shared masks do not cover: each rank
+  draws its own mask for its slice (and, seeded alike, the same numbers).
+
+``loss_scale``, ``same_data``, ``buffers_not_broadcast`` and ``dropout_per_rank``
+are exact evidence of a setup difference (``EXACT``): the verdict names them
+even when the drift stays inside the envelope; ``batchnorm_per_rank`` only when
+the data-parallel arm leaves it.
 """
 
 from __future__ import annotations
@@ -33,11 +45,13 @@ BN_MEAN_SHIFT = 0.05
 BN_STD_CHANGE = 0.05
 # The DDP/single-device ratio of the first step's gradient norm within this (relative) of world or 1/world.
 LOSS_SCALE_TOLERANCE = 0.05
+# Findings that need no drift to be a setup difference.
+EXACT = ("loss_scale", "same_data", "buffers_not_broadcast", "dropout_per_rank")
 
 
 @dataclass(frozen=True)
 class DDPFinding:
-    kind: str  # "batchnorm_per_rank" | "loss_scale"
+    kind: str  # "loss_scale" | "same_data" | "buffers_not_broadcast" | "dropout_per_rank" | "batchnorm_per_rank"
     arm: str
     summary: str
     evidence: tuple[str, ...] = ()
@@ -45,6 +59,11 @@ class DDPFinding:
     layers: tuple[str, ...] = field(default_factory=tuple)
     category: str = SETUP
     sub_cause: str = SUB_CAUSE
+
+    @property
+    def exact(self) -> bool:
+        """A setup difference whatever the drift (``EXACT``)."""
+        return self.kind in EXACT
 
 
 def ddp_arms(training) -> list[str]:
@@ -122,7 +141,94 @@ def loss_scale(training, arm: str) -> DDPFinding | None:
     return None
 
 
-DETECTORS = (loss_scale, batchnorm_per_rank)
+def _ranks(training, arm: str) -> dict:
+    return (getattr(training, "ddp_ranks", {}) or {}).get(arm) or {}
+
+
+def same_data(training, arm: str) -> DDPFinding | None:
+    """Two ranks' slices hash alike in at least half the steps: every rank trains on the same samples."""
+    steps = _ranks(training, arm).get("slices") or []
+    repeated = [(i, _equal_ranks(h)) for i, h in enumerate(steps)]
+    repeated = [(i, pairs) for i, pairs in repeated if pairs]
+    if not steps or len(repeated) * 2 < len(steps):
+        return None
+    world = _world(training, arm)
+    first_step, pairs = repeated[0]
+    shown = "; ".join(f"ranks {', '.join(map(str, group))}" for group in pairs)
+    return DDPFinding(
+        kind="same_data", arm=arm,
+        summary=(f"the ranks of {arm} see the same samples: in {len(repeated)} of {len(steps)} steps two or more "
+                 f"of the {world} ranks' slices of the global batch are identical, so the data is not sharded "
+                 f"and the effective batch is one rank's"),
+        evidence=(f"per-rank batch hashes equal at step {first_step + 1}: {shown} "
+                  f"(SHA-256 over each rank's samples and targets)",
+                  f"steps with a repeated slice: {', '.join(str(i + 1) for i, _ in repeated[:8])}"
+                  + (" ..." if len(repeated) > 8 else "")),
+        remedy=("shard the data across ranks: DataLoader(dataset, sampler=DistributedSampler(dataset, "
+                "num_replicas=world_size, rank=rank), ...) and sampler.set_epoch(epoch) every epoch; an "
+                "iterable source must skip to its rank's share (itertools.islice(it, rank, None, world_size))"),
+    )
+
+
+def _equal_ranks(hashes: list[str]) -> list[tuple[int, ...]]:
+    groups: dict[str, list[int]] = {}
+    for rank, h in enumerate(hashes):
+        groups.setdefault(h, []).append(rank)
+    return [tuple(g) for g in groups.values() if len(g) > 1]
+
+
+def buffers_not_broadcast(training, arm: str) -> DDPFinding | None:
+    """A buffer differs across ranks when the forward starts (after DDP's broadcast, when it broadcasts)."""
+    worst: dict[str, tuple[float, int]] = {}
+    for step, record in enumerate(_ranks(training, arm).get("buffers") or []):
+        for name, spread in record.items():
+            old = worst.get(name, (0.0, step))
+            worst[name] = (max(old[0], spread), old[1])  # the largest spread, the first step it was seen
+    if not worst:
+        return None
+    names = sorted(worst, key=lambda n: -worst[n][0])
+    layers = tuple(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
+    shown = ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    evidence = [f"buffer '{n}' on {arm}: ranks differ by up to {worst[n][0]:.3g} of its largest value when the "
+                f"forward starts (first seen at step {worst[n][1] + 1})" for n in names[:4]]
+    drift = drift_line(training, arm)
+    return DDPFinding(
+        kind="buffers_not_broadcast", arm=arm, layers=layers,
+        summary=(f"buffers {shown} differ across the ranks of {arm} when the forward starts: they are not "
+                 f"broadcast from rank 0, so each rank runs another model (and a checkpoint keeps rank 0's)"),
+        evidence=tuple(evidence + ([drift] if drift else [])),
+        remedy=("broadcast the buffers: DistributedDataParallel(model, broadcast_buffers=True) (the default), or "
+                "keep them equal across ranks yourself (SyncBatchNorm for BatchNorm statistics, an all_reduce for "
+                "a running buffer of your own)"),
+    )
+
+
+def dropout_per_rank(training, arm: str) -> DDPFinding | None:
+    """Modules that draw from torch's global random generators in their forward, found in the ranks."""
+    draws = _ranks(training, arm).get("draws") or {}
+    layers = tuple(draws.get("layers") or ())
+    if not layers:
+        return None
+    world = _world(training, arm)
+    shown = ", ".join(f"'{n}'" for n in layers[:4]) + (f" and {len(layers) - 4} more" if len(layers) > 4 else "")
+    same = bool(draws.get("same_on_every_rank"))
+    how = ("every rank drew the same random numbers for its own slice (the ranks were seeded alike), so the "
+           "ranks drop the same positions" if same else "the ranks drew different random numbers")
+    return DDPFinding(
+        kind="dropout_per_rank", arm=arm, layers=layers,
+        summary=(f"{shown} draw{'s' if len(layers) == 1 else ''} random numbers inside the forward "
+                 f"(F.dropout, torch.rand..., not an nn.Dropout module), which the shared masks do not cover: "
+                 f"each of the {world} ranks of {arm} draws a mask for its own slice, none of them the single "
+                 f"device's mask over the whole batch"),
+        evidence=(f"on {arm}, the global random generator's state changed across the forward of {shown} in the "
+                  f"first step; {how}",),
+        remedy=("use nn.Dropout modules (convcheck gives them the same masks on every rank and arm) instead of "
+                "F.dropout in forward; in your own DDP training seed each rank differently "
+                "(torch.manual_seed(seed + rank)) so that the ranks do not drop the same positions"),
+    )
+
+
+DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, batchnorm_per_rank)
 
 
 def ddp_findings(training) -> list[DDPFinding]:

@@ -27,8 +27,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from convcheck.batch import map_tensors
-from convcheck.capture import SharedDropoutMasks, leaf_modules
-from convcheck.ddp.syncbn import GlooSyncBatchNorm, swap_sync_batchnorm
+from convcheck.capture import SharedDropoutMasks
+from convcheck.ddp.probes import BatchNormProbe, BufferProbe, DrawProbe
+from convcheck.ddp.syncbn import swap_sync_batchnorm
 from convcheck.train.arm_state import ArmState
 from convcheck.train.arms import Arm
 
@@ -69,49 +70,6 @@ class RankDropoutMasks(SharedDropoutMasks):
         return keep.narrow(0, self.rank * x.shape[0], x.shape[0])
 
 
-class BatchNormProbe:
-    """Per-rank batch statistics of every BatchNorm that does not synchronise, against the global ones.
-
-    Per layer, after a step: the largest shift of a rank's channel mean from the global batch's mean, in
-    global standard deviations, and the largest relative change of a rank's channel standard deviation
-    (all ranks' statistics combined with all_reduce; rank 0 keeps the numbers)."""
-
-    def __init__(self, model: nn.Module):
-        self.stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.layers = [(n, m) for n, m in leaf_modules(model)
-                       if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                       and not isinstance(m, (nn.SyncBatchNorm, GlooSyncBatchNorm))]
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.layers]
-
-    def _hook(self, name):
-        def hook(module, inputs, output):
-            if not module.training or name in self.stats or not torch.is_grad_enabled():
-                return
-            x = inputs[0].detach().to(torch.float64)
-            dims = [0] + list(range(2, x.dim()))
-            self.stats[name] = (x.mean(dims), x.var(dims, unbiased=False))
-        return hook
-
-    def deviations(self, world: int) -> dict[str, tuple[float, float]]:
-        """``{layer: (mean shift in global std, relative std change)}``; a collective: every rank calls it."""
-        out = {}
-        for name, m in self.layers:
-            if name not in self.stats:
-                continue
-            mean, var = self.stats[name]
-            packed = torch.stack([mean, var + mean * mean])
-            dist.all_reduce(packed)
-            g_mean = packed[0] / world
-            g_var = (packed[1] / world - g_mean * g_mean).clamp_min(0) + m.eps
-            shift = float(((mean - g_mean).abs() / g_var.sqrt()).max())
-            scale = float(((var + m.eps) / g_var).sqrt().sub(1).abs().max())
-            worst = torch.tensor([shift, scale], dtype=torch.float64, device=mean.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            out[name] = (float(worst[0]), float(worst[1]))
-        self.stats.clear()
-        return out
-
-
 class RankState:
     """One rank's DDP-wrapped training state, built through the per-rank runner."""
 
@@ -128,9 +86,13 @@ class RankState:
                               masks=lambda m: RankDropoutMasks(m, 0, rank, world))
         self.module = self.state.model
         self.probe = BatchNormProbe(self.module)
+        self.buffers = BufferProbe(self.module)
         cuda = job.arm.target.device == "cuda"  # NCCL: this rank's GPU (set in rank_main), collectives on it
+        self.draws = DrawProbe(self.module, cuda)  # the first training step only
         self.comm_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.state.model = DistributedDataParallel(self.module, device_ids=[self.comm_device] if cuda else None)
+        # the user's DDP setting where convcheck mirrors it (--ddp-no-broadcast-buffers: ddp_builder)
+        self.state.model = _wrap(self.module, [self.comm_device] if cuda else None,
+                                 bool(getattr(job.build, "broadcast_buffers", True)))
 
     def _mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.comm_device)
@@ -144,6 +106,8 @@ class RankState:
         r["loss"] = self._mean(r["loss"])
         r["nonfinite_loss"] = not math.isfinite(r["loss"])
         r["bn"] = self.probe.deviations(self.world)
+        r["buffers"] = self.buffers.spreads(self.comm_device)
+        r["draws"] = self.draws.finish(self.comm_device) if self.draws.active else None
         if self.rank != 0:
             return None
         r["state"] = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
@@ -169,6 +133,16 @@ class RankState:
             return None
         grads = {n: p.grad.detach().cpu() / scale for n, p in self.module.named_parameters() if p.grad is not None}
         return dict(loss=mean_loss, grads=grads, bn=bn)
+
+
+def _wrap(module: nn.Module, device_ids, broadcast_buffers: bool) -> DistributedDataParallel:
+    if broadcast_buffers:
+        return DistributedDataParallel(module, device_ids=device_ids)
+    import warnings
+
+    with warnings.catch_warnings():  # torch >= 2.10 deprecates it, yet asks to keep it for rank-local buffers
+        warnings.simplefilter("ignore", FutureWarning)
+        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
 
 def _die_with_parent() -> None:

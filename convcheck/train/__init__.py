@@ -77,6 +77,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         arms=arms, config=cfg, judge=judge, nonfinite_producer={s.arm.name: s.producer for s in states},
         nonfinite_weights={s.arm.name: bool(getattr(s, "producer_weights", False)) for s in states},
         ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
+        ddp_ranks={s.arm.name: s.ranks for s in states if hasattr(s, "ranks")},
     )
     result.outcomes = {a.name: arm_outcome(a, result.arm_curve(a.name), tolerances)
                        for a in arms if a.role != "envelope"}

@@ -73,6 +73,9 @@ class TrainResult:
     # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
     # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
     ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
+    # Per data-parallel arm: {"slices": per step, each rank's slice hash; "buffers": per step, {buffer: relative
+    # spread across ranks at the forward's start}; "draws": {"layers", "same_on_every_rank"} from step 1}.
+    ddp_ranks: dict[str, dict] = field(default_factory=dict)
 
     def arm_curve(self, name: str) -> pd.DataFrame:
         return self.curves[self.curves["arm"] == name]

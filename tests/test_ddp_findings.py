@@ -1,0 +1,90 @@
+"""Data-parallel setups that really have the problem (issue 12, item 3), through ``convcheck.compare``:
+buffers not broadcast, ranks that see the same samples, random draws the shared masks do not cover.
+Each asserts what the user reads: verdict category / sub-cause, the layer named, the evidence line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import convcheck
+from convcheck.ddp.diagnostics import buffers_not_broadcast, dropout_per_rank, same_data
+
+pytestmark = pytest.mark.usefixtures("no_orphans")  # conftest: no rank process is left behind
+
+
+class RunningCenter(nn.Module):
+    """Subtracts a running mean of its input, kept in a buffer and updated by every training forward
+    (as BatchNorm's running statistics are, but used in training too)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("center", torch.zeros(n))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.center.mul_(0.5).add_(0.5 * x.mean(0))
+        return x - self.center
+
+
+def _centered():
+    return nn.Sequential(nn.Flatten(), nn.Linear(8, 16), RunningCenter(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _compare(factory, **kw):
+    opts = dict(input_shape=(1, 2, 4), num_classes=3, targets="cpu,ddp:cpu:2", batch_size=8, steps=3, envelope=1,
+                optimizer="sgd", lr=0.05)
+    opts.update(kw)
+    return convcheck.compare(factory, **opts)
+
+
+def test_buffers_not_broadcast_are_a_setup_verdict_naming_the_buffer():
+    r = _compare(_centered, ddp_no_broadcast_buffers=True)
+    v = r.verdict
+    assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "2")
+    assert "buffers '2.center' differ across the ranks of ddp:cpu:2 when the forward starts" in v.headline
+    assert any(e.startswith("buffer '2.center' on ddp:cpu:2: ranks differ by up to") and
+               e.endswith("(first seen at step 2)") for e in v.evidence)  # step 1 starts from the same weights
+    assert any("broadcast_buffers=True" in rem for rem in v.remedies)
+    # the same model with DDP's default broadcast: the ranks start every forward from rank 0's buffers
+    assert buffers_not_broadcast(_compare(_centered, steps=2).training, "ddp:cpu:2") is None
+
+
+def _repeated_per_rank():
+    """A global batch put together from two per-rank loaders without a DistributedSampler: each rank's
+    loader yields the same 4 samples, so rank 1's slice is rank 0's."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        x, y = torch.randn(4, 1, 2, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+        yield torch.cat([x, x]), torch.cat([y, y])
+
+
+def test_ranks_that_see_the_same_samples_are_a_setup_verdict():
+    r = _compare(lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), data=_repeated_per_rank,
+                 input_shape=None, num_classes=None)
+    v = r.verdict
+    assert (v.category, v.sub_cause) == ("setup", "ddp")
+    assert v.headline.startswith("data-parallel setup: the ranks of ddp:cpu:2 see the same samples: in 3 of 3 steps")
+    assert v.evidence[0].startswith("per-rank batch hashes equal at step 1: ranks 0, 1")
+    assert "DistributedSampler" in v.remedies[0]
+
+
+class FunctionalDropout(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.3, self.training)
+
+
+def test_random_draws_the_shared_masks_miss_are_a_setup_verdict_naming_the_layer():
+    def net():
+        return nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), FunctionalDropout(), nn.Linear(16, 3), nn.Dropout(0.2))
+    r = _compare(net, steps=2)
+    v = r.verdict
+    assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "3")  # not the nn.Dropout: its masks are shared
+    assert "'3' draws random numbers inside the forward (F.dropout" in v.headline
+    assert "every rank drew the same random numbers for its own slice" in v.evidence[0]
+    assert any("torch.manual_seed(seed + rank)" in rem for rem in v.remedies)
+    found = dropout_per_rank(r.training, "ddp:cpu:2")
+    assert found.layers == ("3",) and same_data(r.training, "ddp:cpu:2") is None
