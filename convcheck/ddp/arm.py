@@ -4,9 +4,10 @@
 ``model``, ``step``, ``step_index``, ``producer``, ``close``): each ``step``
 sends the global batch to the ranks (``RankPool``), which train their
 DDP-wrapped copies on their slices; rank 0's answer (the all-reduced mean
-loss, gradient norms of the averaged gradient, its state) comes back and is
-copied into ``model``, a mirror in this process that parameter distances to
-the judge and the other arms read. ``bn`` keeps, per step, the per-rank
+loss, gradient norms of the averaged gradient) comes back; its parameters
+are written by rank 0 into tensors in shared memory and copied from there into
+``model``, a mirror in this process that parameter distances to the judge and
+the other arms read (its buffers come with the last step's answer). ``bn`` keeps, per step, the per-rank
 BatchNorm statistics' deviation from the global batch's (evidence for the
 diagnosis).
 """
@@ -55,19 +56,18 @@ class DDPArmState:
         # evidence per step: each rank's slice hash, the buffers that differ across ranks at the forward's
         # start; from the first step: the modules drawing unshared random numbers (convcheck.ddp.probes)
         self.ranks: dict = {"slices": [], "buffers": [], "draws": None}
+        # rank 0 writes its parameters here after every step (shared memory: nothing is pickled per step)
+        self.shared = {n: torch.empty(p.shape, dtype=p.dtype).share_memory_() for n, p in self.model.named_parameters()}
         job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
                       target=arm.target,
                       steps=steps, recipe=recipe, timeout_s=collective_timeout(),
-                      threads=threads_per_rank(self.runner.world), sync_bn=sync_bn)
+                      threads=threads_per_rank(self.runner.world), sync_bn=sync_bn, shared_params=self.shared)
         self.pool = RankPool(arm.target, job)
 
     def step(self, x, y, seed: int, rng_seed: int) -> dict:
         check_batch_splits(x, self.runner.world, self.arm.target)
         r = self.pool.call("step", x, y, seed, rng_seed, what=f"training step {self.step_index + 1}")
-        state = r.pop("state")
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                v.copy_(state[k])
+        self._mirror(r.pop("params", None), r.pop("buffers_state", None))
         producer = r.pop("producer")
         if self.producer is None and producer is not None:
             self.producer = (self.step_index, producer[1])
@@ -79,6 +79,15 @@ class DDPArmState:
         self.ranks["slices"].append(slice_hashes(x, y, self.runner.world))
         self.losses.append(r["loss"])
         return r
+
+    @torch.no_grad()
+    def _mirror(self, params: dict | None, buffers: dict | None) -> None:
+        """Rank 0's parameters (shared memory, or the answer's) into the mirror; its buffers when sent."""
+        source = params if params is not None else self.shared
+        for n, p in self.model.named_parameters():
+            p.copy_(source[n])
+        for n, b in (self.model.named_buffers() if buffers else ()):
+            b.copy_(buffers[n])
 
     def close(self) -> None:
         self.pool.close()

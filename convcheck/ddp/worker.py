@@ -47,6 +47,9 @@ class RankJob:
     threads: int
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm (as --ddp-sync-bn does through the builder)
     target: Any = None  # the data-parallel target (build is called with it; None: the arm's)
+    # {parameter: CPU tensor in shared memory}: rank 0 writes its parameters there after every step, so the
+    # parent reads them without a copy through the pipe (None: they travel in the answer)
+    shared_params: dict | None = None
 
 
 def rank_slice(x, rank: int, world: int):
@@ -110,9 +113,22 @@ class RankState:
         r["draws"] = self.draws.finish(self.comm_device) if self.draws.active else None
         if self.rank != 0:
             return None
-        r["state"] = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        self._publish(r)
         r["producer"] = self.state.producer
         return r
+
+    @torch.no_grad()
+    def _publish(self, r: dict) -> None:
+        """Rank 0's parameters into the shared tensors (or the answer); its buffers on the last step only
+        (nothing in the parent reads a mirror's buffers before the run ends)."""
+        shared = self.job.shared_params
+        if shared is None:
+            r["params"] = {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters()}
+        else:
+            for n, p in self.module.named_parameters():
+                shared[n].copy_(p.detach())
+        if self.state.step_index >= self.job.steps:
+            r["buffers_state"] = {n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()}
 
     def grads(self, x, y, seed: int, scale: float) -> dict | None:
         """Parity: one forward/backward on this rank's slice, no update; rank 0 returns the averaged
