@@ -332,3 +332,22 @@ def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(monkeypatch):
     msg = str(err.value)
     assert "\n" not in msg and "rank 0 of 2 failed during training step 1" in msg
     assert "rank 1 had not finished the step" in msg
+
+
+def test_the_mirror_gets_rank_0s_parameters_every_step_and_its_buffers_with_the_last():
+    from convcheck.ddp.arm import DDPArmState
+
+    arm = Arm("ddp:cpu:2", T("ddp:cpu:2"), "target")
+    state = DDPArmState(arm, _builder(_bn_net), 2, build_recipe(CompareConfig(optimizer="sgd", lr=0.1)))
+    try:
+        first = {n: p.detach().clone() for n, p in state.model.named_parameters()}
+        x, y = _batches(1)[0]
+        state.step(x, y, 0, 0)
+        assert all(not torch.equal(first[n], p) for n, p in state.model.named_parameters()
+                   if n in ("0.weight", "3.weight", "3.bias"))  # 0.bias: no gradient before a BatchNorm
+        assert torch.equal(state.model[1].running_mean, torch.zeros(16))  # buffers: not shipped yet
+        state.step_index = 1
+        state.step(x, y, 1, 1)
+        assert not torch.equal(state.model[1].running_mean, torch.zeros(16))  # the last step brings them
+    finally:
+        state.close()
