@@ -175,9 +175,20 @@ def compare(
     if targets is not None:
         options["targets"] = targets
     cfg = with_options(config or CompareConfig(), **options)
-    with _caller_rng_kept(), _guarded(progress, cfg.steps) as stage:
+    with _caller_rng_kept(), _guarded(progress, cfg.steps) as stage, _launched_world_released():
         resolved = _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerprint)
         return _run(resolved, cfg, None, None, env_findings, fingerprint, stage)
+
+
+@contextlib.contextmanager
+def _launched_world_released():
+    """Under torchrun, the other ranks are told to exit when the comparison ends, however it ends."""
+    try:
+        yield
+    finally:
+        from convcheck.ddp.launched import release_world
+
+        release_world()
 
 
 @contextlib.contextmanager
@@ -216,9 +227,9 @@ def _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerpri
 def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig, str]:
     """Targets parsed and checked, the judge chosen (or the one asked for) and why."""
     pair = _parse_pair(cfg.targets, notes)
-    from convcheck.ddp.launch import check_not_under_torchrun
+    from convcheck.ddp.launch import check_launch
 
-    check_not_under_torchrun(pair)  # convcheck starts its own ranks: one line, exit 2, under torchrun
+    check_launch(pair)  # under torchrun: a ddp: target of the world's size (convcheck.ddp.launched)
     for t in pair:
         t.check_available()
     if cfg.judge is not None:

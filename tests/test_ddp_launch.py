@@ -1,19 +1,21 @@
-"""convcheck under torchrun (issue 12): detected from the launcher's environment and refused in one line.
+"""convcheck under torchrun (issue 12): the launcher's world serves the data-parallel target.
 
-convcheck starts its own rank processes; inside a torchrun world it would run the whole comparison on
-every rank and share rank 0's process group with its single-device arms (``convcheck.ddp.launch``)."""
+Rank 0 runs the comparison (its DDP rank in a relay process), the other ranks serve and exit 0
+(``convcheck.ddp.launched``); what cannot work is refused in one line, exit 2 (``check_launch``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from convcheck.cli import main
-from convcheck.ddp.launch import check_not_under_torchrun, launched_world
+from convcheck.ddp.launch import check_launch, launched_world
 from convcheck.errors import UsageError
 from convcheck.targets import parse_targets
 
@@ -31,43 +33,75 @@ def test_the_launchers_world_is_read_from_the_environment():
     assert (partial.rank, partial.world, partial.endpoint) == (None, 4, "")
 
 
-def test_a_ddp_target_under_torchrun_is_refused_saying_what_to_run():
-    with pytest.raises(UsageError) as err:
-        check_not_under_torchrun(parse_targets("cpu,ddp:cpu:2"), TORCHRUN_ENV)
-    msg = str(err.value)
-    assert "\n" not in msg and "started by torchrun (rank 1 of 2" in msg
-    assert msg.endswith("run it once, without torchrun, on one machine: convcheck compare ... --targets cpu,ddp:cpu:2")
-
-
-def test_a_world_of_one_with_single_device_targets_runs_as_usual():
+def test_a_ddp_target_of_the_worlds_size_is_served_by_it():
+    assert check_launch(parse_targets("cpu,ddp:cpu:2"), TORCHRUN_ENV).world == 2
+    assert check_launch(parse_targets("cpu,ddp:cpu:2"), {}) is None  # not launched: convcheck starts the ranks
     one = dict(TORCHRUN_ENV, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    check_not_under_torchrun(parse_targets("cpu,cpu:bf16"), one)  # nothing to refuse
-    check_not_under_torchrun(parse_targets("cpu,ddp:cpu:2"), {})  # not launched
-    with pytest.raises(UsageError, match="ddp:cuda:2 \\(or ddp:cpu:N\\)"):
-        check_not_under_torchrun(parse_targets("cpu,cpu:bf16"), TORCHRUN_ENV)  # the same run on every rank
+    assert check_launch(parse_targets("cpu,cpu:bf16"), one) is None  # a world of one: as if run alone
 
 
-def test_the_cli_under_torchruns_environment_is_exit_2_in_one_line(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("targets,env,says", [
+    ("cpu,ddp:cpu:4", TORCHRUN_ENV, "target ddp:cpu:4 asks for 4 ranks, the world has 2 (torchrun's --nnodes x "
+                                    "--nproc-per-node); use ddp:cpu:2"),
+    ("cpu,ddp:cpu:4:bf16", TORCHRUN_ENV, "use ddp:cpu:2:bf16"),
+    ("cpu,cpu:bf16", TORCHRUN_ENV, "but no target is data-parallel: the world's ranks serve a ddp: target "
+                                   "(--targets cpu,ddp:cpu:2 or cuda,ddp:cuda:2)"),
+    ("cpu,ddp:cpu:2", {"RANK": "0", "WORLD_SIZE": "2"}, "with MASTER_ADDR, MASTER_PORT unset"),
+    ("cpu,ddp:cpu:2", dict(TORCHRUN_ENV, RANK="5"), "not a rank of the world"),
+])
+def test_what_a_launched_world_cannot_run_is_one_line(targets, env, says):
+    with pytest.raises(UsageError) as err:
+        check_launch(parse_targets(targets), env)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("convcheck was started by torchrun (rank") and says in msg
+
+
+def test_a_serving_rank_with_a_target_of_another_size_is_exit_2(monkeypatch, capsys, tmp_path):
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)
-    code = main(["compare", "--model", "lenet", "--targets", "cpu,ddp:cpu:2", "--steps", "2",
+    code = main(["compare", "--model", "lenet", "--targets", "cpu,ddp:cpu:4", "--steps", "2",
                  "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "started by torchrun" in err
+    assert code == 2 and len(err.splitlines()) == 1 and "use ddp:cpu:2" in err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_real_torchrun_with_two_ranks_is_refused(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+def _torchrun(tmp_path, *args, timeout_env="60"):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CONVCHECK_DDP_TIMEOUT=timeout_env)
+    for k in TORCHRUN_ENV:
         env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         "-m", "convcheck", "compare", "--model", "lenet", "--targets", "cpu,ddp:cpu:2", "--steps", "2",
-         "--out", str(tmp_path / "run")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0  # torchrun reports its ranks' exit code 2 as a failure
-    refusals = [line for line in proc.stderr.splitlines() if "convcheck: error: convcheck was started by torchrun" in line]
-    assert len(refusals) >= 1 and "Traceback" not in "\n".join(refusals)
-    assert "--targets cpu,ddp:cpu:2" in refusals[0]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           "-m", "convcheck", "compare", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_torchrun_with_two_ranks_runs_the_comparison_on_rank_0(tmp_path):
+    out = tmp_path / "run"
+    proc = _torchrun(tmp_path, "--model", "lenet", "--targets", "cpu,ddp:cpu:2", "--steps", "3", "--envelope", "1",
+                     "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"]["category"] == "ok" and summary["targets"] == ["cpu", "ddp:cpu:2"]
+    assert proc.stdout.count("Verdict: ok") == 1  # rank 0 reports; rank 1 served
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_failing_rank_is_named_by_rank_0(tmp_path):
+    (tmp_path / "lossfile.py").write_text(textwrap.dedent("""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        def loss(out, y):
+            if dist.is_initialized() and dist.get_rank() == 1:
+                raise ValueError("boom on rank 1")
+            return F.cross_entropy(out, y)
+    """))
+    proc = _torchrun(tmp_path, "--model", "lenet", "--targets", "cpu,ddp:cpu:2", "--steps", "2",
+                     "--loss", f"{tmp_path / 'lossfile.py'}:loss", "--no-save")
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("convcheck: error:")]
+    assert lines and all("rank 1 of 2 during the parity step: loss 'lossfile.loss' raised ValueError: boom on rank 1"
+                         in line for line in lines)
+    assert "Traceback (most recent call last):\n  File" not in "\n".join(lines)

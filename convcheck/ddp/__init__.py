@@ -5,7 +5,9 @@
 - ``arm``: ``DDPArmState``, a data-parallel arm in ``run_training``'s lockstep loop
 - ``parity``: the DDP-averaged gradient of one step against the judge's
 - ``syncbn``: ``GlooSyncBatchNorm``, SyncBatchNorm for gloo on the CPU
-- ``launch``: started by ``torchrun`` (``RANK``/``WORLD_SIZE``...)? refused in one line: convcheck starts its own ranks
+- ``launch``: started by ``torchrun`` (``RANK``/``WORLD_SIZE``...)? and do the targets fit its world?
+- ``launched``: the torchrun world serving the DDP arm (a relay as rank 0, the other ranks serving)
+- ``probes``: what each rank measures for the diagnostics
 - ``diagnostics``: per-rank BatchNorm statistics, a loss off by the world size -> verdict ``setup`` / ``ddp``
 """
 

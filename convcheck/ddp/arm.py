@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from convcheck.ddp.pool import RankPool, collective_timeout, threads_per_rank
+from convcheck.ddp.pool import collective_timeout, open_pool, threads_per_rank
 from convcheck.ddp.worker import RankJob
 from convcheck.errors import UsageError
 from convcheck.train.arms import Arm, perturb_
@@ -62,7 +62,7 @@ class DDPArmState:
                       target=arm.target,
                       steps=steps, recipe=recipe, timeout_s=collective_timeout(),
                       threads=threads_per_rank(self.runner.world), sync_bn=sync_bn, shared_params=self.shared)
-        self.pool = RankPool(arm.target, job)
+        self.pool = open_pool(arm.target, job)
 
     def step(self, x, y, seed: int, rng_seed: int) -> dict:
         check_batch_splits(x, self.runner.world, self.arm.target)

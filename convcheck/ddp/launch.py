@@ -1,17 +1,16 @@
 """How convcheck was launched: by ``torchrun`` (or another torch.distributed launcher) or on its own.
 
 ``torchrun`` starts one process per rank and gives each ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. convcheck does not run
-inside such a world: its comparison runs the single-device arms and the
-float64 judge in one process, and a data-parallel target starts its own rank
-processes (``convcheck.ddp.pool``) with their own rendezvous. Were rank 0 to be
-the comparison and a DDP rank at once, its single-device copies would share
-the process with an initialised default process group: an
-``nn.SyncBatchNorm`` or any collective in the user's model would then reduce
-a single-device arm's statistics with the other ranks (a hang on NCCL, a wrong
-result or an error elsewhere), and the comparison would no longer be one
-device against DDP. So ``check_not_under_torchrun`` refuses with one line that
-says what to run instead (exit 2), on every rank.
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Launched so, convcheck uses
+that world for its data-parallel target instead of starting its own ranks
+(``convcheck.ddp.launched``): rank 0 runs the whole comparison and reports;
+its DDP rank runs in a relay process it starts, so the comparison's own
+process (the single-device arms, the judge) never joins the process group and
+a ``SyncBatchNorm`` or a collective in the model cannot reach across ranks
+there; every other rank serves its share of the DDP arm and exits 0.
+``check_launch`` refuses, in one line (exit 2), what cannot work: a world of
+several without a ``ddp:`` target of that size, targets on two backends,
+launcher variables missing.
 """
 
 from __future__ import annotations
@@ -52,18 +51,36 @@ def launched_world(environ=None) -> LaunchedWorld | None:
                          f"{addr}:{port}" if addr or port else "", present)
 
 
-def check_not_under_torchrun(targets, environ=None) -> None:
-    """A one-line ``UsageError`` when a launcher started this process as one rank of a world of several,
-    or as a rank at all with a data-parallel target; nothing otherwise."""
+def check_launch(targets, environ=None) -> LaunchedWorld | None:
+    """The launcher's world when this process is one rank of it and the targets fit it; a one-line
+    ``UsageError`` when they do not; None when not launched."""
     world = launched_world(environ)
     if world is None:
-        return
+        return None
     ddp = [t for t in targets if getattr(t, "world", None)]
     if (world.world or 1) <= 1 and not ddp:
-        return  # a world of one running single-device targets: the same as running it alone
-    where = f"rank {world.rank if world.rank is not None else '?'} of {world.world or '?'}"
-    instead = (f"convcheck compare ... --targets {','.join(str(t) for t in targets)}" if ddp else
-               f"convcheck compare ... --targets cuda,ddp:cuda:{world.world or 'N'} (or ddp:cpu:N)")
-    raise UsageError(f"convcheck was started by torchrun ({where}, {', '.join(world.variables)} set): it starts "
-                     f"its own data-parallel ranks and would run the whole comparison on every rank; run it "
-                     f"once, without torchrun, on one machine: {instead}")
+        return None  # a world of one running single-device targets: the same as running it alone
+    where = f"convcheck was started by torchrun (rank {_text(world.rank)} of {_text(world.world)})"
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in world.variables]
+    if missing or world.rank is None or world.world is None or not 0 <= world.rank < world.world:
+        raise UsageError(f"{where} with {', '.join(missing) or 'RANK or WORLD_SIZE'} "
+                         f"{'unset' if missing else 'not a rank of the world'}: start it with torchrun, which sets "
+                         "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+    if not ddp:
+        raise UsageError(f"{where} but no target is data-parallel: the world's ranks serve a ddp: target "
+                         f"(--targets cpu,ddp:cpu:{world.world} or cuda,ddp:cuda:{world.world}); to compare "
+                         "single devices run convcheck once, without torchrun")
+    wrong = [t for t in ddp if t.world != world.world]
+    if wrong:
+        t = wrong[0]
+        raise UsageError(f"{where}: target {t} asks for {t.world} ranks, the world has {world.world} "
+                         f"(torchrun's --nnodes x --nproc-per-node); use ddp:{t.device}:{world.world}"
+                         f"{'' if t.mode == 'float32' else ':' + t.mode}")
+    if len({t.device for t in ddp}) > 1:
+        raise UsageError(f"{where}: the data-parallel targets use two backends ({', '.join(map(str, ddp))}); "
+                         "one world runs one: keep ddp:cpu or ddp:cuda")
+    return world
+
+
+def _text(value) -> str:
+    return "?" if value is None else str(value)

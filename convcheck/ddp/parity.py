@@ -17,7 +17,7 @@ import math
 import torch
 
 from convcheck.capture import SharedDropoutMasks
-from convcheck.ddp.pool import RankPool, collective_timeout, threads_per_rank
+from convcheck.ddp.pool import collective_timeout, open_pool, threads_per_rank
 from convcheck.ddp.worker import RankJob
 from convcheck.metrics import rel_l2
 from convcheck.train.arms import Arm
@@ -65,7 +65,7 @@ def ddp_parity(target, build, batch, judge_grads: dict, loss_fn, seed: int) -> t
     job = RankJob(arm=Arm(str(target), target.per_rank, "target"), build=build, target=target, steps=1,
                   recipe=_parity_recipe(loss_fn), timeout_s=collective_timeout(),
                   threads=threads_per_rank(runner.world))
-    pool = RankPool(target, job)
+    pool = open_pool(target, job)
     try:
         got = pool.call("grads", x, y, seed, runner.parity_loss_scale, what="the parity step")
     finally:

@@ -121,18 +121,7 @@ class RankPool:
         raise RunFailed(f"{self.target}: rank {rank} of {self.world} {how} during {what}")
 
     def _failed(self, rank: int, info: dict, what: str, silent: list[int] | None = None):
-        text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", info["message"])  # gloo's source location
-        message = f"{info['kind']}: {text}" if text else info["kind"]
-        if silent and "timed out" in message.lower() or silent and "timeout" in message.lower():
-            names = ", ".join(str(q) for q in silent)
-            message = f"{message} (rank {names} had not finished the step: the one that is stuck or slow)"
-        if info.get("convcheck"):  # the same class of error (the user's code, a usage error), naming the rank
-            from convcheck import errors
-
-            cls = getattr(errors, info["kind"], None)
-            if isinstance(cls, type) and issubclass(cls, errors.ConvcheckError):
-                raise cls(f"{self.target}: rank {rank} of {self.world} during {what}: {info['message']}")
-        raise RunFailed(f"{self.target}: rank {rank} of {self.world} failed during {what}: {message}")
+        raise_rank_failure(self.target, self.world, rank, info, what, silent)
 
     def close(self) -> None:
         """Stop every rank (politely, then SIGTERM, then SIGKILL) and reap it; safe to call twice."""
@@ -154,6 +143,35 @@ class RankPool:
         for conn in self.conns:
             conn.close()
         self.conns, self.procs = [], []
+
+
+def raise_rank_failure(target, world: int, rank: int, info: dict, what: str, silent: list[int] | None = None):
+    """A rank's error as one line naming it: the same ConvcheckError class (the user's code, a usage error),
+    else ``RunFailed``; a timeout names the ranks that had not answered (``silent``)."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", info["message"])  # gloo's source location
+    message = f"{info['kind']}: {text}" if text else info["kind"]
+    if silent and ("timed out" in message.lower() or "timeout" in message.lower()):
+        names = ", ".join(str(q) for q in silent)
+        message = f"{message} (rank {names} had not finished the step: the one that is stuck or slow)"
+    if info.get("convcheck"):
+        from convcheck import errors
+
+        cls = getattr(errors, info["kind"], None)
+        if isinstance(cls, type) and issubclass(cls, errors.ConvcheckError):
+            raise cls(f"{target}: rank {rank} of {world} during {what}: {info['message']}")
+    raise RunFailed(f"{target}: rank {rank} of {world} failed during {what}: {message}")
+
+
+def open_pool(target, job):
+    """The ranks of ``target``: started here (``RankPool``), or, when torchrun launched convcheck, the
+    launcher's world (``convcheck.ddp.launched.LaunchedPool``)."""
+    from convcheck.ddp.launch import launched_world
+
+    if launched_world() is not None:
+        from convcheck.ddp.launched import LaunchedPool
+
+        return LaunchedPool(target, job)
+    return RankPool(target, job)
 
 
 def start_method(target) -> str:

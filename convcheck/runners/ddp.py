@@ -67,7 +67,15 @@ class DDPRunner(Runner):
         if self.backend == "gloo":
             return None if dist.is_gloo_available() else "this torch build has no gloo backend"
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if visible < self.world:
+        from convcheck.ddp.launch import launched_world
+
+        launched = launched_world()
+        if launched is not None and launched.world == self.world:  # torchrun's ranks: this node's GPU only
+            local = launched.local_rank or 0
+            if visible <= local:
+                return (f"{self.target} under torchrun: local rank {local} runs on GPU {local}, "
+                        f"{visible} visible on this node")
+        elif visible < self.world:
             return (f"{self.target} needs {self.world} CUDA GPU{'s' if self.world > 1 else ''}, {visible} visible "
                     f"(one process per GPU; ddp:cpu:{self.world} runs the same check over gloo on the CPU)")
         if not dist.is_nccl_available():
