@@ -48,7 +48,7 @@ def _join(backend: str, timeout_s: float) -> tuple[int, int]:
 ERROR_KEY = "convcheck/ddp-error"  # in the launcher's store: the first failing rank's description
 
 
-def _everywhere(states: dict, msg: tuple, rank: int, world: int):
+def _everywhere(states: dict, msg: tuple, rank: int, world: int, target=None):
     """Run ``msg`` on this rank. Rank 0 (the relay) gets ``("ok", 0, its result)`` or ``("error", rank,
     description)`` naming the root cause: a rank that fails posts its description to the launcher's
     store and leaves (its peers' collectives then fail), so rank 0 names it rather than its own
@@ -67,7 +67,7 @@ def _everywhere(states: dict, msg: tuple, rank: int, world: int):
         info = _describe(exc)
         if rank != 0:
             _post(rank, info)
-            raise_rank_failure(states.get("target", "ddp"), world, rank, info, _what(msg))
+            raise_rank_failure(target, world, rank, info, _what(msg))
         peer = _posted()
         return ("error", peer[0], peer[1]) if peer and not info.get("convcheck") else ("error", 0, info)
 
@@ -159,13 +159,13 @@ def serve_rank(config) -> int:
     ddp.check_available()
     try:
         rank, size = _join(ddp.runner.backend, collective_timeout())
-        states: dict = {"target": ddp}
+        states: dict = {}
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
             if box[0][0] == "exit":
                 return 0
-            _everywhere(states, box[0], rank, size)
+            _everywhere(states, box[0], rank, size, ddp)
     except (RuntimeError, ValueError, OSError) as exc:  # not a ConvcheckError: those are this rank's own line
         raise RunFailed(f"{ddp}: rank {world.rank} of {world.world} lost rank 0 (it stopped or timed out): "
                         f"{one_line(exc)}") from None
