@@ -105,3 +105,18 @@ def test_under_torchrun_a_failing_rank_is_named_by_rank_0(tmp_path):
     assert lines and all("rank 1 of 2 during the parity step: loss 'lossfile.loss' raised ValueError: boom on rank 1"
                          in line for line in lines)
     assert "Traceback (most recent call last):\n  File" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("targets,preset,expected", [
+    ("cpu,ddp:cpu:2", None, "PASSIVE"), ("cpu,ddp:cpu:2", "ACTIVE", "ACTIVE"), ("cpu,cpu:bf16", None, None)])
+def test_a_ddp_run_from_the_cli_lets_openmp_threads_sleep_while_they_wait(targets, preset, expected):
+    """OMP_WAIT_POLICY is set before torch loads (a fresh process), for data-parallel targets only."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("OMP_WAIT_POLICY", None)
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = ("import os; from convcheck.cli import main; "
+            f"rc = main(['compare', '--model', 'lenet', '--targets', '{targets}', '--steps', '0', '--no-save']); "
+            "print(rc, os.environ.get('OMP_WAIT_POLICY'))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", str(expected)], proc.stderr  # --steps 0: a usage error, before any work
