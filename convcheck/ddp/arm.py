@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from convcheck.ddp.pool import collective_timeout, open_pool, threads_per_rank
+from convcheck.ddp.pool import collective_timeout, threads_per_rank
+from convcheck.ddp.pools import open_pool
 from convcheck.ddp.worker import RankJob
 from convcheck.errors import UsageError
 from convcheck.train.arms import Arm, perturb_

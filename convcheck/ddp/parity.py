@@ -17,7 +17,8 @@ import math
 import torch
 
 from convcheck.capture import SharedDropoutMasks
-from convcheck.ddp.pool import collective_timeout, open_pool, threads_per_rank
+from convcheck.ddp.pool import collective_timeout, threads_per_rank
+from convcheck.ddp.pools import open_pool
 from convcheck.ddp.worker import RankJob
 from convcheck.metrics import rel_l2
 from convcheck.train.arms import Arm

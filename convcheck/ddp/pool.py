@@ -162,18 +162,6 @@ def raise_rank_failure(target, world: int, rank: int, info: dict, what: str, sil
     raise RunFailed(f"{target}: rank {rank} of {world} failed during {what}: {message}")
 
 
-def open_pool(target, job):
-    """The ranks of ``target``: started here (``RankPool``), or, when torchrun launched convcheck, the
-    launcher's world (``convcheck.ddp.launched.LaunchedPool``)."""
-    from convcheck.ddp.launch import launched_world
-
-    if launched_world() is not None:
-        from convcheck.ddp.launched import LaunchedPool
-
-        return LaunchedPool(target, job)
-    return RankPool(target, job)
-
-
 def start_method(target) -> str:
     """``spawn`` for CUDA (a forked child cannot use CUDA); on the CPU ``fork`` unless
     ``CONVCHECK_DDP_START=spawn`` (the spawn path, exercised on a CPU-only machine)."""
