@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from convcheck.capture import disable_inplace
+from convcheck.builder import model_builder
 from convcheck.config import CompareConfig, with_options
 from convcheck.data import hash_state_dict
 from convcheck.datasets import is_user_data, open_data
@@ -104,31 +104,6 @@ def initial_state(model: ResolvedModel, seed: int) -> dict[str, torch.Tensor]:
         raise UsageError(f"model factory {model.name!r} raised {type(exc).__name__}: {exc}") from None
     return {k: (v.detach().to(torch.float64) if v.is_floating_point() else v.detach().clone())
             for k, v in m.state_dict().items()}
-
-
-class ModelBuilder:
-    """``build(target)``: the model with the shared weights, placed by the target's runner.
-
-    A class, not a closure: a data-parallel target whose ranks are spawned (``ddp:cuda:N``) gets it
-    pickled (the model by its spec where it has one: ``ResolvedModel.__reduce__``, and the weights)."""
-
-    def __init__(self, model: ResolvedModel, state: dict[str, torch.Tensor]):
-        self.model, self.state = model, state
-
-    def __call__(self, target: Target) -> nn.Module:
-        m = self.model.factory()
-        m.load_state_dict(self.state)
-        disable_inplace(m)
-        target.runner.place(m)
-        for name, p in m.state_dict().items():  # load_state_dict may round float64 values
-            if p.is_floating_point():
-                p.copy_(self.state[name].to(p.dtype))
-        return m.train()
-
-
-def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Callable[[Target], nn.Module]:
-    """``build(target)``: the model with the shared weights, placed by the target's runner."""
-    return ModelBuilder(model, state)
 
 
 @contextlib.contextmanager
