@@ -29,6 +29,7 @@ from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
 from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import run_judge, stochastic_layers
+from convcheck.parity.known import probe_needed
 from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
 from convcheck.parity.target_pass import TargetPass
 from convcheck.runners import cross_entropy
@@ -58,17 +59,21 @@ def run_parity(
     """
     x, y = batch
     others = [t for t in targets if t != judge]
-    total = 2 + 2 * len(others)  # judge pass, stochastic probe, then each target's pass and rerun
+    total = 2 + 2 * len(others)  # judge pass, stochastic probe, each target's pass, each target's rerun
     tick = (lambda done: progress(done, total)) if progress else (lambda done: None)
     torch.manual_seed(seed)
-    calls, _, judge_grads, judge_loss = run_judge(build(judge), batch, judge.runner, seed, loss_fn)
+    judge_model = build(judge)
+    probe = probe_needed(judge_model, judge.runner)
+    calls, _, judge_grads, judge_loss = run_judge(judge_model, batch, judge.runner, seed, loss_fn)
+    del judge_model  # its parameter gradients live on in judge_grads
     tick(1)
-    stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed)
+    stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed) if probe else []
     tick(2)
     rows: list[dict] = []
     first: dict[str, str | None] = {}
     losses: dict[str, float] = {}
     selfdiff: dict[str, float] = {}
+    reruns: list[tuple[int, Target, list]] = []
     for i, target in enumerate(targets):
         if target == judge:
             continue
@@ -84,12 +89,16 @@ def run_parity(
         torch.manual_seed(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
         losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
-        tick(3 + 2 * others.index(target))
+        tick(3 + others.index(target))
         rows.extend(tp.rows)
         first[str(target)] = first_flagged(tp.rows)
-        torch.manual_seed(seed + 1 + i)  # as before the parity run: building the model draws numbers too
+        reruns.append((i, target, first_run))
+        del tp  # and with it this target's model
+    del calls, judge_grads  # every target has used the judge's record: the reruns run without it
+    for i, target, first_run in reruns:
+        torch.manual_seed(seed + 1 + i)  # as before the parity run
         selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
-        tick(4 + 2 * others.index(target))
+        tick(3 + len(others) + others.index(target))
     table = pd.DataFrame(rows, columns=COLUMNS)
     return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
 

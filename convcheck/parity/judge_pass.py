@@ -55,7 +55,7 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
     def on_call(key, name, module, inputs, out):
         rec = JudgeCall(name, type(module).__name__, tuple(snap(t) for t in inputs), snap(out))
         calls[key] = rec
-        if out.requires_grad:
+        if out.requires_grad and _has_parameters(module):  # only a layer's parameter gradients read it
             out.register_hook(lambda g, rec=rec: setattr(rec, "grad_output", g.detach()))
 
     def on_parent(call: ParentCall):
@@ -76,8 +76,12 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
             _, loss = judge.forward_loss(model, x, y, loss_fn)
         snap.clear()
         judge.backward(loss)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}  # the model is dropped
     return calls, lc.order, grads, float(loss.detach())
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
