@@ -27,7 +27,7 @@ import torch.nn as nn
 from convcheck.metrics import rel_l2
 from convcheck.parity.floor import FloorMeter, reference_call, reference_grads
 from convcheck.parity.judge_pass import JudgeCall
-from convcheck.parity.local import grad_terms_norm, local_grads, private_copy
+from convcheck.parity.local import grad_terms_norm, local_grads, reference_copy
 from convcheck.runners import Runner
 from convcheck.runners.precision import dtype_unit_roundoff, op_class
 from convcheck.thresholds import DESTROYED_ERROR
@@ -65,7 +65,7 @@ def check_forward(tol: Tolerances, meter: FloorMeter, module: nn.Module, jc: Jud
     lower = meter.output_rounding(jc.output, got.dtype)
     if not MEASURE_ALL and not tol.is_flagged(local, lower):
         return dict(local=local, **row_verdict(tol, local, math.nan, lower))
-    ref = judge.reference_module(private_copy(module))
+    ref = reference_copy(module, judge)
     # the layer's own arithmetic is judged against its float64 copy on the input as the target got it
     want = reference_call(ref, args, judge) if not meter.rounds(module, args) else None
     floor = meter.forward(module, ref, args, jc.output, want, got.dtype)
@@ -96,7 +96,7 @@ class LocalGrads:
 
     def ref(self) -> nn.Module:
         if self._ref is None:
-            self._ref = self.meter.judge.reference_module(private_copy(self.module))
+            self._ref = reference_copy(self.module, self.meter.judge)
         return self._ref
 
     def want(self) -> dict:
@@ -121,8 +121,10 @@ class LocalGrads:
         mine = self.mine.get(pname)
         if mine is None:
             return dict(local=math.nan)
-        terms = self._terms(pname) if not rel_l2(mine, jg) < DESTROYED_ERROR else 0.0
-        local = rel_l2(mine, jg, floor=terms)
+        local = rel_l2(mine, jg)
+        terms = self._terms(pname) if not local < DESTROYED_ERROR else 0.0
+        if terms:
+            local = rel_l2(mine, jg, floor=terms)
         lower = self.meter.output_rounding(jg, self.grad_dtype) + accumulation
         if not MEASURE_ALL and not tol.is_flagged(local, lower):
             return dict(local=local, **row_verdict(tol, local, math.nan, lower))

@@ -6,21 +6,43 @@ Every float64 reference here is built by the judge's runner (``reference``,
 
 from __future__ import annotations
 
+import copy as pycopy
+
 import torch
 import torch.nn as nn
 
 from convcheck.capture import cast_like, module_copy, tensors_in
 from convcheck.parity.judge_pass import JudgeCall
+from convcheck.parity.known import stock_type
 from convcheck.runners import Runner
 
 
 def private_copy(m: nn.Module) -> nn.Module:
-    """An independent copy without hooks (a re-run must not touch the original or fire its hooks)."""
-    copy = module_copy(m)
+    """An independent copy without hooks (a re-run must not touch the original or fire its hooks).
+
+    A stock layer (``known.stock_type``) gets a light copy: its own parameter objects over the
+    same storage (nothing writes a parameter in a forward or backward; gradients go to the
+    copy's own) and its own buffers (BatchNorm writes its running statistics)."""
+    if not stock_type(m):
+        return _hookless(module_copy(m))
+    copy = _hookless(pycopy.copy(m))
+    params = {n: None if p is None else nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+              for n, p in m._parameters.items()}
+    buffers = {n: None if b is None else b.clone() for n, b in m._buffers.items()}
+    copy.__dict__.update(_parameters=params, _buffers=buffers, _modules={})
+    return copy
+
+
+def reference_copy(m: nn.Module, judge: Runner) -> nn.Module:
+    """The judge's independent float64 copy of ``m``, without hooks (one copy, not two)."""
+    return _hookless(judge.reference_module(m))
+
+
+def _hookless(copy: nn.Module) -> nn.Module:
     for sub in copy.modules():
-        sub._forward_hooks.clear()
-        sub._forward_pre_hooks.clear()
-        sub._backward_hooks.clear()
+        sub._forward_hooks = type(sub._forward_hooks)()  # new dicts: a light copy shares the original's
+        sub._forward_pre_hooks = type(sub._forward_pre_hooks)()
+        sub._backward_hooks = type(sub._backward_hooks)()
     return copy
 
 
@@ -41,7 +63,7 @@ def grad_terms_norm(module: nn.Module, jc: JudgeCall, judge: Runner) -> dict[str
     """Per parameter, the norm of the gradient summed from absolute values, in float64 on the judge:
     |grad_output| (and, for Linear/Conv, |input|) through a float64 copy of the layer.
     For a bias and a Linear/Conv weight this is exactly sum|terms|."""
-    copy = judge.reference_module(private_copy(module))
+    copy = reference_copy(module, judge)
     absolute = isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
     args = tuple(judge.reference(t.abs() if absolute else t) if isinstance(t, torch.Tensor)
                  and t.is_floating_point() else t for t in jc.inputs)
