@@ -7,6 +7,7 @@ for a judge's tensor): a GPU judge keeps its comparisons on the GPU.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -39,17 +40,20 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     ``floor`` is the size below which ``ref`` counts as cancelled to zero (e.g. the
     norm of the terms a gradient sums), so rounding noise is not a relative error.
     """
-    a, e = _pair(x, ref)
+    e = ref.detach().to(dtype=torch.float64)
+    a = x.detach().to(device=e.device)
     if a.shape != e.shape:
         raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(e.shape)}")
     # Fast path: both norms finite means every element of both is finite (no
-    # boolean indexing, which dominated parity's run time on ResNet-50).
-    den = max(float(torch.linalg.vector_norm(e)), floor)
-    num = float(torch.linalg.vector_norm(a - e))
+    # boolean indexing, which dominated parity's run time on ResNet-50). The
+    # difference promotes x to float64 inside the kernel: no float64 copy of it.
+    den = max(_norm(ref, e), floor)
+    num = float(torch.linalg.vector_norm(torch.sub(a, e)))
     if math.isfinite(den) and math.isfinite(num):
         if den < _TINY:
             return 0.0 if num < _TINY else math.inf
         return num / den
+    a = a.to(dtype=torch.float64)
     finite_ref = torch.isfinite(e)
     if not bool(torch.isfinite(a)[finite_ref].all()):
         return math.inf
@@ -59,6 +63,26 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     if den < _TINY:
         return 0.0 if num < _TINY else math.inf
     return num / den
+
+
+_NORMS: dict[int, tuple] = {}  # id(ref) -> (weak reference, version, ||ref||): parity compares one
+_NORMS_KEPT = 4096             # judge tensor with several results in a row
+
+
+def _norm(ref: torch.Tensor, e: torch.Tensor) -> float:
+    """||e|| (``ref`` in float64), remembered while ``ref`` lives unchanged."""
+    try:
+        key, version = id(ref), ref._version
+    except RuntimeError:  # an inference tensor keeps no version: not remembered
+        return float(torch.linalg.vector_norm(e))
+    hit = _NORMS.get(key)
+    if hit is not None and hit[0]() is ref and hit[1] == version:
+        return hit[2]
+    norm = float(torch.linalg.vector_norm(e))
+    if len(_NORMS) >= _NORMS_KEPT:
+        _NORMS.clear()
+    _NORMS[key] = (weakref.ref(ref), version, norm)
+    return norm
 
 
 def max_abs(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,16 +108,28 @@ def ulp_distance(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> floa
     return float(d.median()) if d.numel() else math.inf
 
 
-def param_distance(a: nn.Module, b: nn.Module) -> float:
-    """||theta_a - theta_b|| / ||theta_b|| over every parameter, in float64 on ``b``'s device."""
-    num = den = 0.0
+def param_distance(a: nn.Module, b: nn.Module, b_norm_sq: float | None = None) -> float:
+    """||theta_a - theta_b|| / ||theta_b|| over every parameter, in float64 on ``b``'s device.
+    ``b_norm_sq`` is ``param_norm_sq(b)`` when the caller already has it."""
+    num = 0.0
     for pa, pb in zip(a.parameters(), b.parameters()):
-        va, vb = _pair(pa, pb)
-        num += float(torch.linalg.vector_norm(va - vb)) ** 2
-        den += float(torch.linalg.vector_norm(vb)) ** 2
+        vb = _as_float64(pb)
+        # the difference promotes ``pa`` to float64 inside the kernel: no float64 copy of it is made
+        num += float(torch.linalg.vector_norm(torch.sub(pa.detach().to(vb.device), vb))) ** 2
+    den = param_norm_sq(b) if b_norm_sq is None else b_norm_sq
     if not math.isfinite(num):
         return math.inf
     return math.sqrt(num / den) if den > 0 else math.nan
+
+
+def param_norm_sq(m: nn.Module) -> float:
+    """||theta||^2 over every parameter of ``m``, in float64 (``param_distance``'s denominator)."""
+    return sum((float(torch.linalg.vector_norm(_as_float64(p))) ** 2 for p in m.parameters()), 0.0)
+
+
+def _as_float64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t if t.dtype == torch.float64 else t.to(dtype=torch.float64)
 
 
 def expected_bound(unit_roundoff: float, reduction_length: int) -> float:

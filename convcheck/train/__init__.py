@@ -18,7 +18,7 @@ from typing import Callable
 import pandas as pd
 
 from convcheck.errors import UsageError
-from convcheck.metrics import param_distance
+from convcheck.metrics import param_distance, param_norm_sq
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
 from convcheck.train.arms import Arm, lower_precision, make_arms, perturb_
@@ -118,15 +118,23 @@ def _partners(states: list[ArmState]) -> dict[str, tuple]:
 
 def _record(states, step, results, rows, grad_rows, act_rows) -> None:
     partners = _partners(states)
+    norms: dict[int, float] = {}  # ||theta||^2 of each arm measured against, once per step
+
+    def dist(s, partner) -> float:
+        key = id(partner)
+        if key not in norms:
+            norms[key] = param_norm_sq(partner.model)
+        return param_distance(s.model, partner.model, norms[key])
+
     for s in states:
         r = results[s.arm.name]
         judge, ref, other = partners[s.arm.name]
         rows.append(dict(
             arm=s.arm.name, role=s.arm.role, target=str(s.arm.target), step=step,
             loss=r["loss"], grad_norm=r["grad_norm"],
-            dist_judge=param_distance(s.model, judge.model) if judge else 0.0,
-            dist_ref=param_distance(s.model, ref.model) if ref else math.nan,
-            dist_other=param_distance(s.model, other.model) if other else math.nan,
+            dist_judge=dist(s, judge) if judge else 0.0,
+            dist_ref=dist(s, ref) if ref else math.nan,
+            dist_other=dist(s, other) if other else math.nan,
             nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],
             loss_scale=r["loss_scale"], skipped=r["skipped"], update_ratio=r["update_ratio"],
             lr=r["lr"], clipped=r["clipped"],

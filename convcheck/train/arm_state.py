@@ -118,7 +118,7 @@ class ArmState:
                 continue
             sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
             total_sq += sq
-            zeros = sum(int((g == 0).sum()) for g in grads)
+            zeros = sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)  # one pass, no mask
             layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
             zero_fracs.append(zeros / max(1, sum(g.numel() for g in grads)))
         grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf

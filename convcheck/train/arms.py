@@ -50,5 +50,8 @@ def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
         for p in model.parameters():
             if not p.is_floating_point():
                 continue
-            sign = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.int64).to(p.dtype) * 2 - 1
-            p.mul_(1 + sign.to(p.device) * ulp)
+            # the same draws as int64 (one 32-bit draw per element whatever the dtype), kept as bytes;
+            # each element is multiplied by one of the two factors 1 + sign * ulp, computed in p's dtype
+            up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.uint8).bool().to(p.device)
+            down_f, up_f = 1 + torch.tensor([-1, 1], dtype=p.dtype, device=p.device) * ulp
+            p.mul_(torch.where(up, up_f, down_f))
