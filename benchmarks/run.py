@@ -88,7 +88,7 @@ MODEL_PLAN = {
 }
 QUICK_PLAN = dict(bare_repeats=3, cc_repeats=1, cc_warmup=False)
 MEMORY_PROBES = ("bare_fwd_bwd", "judge_fwd_bwd", "parity:cpu", "parity:cpu:bf16", "bare_train", "train")
-QUICK_MEMORY_PROBES = ("bare_fwd_bwd", "parity:cpu")
+QUICK_MEMORY_PROBES = ("bare_fwd_bwd", "judge_fwd_bwd", "parity:cpu")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -500,6 +500,9 @@ def _rows(results: dict) -> tuple[list[dict], list[dict]]:
             if what == "train" and "bare_train" in mem and "delta_mib" in mem["bare_train"]:
                 ref, note = mem["bare_train"]["delta_mib"], "vs bare_train (one arm, same steps)"
             ratio = m["delta_mib"] / ref if ref else None
+            judge_mib = mem.get("judge_fwd_bwd", {}).get("delta_mib")
+            if what.startswith("parity:") and judge_mib:
+                note += f"; x{m['delta_mib'] / judge_mib:.2f} the judge's fwd/bwd"
             mrows.append(dict(model=name, what=what, mib=m["delta_mib"], vs_bare=ratio, note=note))
     c = results.get("compare")
     if c:
