@@ -10,6 +10,8 @@ branch on a mode string: they ask the runner.
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 from typing import Callable, ClassVar
 
 import torch
@@ -179,6 +181,25 @@ class Runner:
     def place(self, model: nn.Module) -> nn.Module:
         """Move and cast a model (floating parameters and buffers) to this target, in place."""
         return model.to(device=self.torch_device, dtype=self.param_dtype)
+
+    def placed_copy(self, template: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module | None:
+        """A copy of ``template`` as ``place`` leaves it, every parameter and buffer made directly at
+        this target's device and dtype from ``state`` (the float64 initial weights by name): one
+        tensor made per tensor instead of a copy, a cast and an exact copy. None where ``place`` is
+        a kind's own, or for a complex tensor: the caller copies and places instead."""
+        tensors = list(itertools.chain(template.parameters(), template.buffers()))
+        if type(self).place is not Runner.place or any(
+                t.is_complex() or type(t) not in (nn.Parameter, torch.Tensor) for t in tensors):
+            return None
+        device, dtype = self.torch_device, self.param_dtype
+        names = {id(t): n for n, t in template.state_dict(keep_vars=True).items()}
+        memo: dict = {}
+        for t in tensors:  # deepcopy takes these from its memo instead of copying the template's
+            src = state[names[id(t)]] if id(t) in names else t.detach()
+            new = src.to(device=device, dtype=dtype) if src.is_floating_point() else src.to(device=device)
+            new = new.clone() if new is src else new
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return copy.deepcopy(template, memo)
 
     def cast_input(self, x):
         """A batch made once on the CPU (a tensor, or a tuple/list/dict of them), cast and moved for this
