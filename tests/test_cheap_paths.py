@@ -1,0 +1,139 @@
+"""The shortcuts that make parity and training cheap give what the long way gives (issue 14, item 2).
+
+No timing here: each shortcut is held against the computation it replaces.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+
+from convcheck.builder import _loaded, _placed, model_builder
+from convcheck.metrics import param_distance, param_norm_sq, rel_l2
+from convcheck.models import ResolvedModel, resolve_model
+from convcheck.parity.judge_pass import run_judge, stochastic_layers
+from convcheck.parity.known import probe_needed
+from convcheck.parity.local import private_copy
+from convcheck.pipeline import initial_state
+from convcheck.runners import cross_entropy
+from convcheck.targets import CPU_JUDGE, Target
+from convcheck.train.arm_state import all_finite
+
+T = Target.parse
+
+
+def _stock_net():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.5), nn.Flatten(),
+                         nn.Linear(4 * 6 * 6, 3))
+
+
+class _Noisy(nn.Module):
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)
+
+
+def _resolved(factory):
+    return ResolvedModel(name="net", factory=factory, input_shape=(1, 8, 8), num_classes=3, source="object")
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def test_builds_equal_the_factorys_and_draw_no_random_numbers():
+    resolved = resolve_model("cifar_cnn")
+    state = initial_state(resolved, 0)
+    build = model_builder(resolved, state)
+    for spec in ("cpu", "cpu:bf16", "cpu:fp16", "cpu:float64", "cpu:emulate-tf32"):
+        target = T(spec)
+        before = torch.random.get_rng_state()
+        got = build(target)
+        assert torch.equal(torch.random.get_rng_state(), before)
+        want = _placed(_loaded(resolved.factory(), state), state, target.runner).train()
+        a, b = got.state_dict(keep_vars=True), want.state_dict(keep_vars=True)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and type(a[k]) is type(b[k]) and a[k].requires_grad == b[k].requires_grad
+            assert torch.equal(a[k], b[k]), k
+        assert got.training
+    one, two = build(T("cpu")), build(T("cpu"))
+    with torch.no_grad():
+        next(one.parameters()).add_(1.0)
+    assert not torch.equal(next(one.parameters()), next(two.parameters()))  # independent copies
+
+
+def test_a_model_that_cannot_be_copied_is_rebuilt_by_its_factory():
+    class Uncopyable(nn.Linear):
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies")
+
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return nn.Sequential(Uncopyable(4, 2))
+
+    resolved = ResolvedModel(name="u", factory=factory, input_shape=None, num_classes=None, source="object")
+    state = initial_state(resolved, 0)
+    build = model_builder(resolved, state)
+    a, b = build(T("cpu")), build(T("cpu:float64"))
+    assert len(calls) == 4  # the state, the template, then one factory call per build
+    assert torch.equal(a[0].weight.double(), b[0].weight)
+
+
+def test_the_probe_is_skipped_only_where_it_can_find_nothing():
+    resolved = _resolved(_stock_net)
+    build = model_builder(resolved, initial_state(resolved, 0))
+    batch = _batch()
+    assert not probe_needed(build(CPU_JUDGE), CPU_JUDGE.runner)
+    calls, _, _, _ = run_judge(build(CPU_JUDGE), batch, CPU_JUDGE.runner, 0, cross_entropy)
+    assert stochastic_layers(build(CPU_JUDGE), batch[0], calls, CPU_JUDGE.runner, 0) == []  # the long way agrees
+    noisy = nn.Sequential(nn.Flatten(), _Noisy(), nn.Linear(64, 3))
+    assert probe_needed(noisy, CPU_JUDGE.runner)
+    hooked = _stock_net()
+    hooked[2].register_forward_hook(lambda m, i, o: o + torch.rand_like(o))
+    assert probe_needed(hooked, CPU_JUDGE.runner)
+    subclass = nn.Sequential(type("MyReLU", (nn.ReLU,), {})())
+    assert probe_needed(subclass, CPU_JUDGE.runner)
+
+
+def test_a_light_copy_computes_as_a_deep_copy_and_leaves_the_original_alone():
+    torch.manual_seed(0)
+    bn, conv = nn.BatchNorm2d(4).train(), nn.Conv2d(4, 4, 3)
+    bn.register_forward_hook(lambda m, i, o: o * 0)  # the copy must not fire it
+    x = torch.randn(2, 4, 6, 6)
+    for layer in (bn, conv):
+        stats = {n: b.clone() for n, b in layer.named_buffers()}
+        light, deep = private_copy(layer), copy.deepcopy(layer)
+        deep._forward_hooks.clear()
+        assert torch.equal(light(x), deep(x))
+        light(x).sum().backward()
+        assert all(p.grad is None for p in layer.parameters())
+        assert all(torch.equal(b, stats[n]) for n, b in layer.named_buffers())
+        assert all(p.grad is not None for p in light.parameters())
+
+
+def test_metrics_shortcuts_give_the_long_ways_values():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(1000, generator=g, dtype=torch.float64)
+    x = (ref + 1e-3 * torch.randn(1000, generator=g, dtype=torch.float64)).float()
+    long_way = float(torch.linalg.vector_norm(x.double() - ref)) / float(torch.linalg.vector_norm(ref))
+    assert rel_l2(x, ref) == long_way and rel_l2(x, ref) == long_way  # the second from the remembered norm
+    ref.mul_(2.0)  # changed in place: its norm is measured again
+    assert rel_l2(x, ref) == float(torch.linalg.vector_norm(x.double() - ref)) / float(torch.linalg.vector_norm(ref))
+    a, b = nn.Linear(8, 4), nn.Linear(8, 4).double()
+    assert param_distance(a, b) == param_distance(a, b, param_norm_sq(b))
+    with torch.no_grad():
+        a.weight[0, 0] = math.inf
+    assert math.isinf(param_distance(a, b)) and math.isinf(param_distance(a, b, param_norm_sq(b)))
+
+
+def test_all_finite_reads_a_sum_that_overflows_as_finite():
+    big = torch.full((4,), 60000.0, dtype=torch.float16)  # its float16 sum overflows, every element is finite
+    assert all_finite(big)
+    assert not all_finite(torch.tensor([1.0, math.nan]))
+    assert not all_finite(torch.tensor([1.0, math.inf], dtype=torch.bfloat16))
