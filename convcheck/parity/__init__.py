@@ -9,8 +9,13 @@ parameter's gradient: the target's own gradient vs the judge's, and the
 gradient the target's copy of the layer computes from the judge's input and
 output gradient.
 
-Memory: only the judge's per-layer tensors are held in full; each target is
-compared layer by layer while it runs and keeps scalars only.
+Memory: only the judge's per-layer tensors are held in full (inputs, outputs, and
+the output gradients of layers with parameters, the only ones read); each target
+is compared layer by layer while it runs and keeps scalars only. The run-to-run
+reruns come after every target's pass, once the judge's record is dropped.
+
+Time: building is a copy (``builder``); the stochastic-layer probe is skipped where
+it can find nothing (``known.probe_needed``); stock layers get light private copies.
 
 ``judge_pass`` records the judge; ``target_pass`` compares one target with
 that record; ``local`` holds the one-layer measurements.
