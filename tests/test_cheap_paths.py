@@ -20,7 +20,7 @@ from convcheck.parity.local import private_copy
 from convcheck.pipeline import initial_state
 from convcheck.runners import cross_entropy
 from convcheck.targets import CPU_JUDGE, Target
-from convcheck.train.arm_state import all_finite
+from convcheck.train.nonfinite import all_finite
 
 T = Target.parse
 
@@ -99,6 +99,17 @@ def test_the_probe_is_skipped_only_where_it_can_find_nothing():
     assert probe_needed(hooked, CPU_JUDGE.runner)
     subclass = nn.Sequential(type("MyReLU", (nn.ReLU,), {})())
     assert probe_needed(subclass, CPU_JUDGE.runner)
+
+    class Block(nn.Module):  # stock children, but code of its own around them
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 3)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1) + 0.1 * torch.randn_like(x.flatten(1)))
+
+    assert probe_needed(Block(), CPU_JUDGE.runner)
+    assert probe_needed(nn.Sequential(Block()), CPU_JUDGE.runner)
 
 
 def test_a_light_copy_computes_as_a_deep_copy_and_leaves_the_original_alone():

@@ -1,12 +1,14 @@
 """Stock layers: what parity knows of them without running them again, or copying them.
 
 The stochastic-layer probe re-runs the judge's forward under another seed and names a leaf
-whose output moved while its input did not. A stock ``torch.nn`` layer listed here computes
-its output from its input, parameters and buffers alone (``nn.Dropout*``'s output is the shared
-mask's), and the CPU kernels behind it return bitwise-equal results for equal operands. So on
-a CPU judge, when every leaf is such a layer with no hook of the user's on it, no leaf can move
-while its input stays: the probe would find nothing, and is not run (``probe_needed``). A GPU
-judge always runs it: a kernel there may differ from run to run.
+whose output moved while its input did not (and a module whose own code's did). A stock
+``torch.nn`` layer listed here computes its output from its input, parameters and buffers
+alone (``nn.Dropout*``'s output is the shared mask's), and the CPU kernels behind it return
+bitwise-equal results for equal operands. So on a CPU judge, when every leaf is such a layer
+with no hook of the user's on it and every module with children only chains them
+(``nn.Sequential``), no call can move while its input stays: the probe would find nothing, and
+is not run (``probe_needed``). A GPU judge always runs it: a kernel there may differ from run
+to run.
 
 A stock layer's forward and backward write none of its parameters (BatchNorm writes only its
 running statistics, buffers), so ``local.private_copy`` gives it a light copy: its own parameter
@@ -48,9 +50,18 @@ def is_stock(module: nn.Module) -> bool:
 
 def probe_needed(model: nn.Module, judge: Runner) -> bool:
     """Whether the stochastic-layer probe can find anything: always on a GPU judge or under a
-    global module hook; on a CPU judge only when some leaf is not a stock layer."""
+    global module hook; on a CPU judge only when some leaf is not a stock layer, or some module
+    with children runs code of its own (anything but ``nn.Sequential``'s chaining: the probe
+    also names a module whose own code draws)."""
     if judge.torch_device.type != "cpu":
         return True
     if getattr(_module, "_global_forward_hooks", None) or getattr(_module, "_global_forward_pre_hooks", None):
         return True
-    return not all(is_stock(m) for _, m in leaf_modules(model))
+    leaves = {id(m) for _, m in leaf_modules(model)}
+    return not all(is_stock(m) if id(m) in leaves else _plain(m) for m in model.modules())
+
+
+def _plain(module: nn.Module) -> bool:
+    """A module with children that only chains them (``nn.Sequential``'s own forward), no hook on it."""
+    return (type(module).forward is nn.Sequential.forward and "forward" not in vars(module)
+            and not module._forward_hooks and not module._forward_pre_hooks)

@@ -13,7 +13,6 @@ from convcheck.train.arms import Arm, perturb_
 from convcheck.train.nonfinite import FirstProducer
 
 
-
 class ArmState:
     def __init__(self, arm: Arm, build, steps: int, recipe, masks=None):
         self.arm = arm
