@@ -1,4 +1,4 @@
-"""``model_builder``: every arm's and parity pass's model, a placed copy of one template.
+"""``model_builder`` / ``ModelBuilder``: every arm's and parity pass's model, a placed copy of one template.
 
 The factory runs once per builder (its random initialisation is most of a build: 0.16 s of
 ResNet-18's 0.29 s float32 step), with the caller's random state kept, so building draws no
@@ -23,21 +23,39 @@ from convcheck.runners import Runner
 from convcheck.targets import Target
 
 
+class ModelBuilder:
+    """``build(target)``: the model with the shared weights, placed by the target's runner.
+
+    A class, not a closure: a data-parallel target whose ranks are spawned (``ddp:cuda:N``) gets it
+    pickled - the model by its spec where it has one (``ResolvedModel.__reduce__``) and the weights,
+    never the template, which each process makes for itself."""
+
+    def __init__(self, model: ResolvedModel, state: dict[str, torch.Tensor]):
+        self.model, self.state = model, state
+        with torch.random.fork_rng(devices=[]):
+            self.template: nn.Module | None = _loaded(model.factory(), state)  # None: cannot be copied
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "state": self.state}
+
+    def __setstate__(self, d: dict) -> None:
+        self.__init__(d["model"], d["state"])
+
+    def __call__(self, target: Target) -> nn.Module:
+        if self.template is not None:
+            try:
+                m = target.runner.placed_copy(self.template, self.state)
+                if m is None:
+                    m = _placed(copy.deepcopy(self.template), self.state, target.runner)
+                return m.train()
+            except Exception:  # noqa: BLE001 - a module that cannot be copied is rebuilt instead
+                self.template = None
+        return _placed(_loaded(self.model.factory(), self.state), self.state, target.runner).train()
+
+
 def model_builder(model: ResolvedModel, state: dict[str, torch.Tensor]) -> Callable[[Target], nn.Module]:
     """``build(target)``: the model with the shared weights, placed by the target's runner."""
-    with torch.random.fork_rng(devices=[]):
-        template = [_loaded(model.factory(), state)]  # [None] once it cannot be copied
-
-    def build(target: Target) -> nn.Module:
-        if template[0] is not None:
-            try:
-                m = target.runner.placed_copy(template[0], state)
-                return (m if m is not None else _placed(copy.deepcopy(template[0]), state, target.runner)).train()
-            except Exception:  # noqa: BLE001 - a module that cannot be copied is rebuilt instead
-                template[0] = None
-        return _placed(_loaded(model.factory(), state), state, target.runner).train()
-
-    return build
+    return ModelBuilder(model, state)
 
 
 def _loaded(m: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from convcheck.builder import model_builder
+from convcheck.builder import ModelBuilder, model_builder  # noqa: F401 - ModelBuilder re-exported
 from convcheck.config import CompareConfig, with_options
 from convcheck.data import hash_state_dict
 from convcheck.datasets import is_user_data, open_data
