@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -148,3 +149,56 @@ def test_all_finite_reads_a_sum_that_overflows_as_finite():
     assert all_finite(big)
     assert not all_finite(torch.tensor([1.0, math.nan]))
     assert not all_finite(torch.tensor([1.0, math.inf], dtype=torch.bfloat16))
+
+
+# --- the stochastic probe is skipped when the judge's forward drew nothing (RandomDraws) -------------
+
+class _OwnCodeBlock(nn.Module):
+    def __init__(self, draw: str | None = None):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.draw = draw
+        self.gen = torch.Generator().manual_seed(1) if draw == "own-generator" else None
+
+    def forward(self, x):
+        h = self.fc(x) + x  # own code: a residual add
+        if self.draw == "global":
+            h = h * (torch.rand_like(h) > 0.3)
+        elif self.draw == "own-generator":
+            h = h * (torch.rand(h.shape, generator=self.gen, dtype=h.dtype) > 0.3)
+        return h
+
+
+def _draws_net(draw):
+    return nn.Sequential(nn.Linear(4, 8), _OwnCodeBlock(draw), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("draw, expected", [(None, False), ("global", True), ("own-generator", True)])
+def test_random_draws_are_seen_inside_a_runner_that_restores_the_state(draw, expected):
+    from convcheck.parity.known import RandomDraws
+    from convcheck.targets import CPU_JUDGE
+
+    model = _draws_net(draw).double().train()
+    with RandomDraws(model) as draws, CPU_JUDGE.runner.applied():
+        model(torch.randn(4, 4, dtype=torch.float64))
+    assert draws.drawn is expected
+
+
+def test_own_code_that_draws_is_still_found_stochastic():
+    draw = "global"
+    from convcheck.parity import run_parity
+    from convcheck.targets import Target
+
+    torch.manual_seed(0)
+    state = _draws_net(draw).state_dict()
+
+    def build(t):
+        m = _draws_net(draw)
+        m.load_state_dict(state)
+        t.runner.place(m)
+        return m.train()
+
+    batch = (torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
+    r = run_parity(build, batch, [Target.parse("cpu:bf16")])
+    assert r.stochastic_layers == ["1"], r.stochastic_layers
+    assert not r.layers["flagged"].any()

@@ -34,7 +34,7 @@ from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
 from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import run_judge, stochastic_layers
-from convcheck.parity.known import probe_needed
+from convcheck.parity.known import RandomDraws, probe_needed
 from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
 from convcheck.parity.target_pass import TargetPass
 from convcheck.runners import cross_entropy
@@ -69,7 +69,9 @@ def run_parity(
     torch.manual_seed(seed)
     judge_model = build(judge)
     probe = probe_needed(judge_model, judge.runner)
-    calls, _, judge_grads, judge_loss = run_judge(judge_model, batch, judge.runner, seed, loss_fn)
+    with RandomDraws(judge_model) as draws:
+        calls, _, judge_grads, judge_loss = run_judge(judge_model, batch, judge.runner, seed, loss_fn)
+    probe = probe and (draws.drawn or judge.torch_device.type != "cpu")
     del judge_model  # its parameter gradients live on in judge_grads
     tick(1)
     stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed) if probe else []

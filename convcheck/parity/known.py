@@ -7,8 +7,10 @@ alone (``nn.Dropout*``'s output is the shared mask's), and the CPU kernels behin
 bitwise-equal results for equal operands. So on a CPU judge, when every leaf is such a layer
 with no hook of the user's on it and every module with children only chains them
 (``nn.Sequential``), no call can move while its input stays: the probe would find nothing, and
-is not run (``probe_needed``). A GPU judge always runs it: a kernel there may differ from run
-to run.
+is not run (``probe_needed``). Nor when the judge's pass drew no random number at all
+(``RandomDraws``: torch's, numpy's and Python's global generators did not move, and no module
+holds a generator of its own): with deterministic CPU kernels no call can then move either. A GPU
+judge always runs it: a kernel there may differ from run to run.
 
 A stock layer's forward and backward write none of its parameters (BatchNorm writes only its
 running statistics, buffers), so ``local.private_copy`` gives it a light copy: its own parameter
@@ -17,6 +19,10 @@ objects over the same storage, and its own buffers, instead of a deep copy.
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import torch
 import torch.nn as nn
 from torch.nn.modules import module as _module
 
@@ -65,3 +71,49 @@ def _plain(module: nn.Module) -> bool:
     """A module with children that only chains them (``nn.Sequential``'s own forward), no hook on it."""
     return (type(module).forward is nn.Sequential.forward and "forward" not in vars(module)
             and not module._forward_hooks and not module._forward_pre_hooks)
+
+
+class RandomDraws:
+    """Whether the model's forward inside drew random numbers: torch's CPU generator, numpy's or
+    Python's global state moved between the start and the end of the model's call (hooks on the
+    root: a runner's ``applied()`` restores torch's state afterwards), or a module holds a
+    ``torch.Generator`` of its own (its draws move nothing global). ``nn.Dropout``'s own draw
+    counts (its output is then replaced by the shared mask's)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.drawn = False
+        self._before = None
+
+    def __enter__(self) -> "RandomDraws":
+        self._handles = [self.model.register_forward_pre_hook(self._start),
+                         self.model.register_forward_hook(self._end)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        if self._before is None:  # the forward never ran here: nothing is known, assume draws
+            self.drawn = True
+        self.drawn = self.drawn or _holds_generator(self.model)
+
+    def _start(self, module, args) -> None:
+        self._before = _states()
+
+    def _end(self, module, args, output) -> None:
+        if self._before is None:
+            return
+        torch_after, np_after, py_after = _states()
+        torch_before, np_before, py_before = self._before
+        self.drawn = self.drawn or (
+            not torch.equal(torch_before, torch_after) or py_before != py_after
+            or np_before[0] != np_after[0] or not np.array_equal(np_before[1], np_after[1])
+            or tuple(np_before[2:]) != tuple(np_after[2:]))
+
+
+def _states():
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _holds_generator(model: nn.Module) -> bool:
+    return any(isinstance(v, torch.Generator) for m in model.modules() for v in vars(m).values())
