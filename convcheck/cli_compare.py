@@ -99,7 +99,7 @@ def _after_failure(exc: BaseException, folder, stage: RunStage, args, config, fi
             from convcheck.report.export import write_partial
 
             kept = write_partial(folder.ensure(), _partial_info(line, stage, args, config, fingerprint),
-                                 parity=stage.partial.get("parity"))
+                                 parity=stage.partial.get("parity"), curves=stage.partial.get("curves"))
         except (OSError, ConvcheckError):
             kept = None
         if kept is not None:

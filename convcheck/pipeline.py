@@ -245,7 +245,8 @@ def _run(model, cfg, input_shape, num_classes, env_findings, fingerprint, progre
         train_cfg = TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe)
         training = _timed(timings, "train_s", None, "train", lambda: run_training(
             build, stream, arms, train_cfg, tolerances=cfg.tolerances,
-            progress=(lambda done, total: progress("train", done, total)) if progress else None))
+            progress=(lambda done, total: progress("train", done, total)) if progress else None,
+            keep=getattr(progress, "keep", None)))
     except torch.cuda.OutOfMemoryError as exc:  # pragma: no cover - needs a GPU
         raise RunFailed(f"out of GPU memory: {str(exc).splitlines()[0]} (try a smaller --batch-size)") from None
     except MemoryError:

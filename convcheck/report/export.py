@@ -135,10 +135,21 @@ def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool
     return writer.written
 
 
-def write_partial(out: str | os.PathLike, info: dict, parity=None) -> Path:
+def write_partial(out: str | os.PathLike, info: dict, parity=None, curves: list | None = None) -> Path:
     """``summary.json`` with ``"complete": false`` and what is known of a run that stopped early; with
-    ``parity`` (the one-step check, measured before the stop) also ``layers.csv`` and its summary."""
+    ``parity`` (the one-step check, measured before the stop) also ``layers.csv`` and its summary, with
+    ``curves`` (the training rows of the steps completed) ``curves.csv`` and each arm's last loss."""
     path = Path(out) / "summary.json"
+    if curves:
+        from convcheck.train import CURVE_COLUMNS
+
+        import pandas as pd
+
+        rows = list(curves)  # the steps completed so far
+        atomic_write_text(Path(out) / "curves.csv", pd.DataFrame(rows, columns=CURVE_COLUMNS).to_csv(index=False))
+        last = {r["arm"]: r["loss"] for r in rows}
+        info = {**info, "training": {"steps_done": max(r["step"] for r in rows) + 1, "last_loss": last,
+                                     "file": "curves.csv"}}
     if parity is not None:
         atomic_write_text(Path(out) / "layers.csv", parity.layers.to_csv(index=False))
         flagged = parity.flagged()

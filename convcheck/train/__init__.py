@@ -42,13 +42,16 @@ _SEED_MOD = 2**63  # torch seeds are 64-bit: derived seeds wrap instead of overf
 
 
 def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerances: Tolerances = DEFAULT_TOLERANCES,
-                 progress: Progress | None = None) -> TrainResult:
+                 progress: Progress | None = None, keep=None) -> TrainResult:
     """Train every arm for ``cfg.steps`` steps in lockstep; return per-step curves and outcomes.
 
-    ``batches`` is any iterable of ``(inputs, target)`` batches (a stream: one is held at a time)."""
+    ``batches`` is any iterable of ``(inputs, target)`` batches (a stream: one is held at a time).
+    ``keep(curves=rows)`` receives the curve rows as they grow (a run stopped part-way keeps them)."""
     recipe = cfg.recipe if cfg.recipe is not None else _default_recipe()
     states = []
     rows, grad_rows, act_rows = [], [], []
+    if keep is not None:
+        keep(curves=rows)
     stream = iter(batches)
     try:
         for arm in arms:  # inside the try: a data-parallel arm's processes are stopped on any failure

@@ -306,11 +306,13 @@ def _oom_in_the_env_probe(monkeypatch):
 RESOURCE = [
     Case("cpu-allocator-out-of-memory", _model("out_of_memory_at_step_3", steps="5"), 3,
          "out of memory: [enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory",
-         new_files=("reports", "reports/*", "reports/*/summary.json", "reports/*/layers.csv")),
+         new_files=("reports", "reports/*", "reports/*/summary.json", "reports/*/layers.csv",
+                    "reports/*/curves.csv")),
     Case("memory-error", _model("memory_error_at_step_3", "--out", "run", steps="5"), 3, "out of memory",
-         new_files=("run", "run/summary.json", "run/layers.csv")),
+         new_files=("run", "run/summary.json", "run/layers.csv", "run/curves.csv")),
     Case("interrupted", _model("interrupted_at_step_3", "--out", "run", steps="5"), 3,
-         "interrupted during training step 3 of 5", new_files=("run", "run/summary.json", "run/layers.csv")),
+         "interrupted during training step 3 of 5",
+         new_files=("run", "run/summary.json", "run/layers.csv", "run/curves.csv")),
     Case("disk-full-during-the-run", _model("disk_full_at_step_3", "--no-save", steps="5"), 3, "disk full"),
     Case("disk-full-writing-the-report", lambda p: ["compare", "--model", "lenet", "--steps", "1", "--batch-size",
                                                     "2", "--envelope", "0", "--out", "run"], 3,
@@ -334,6 +336,10 @@ def test_resource(case, capsys, tmp_path, monkeypatch):
         # the one-step parity check ran before the stop: its table is kept
         layers = (summaries[0].parent / "layers.csv").read_text().splitlines()
         assert summary["parity"]["rows"] == len(layers) - 1 > 0 and summary["parity"]["file"] == "layers.csv"
+        # and the training steps completed before it: steps 1 and 2 of every arm
+        curves = (summaries[0].parent / "curves.csv").read_text().splitlines()
+        assert summary["training"]["steps_done"] == 2 and curves[0].startswith("arm,role,target,step,loss")
+        assert len(curves) - 1 == 2 * len(summary["training"]["last_loss"])
 
 
 # --- 4: a bug in convcheck ------------------------------------------------------------------
