@@ -189,6 +189,18 @@ class LeafCalls:
         return hook
 
 
+def made_in_own_code(call: ParentCall, finite: Callable[[object], bool]) -> bool:
+    """Whether NaN/Inf first appear in ``call``'s own code: its output (or an input it hands a child)
+    is non-finite while its inputs and every child's output from finite inputs are finite.
+    ``finite(obj)`` says whether every floating tensor in ``obj`` is finite."""
+    if finite(call.output) and finite([c.inputs for c in call.children]):
+        return False
+    if not finite(list(call.inputs) + list(call.kwargs.values())):
+        return False
+    # a child that turned finite inputs into NaN/Inf (or something inside it) produced them
+    return not any(finite(c.inputs) and not finite(c.output) for c in call.children)
+
+
 def _root_name(model: nn.Module) -> str:
     return type(model).__name__
 

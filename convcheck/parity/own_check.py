@@ -15,7 +15,7 @@ import math
 import torch
 
 from convcheck.batch import map_tensors
-from convcheck.capture import ParentCall, cast_like, tensors_in
+from convcheck.capture import ParentCall, cast_like, made_in_own_code, tensors_in
 from convcheck.metrics import rel_l2
 from convcheck.parity import checks
 from convcheck.parity.checks import row_verdict
@@ -72,7 +72,7 @@ class OwnCodeCheck:
     def errors(self, tol: Tolerances, meter: FloorMeter) -> dict | None:
         """The row's error columns (its worst point), or None when nothing in it is its own."""
         with torch.no_grad():
-            got = run_own_code(self.module, self.args, self.kwargs, self.children()).tensors
+            got = run_own_code(self.module, self.args, self.kwargs, self.children())
         if len(got) != len(self.want):
             raise _Diverged("another number of values than in the judge's run")
         points = [(i, g, self.want[i]) for i, g in enumerate(got) if g is not None]
@@ -106,9 +106,9 @@ class OwnCodeCheck:
         with torch.no_grad(), torch.autocast(judge.torch_device.type, enabled=False):
             children = self.children(then=judge.reference)
             if mode is None:
-                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference).tensors
+                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference)
             with mode:
-                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference).tensors
+                return run_own_code(self.module, self.args, self.kwargs, children, judge.reference)
 
     def judge_absmax_at(self, index: int, judge) -> float:
         """The judge's largest magnitude at the ``index``-th floating result of the own code."""
@@ -140,15 +140,8 @@ def first_nonfinite_op(call: ParentCall) -> tuple[int, str] | None:
 
 
 def own_code_produces(call: ParentCall) -> bool:
-    """Whether NaN/Inf first appear in ``call``'s own code: its output (or an input it hands a
-    child) is non-finite while its inputs and every child's output from finite inputs are finite."""
-    if not _all_finite(list(call.inputs) + list(call.kwargs.values())):
-        return False
-    for c in call.children:
-        if _all_finite(c.inputs) and not _all_finite(c.output):
-            return False  # the child (or something in it) produced them
-    handed = [c.inputs for c in call.children]
-    return not _all_finite(call.output) or not all(_all_finite(h) for h in handed)
+    """Whether NaN/Inf first appear in ``call``'s own code (``capture.made_in_own_code``)."""
+    return made_in_own_code(call, _all_finite)
 
 
 def _all_finite(obj) -> bool:

@@ -23,7 +23,6 @@ import contextlib
 import copy
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -165,18 +164,13 @@ class Replay:
         return False
 
 
-@dataclass
-class Points:
-    """What one run of the own code produced: the tensors it fed each child call, then its output."""
-
-    tensors: list[torch.Tensor | None]  # None: a value passed on unchanged (nothing of its own)
-
-
 def run_own_code(module: nn.Module, args: tuple, kwargs: dict, children: list[tuple[str, object]],
-                 convert=lambda t: t.detach()) -> Points:
+                 convert=lambda t: t.detach()) -> list[torch.Tensor | None]:
     """Run ``module``'s own code once: ``children`` are ``(attribute, make)`` per child call in call
     order, ``make()`` the value that call hands back (a new tensor: the code may change it in
-    place). Raises ``_Diverged`` when the code takes another path."""
+    place). Returns what it produced: the tensors it fed each child call, then its output; None
+    for a value passed on unchanged (nothing of its own). Raises ``_Diverged`` when the code takes
+    another path."""
     outputs: dict[str, list] = {}
     for attr, make in children:
         outputs.setdefault(attr, []).append(make)
@@ -185,7 +179,7 @@ def run_own_code(module: nn.Module, args: tuple, kwargs: dict, children: list[tu
     out = replay(args, kwargs)
     if [(a, i) for a, i, _ in replay.fed] != _call_indices([attr for attr, _ in children]):
         raise _Diverged("the children were called in another order")
-    return Points([t for _, _, fed in replay.fed for t in fed] + replay._own(tensors_in(out)))
+    return [t for _, _, fed in replay.fed for t in fed] + replay._own(tensors_in(out))
 
 
 def _call_indices(order: list[str]) -> list[tuple[str, int]]:

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import LeafCalls, ParentCall, first_tensor, tensors_in
+from convcheck.capture import LeafCalls, ParentCall, first_tensor, made_in_own_code, tensors_in
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -62,14 +62,8 @@ class FirstProducer:
         out = first_tensor(call.output)
         if not self._dirty and (out is None or all_finite(out)):
             return  # nothing non-finite anywhere yet: one reduction of the output, no more
-        handed = [c.inputs for c in call.children]
-        if (out is None or all_finite(out)) and _finite(handed):
-            return
-        if not _finite(list(call.inputs) + list(call.kwargs.values())):
-            return
-        if any(_finite(c.inputs) and not _finite(c.output) for c in call.children):
-            return  # a child (or something inside it) produced them; its own hook named it
-        self._blame(call.name, call.module)
+        if made_in_own_code(call, _finite):  # else a child produced them, and its own hook named it
+            self._blame(call.name, call.module)
 
     def _blame(self, name: str, module: nn.Module) -> None:
         self.found = (self.step_index, name)
