@@ -81,9 +81,11 @@ class LocalGrads:
     """One layer's parameter gradients fed the judge's input and output gradient: the target's (at
     its precision), and on demand the float64 copy's on the same cast operands and the floor's."""
 
-    def __init__(self, module: nn.Module, jc: JudgeCall, runner: Runner, meter: FloorMeter, out_dtype):
+    def __init__(self, module: nn.Module, jc: JudgeCall, runner: Runner, meter: FloorMeter, out_dtype,
+                 mine: dict[str, torch.Tensor] | None = None):
         self.module, self.jc, self.runner, self.meter = module, jc, runner, meter
-        self.mine = local_grads(module, jc, runner)
+        # ``mine``: the target's local gradients where the forward row already made them (``target_pass``)
+        self.mine = mine if mine is not None else local_grads(module, jc, runner)
         # a matmul/conv forms its gradients in its own output dtype (autocast's 16-bit format)
         dtypes = (runner.param_dtype, out_dtype) if op_class(module) != "elementwise" else (runner.param_dtype,)
         self.grad_dtype = max(dtypes, key=dtype_unit_roundoff)

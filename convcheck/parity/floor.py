@@ -84,6 +84,8 @@ class FloorMeter:
     def output_rounding(self, judge_out: torch.Tensor, out_dtype: torch.dtype) -> float:
         """The judge's result rounded to ``out_dtype``, vs itself: a lower bound of any floor with that
         output dtype (no value in that dtype is closer to the judge's than its nearest one), free."""
+        if judge_out.is_floating_point() and dtype_unit_roundoff(out_dtype) > dtype_unit_roundoff(judge_out.dtype):
+            return rel_l2(judge_out.to(out_dtype), judge_out)  # round_to's values: rel_l2 casts them back
         return rel_l2(round_to(judge_out, dtype_unit_roundoff(out_dtype), out_dtype), judge_out)
 
     def rounds(self, module: nn.Module, args: tuple) -> bool:

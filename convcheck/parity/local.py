@@ -59,6 +59,23 @@ def target_call(module: nn.Module, args: tuple) -> torch.Tensor | None:
     return got[0] if got else None
 
 
+def local_forward_backward(module: nn.Module, jc: JudgeCall, target: Runner,
+                           args: tuple) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]] | None:
+    """``target_call`` and ``local_grads`` from one forward of one private copy: the output on ``args``
+    (the judge's inputs cast as the target's call received them) and the parameter gradients for the
+    judge's output gradient. None where the two would not see the same operands (an input the target
+    received in another dtype than ``local_grads`` casts it to: autocast) or the runner makes its
+    local gradients its own way."""
+    if type(target).local_backward is not Runner.local_backward or type(target).cast_input is not Runner.cast_input:
+        return None
+    for a, j in zip(args, jc.inputs):  # cast_input's dtype and device for each, or not the same operands
+        if isinstance(j, torch.Tensor) and (
+                a.device != target.torch_device
+                or a.dtype != (target.param_dtype if j.is_floating_point() else j.dtype)):
+            return None
+    return target.local_forward_backward(private_copy(module), args, jc.grad_output)
+
+
 def grad_terms_norm(module: nn.Module, jc: JudgeCall, judge: Runner) -> dict[str, float]:
     """Per parameter, the norm of the gradient summed from absolute values, in float64 on the judge:
     |grad_output| (and, for Linear/Conv, |input|) through a float64 copy of the layer.

@@ -13,10 +13,12 @@ import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
-from convcheck.metrics import grad_reduction_length, nonfinite_count, reduction_length, rel_l2
+from convcheck.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
 from convcheck.parity.checks import LocalGrads, check_forward
 from convcheck.parity.floor import FloorMeter
-from convcheck.parity.local import cast_args, target_call
+from convcheck.parity.kernels import KernelsSeen
+from convcheck.parity.local import cast_args, local_forward_backward, local_grads, target_call
+from convcheck.parity.modes import TargetModes
 from convcheck.parity.own_check import OwnCodeCheck, first_nonfinite_op, own_code_produces
 from convcheck.layer_names import own_code_label
 from convcheck.parity.own_code import REPLAY_FAILURES, plain_container
@@ -39,8 +41,12 @@ class TargetPass:
         self.own_params: dict[str, tuple[int, nn.Module]] = {}  # modules with children and parameters of their own
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
+        self.local_mine: dict[str, dict] = {}  # layer name -> its local gradients made in the forward row
         self.masks: SharedDropoutMasks | None = None
         self.floors = FloorMeter.of(runner, judge)
+        self.kernels = KernelsSeen()  # what the target's own forward/backward ran (``kernels``)
+        self.modes = TargetModes(own=self.kernels)  # measurements outside the modes (``modes``)
+        self.rerun_needed = True
 
     def run(self, model: nn.Module, batch, loss_fn) -> tuple[float, list]:
         """Forward and backward; ``(loss, [output, *parameter gradients])`` of this run."""
@@ -48,10 +54,15 @@ class TargetPass:
         self.masks = SharedDropoutMasks(model, self.seed)
         scale = self.runner.parity_loss_scale
         with self.runner.applied():
-            with self.masks, LeafCalls(model, self._on_call, self._on_parent, grad_in=self._grad_in):
-                out, loss = self.runner.forward_loss(model, x, y, loss_fn)
-            self.runner.backward(loss, scale)
-            self._grad_rows(model, batch_size_of(x), scale)
+            with self.kernels:  # innermost: the hooks below pop it while they measure
+                with self.masks, LeafCalls(model, self._on_call, self._on_parent, grad_in=self._grad_in):
+                    out, loss = self.runner.forward_loss(model, x, y, loss_fn)
+                self.runner.backward(loss, scale)
+            with self.modes.measuring():
+                self._grad_rows(model, batch_size_of(x), scale)
+        self.rerun_needed = self.kernels.rerun_needed(self.runner.torch_device)
+        if not self.rerun_needed:  # nothing to hold a rerun against
+            return float(loss.detach()), []
         first_run = [t.detach() for t in tensors_of(out)] + [p.grad.detach() for p in model.parameters()
                                                              if p.grad is not None]
         return float(loss.detach()), first_run
@@ -67,7 +78,7 @@ class TargetPass:
             needed=math.nan, nan=nan, inf=inf,
             input_nonfinite=sum(sum(nonfinite_count(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
             grad_in_nonfinite=0,
-            ref_absmax=float(jc.output.abs().max()) if jc is not None and jc.output.numel() else math.nan,
+            ref_absmax=abs_max(jc.output) if jc is not None else math.nan,
             flagged=False,
         )
 
@@ -75,20 +86,29 @@ class TargetPass:
         self.rows.append(row)
         self.by_key[key] = row
         if out.requires_grad:
-            out.register_hook(lambda g, row=row: row.__setitem__("grad_out_nonfinite", sum(nonfinite_count(g))))
+            out.register_hook(lambda g, row=row: self._grad_out(row, g))
+
+    def _grad_out(self, row: dict, g: torch.Tensor) -> None:
+        with self.modes.measuring():
+            row["grad_out_nonfinite"] = sum(nonfinite_count(g))
 
     def _grad_in(self, key: str, g: torch.Tensor) -> None:
         row = self.by_key.get(key)
         if row is not None:
-            row["grad_in_nonfinite"] += sum(nonfinite_count(g))
+            with self.modes.measuring():
+                row["grad_in_nonfinite"] += sum(nonfinite_count(g))
 
     def _on_call(self, key, name, module, inputs, out):
+        with self.modes.measuring():
+            self._measure_call(key, name, module, inputs, out)
+
+    def _measure_call(self, key, name, module, inputs, out):
         jc = self.calls.get(key)
         order = len(self.rows)
         row = self._row(key, type(module).__name__, inputs, out, jc)
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
         if jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic:
-            row.update(self._forward_errors(module, jc, inputs, out))
+            row.update(self._forward_errors(name, module, jc, inputs, out))
         self._add(key, row, out)
         if jc is not None:
             if name not in self.first_call:
@@ -97,6 +117,10 @@ class TargetPass:
                 self.reused.add(name)
 
     def _on_parent(self, call: ParentCall) -> None:
+        with self.kernels.paused():
+            self._measure_parent(call)
+
+    def _measure_parent(self, call: ParentCall) -> None:
         """A module with children: a row for its own code (``parity.own_code``) when it computes
         anything of its own, or when NaN/Inf first appear in it (naming the op)."""
         out, jc = first_tensor(call.output), self.calls.get(call.key)
@@ -138,17 +162,31 @@ class TargetPass:
             except REPLAY_FAILURES:
                 pass
 
-    def _forward_errors(self, module, jc, inputs, out) -> dict:
+    def _forward_errors(self, name, module, jc, inputs, out) -> dict:
         k = reduction_length(module, jc.inputs, jc.output)
         args = cast_args(jc, inputs, self.runner.torch_device)
         row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=rel_l2(out, jc.output))
         if is_shared_dropout(module):  # the same mask the target's own call used: nothing of its own
             local = rel_l2(args[0] * self.masks.last_mask, jc.output)
             return dict(row, local=local, flagged=not math.isfinite(local))
-        got = target_call(module, args)
+        got = self._local_forward(name, module, jc, args)
         if got is None:
             return row
         return dict(row, **check_forward(self.tol, self.floors, module, jc, args, got, k))
+
+    def _local_forward(self, name, module, jc, args) -> torch.Tensor | None:
+        """The target's copy of the layer on ``args``. A layer with parameters, on its first call,
+        also makes its local parameter gradients in the same forward (for its gradient rows):
+        one forward of the layer instead of two."""
+        if name in self.first_call or jc.grad_output is None or not any(True for _ in module.parameters(recurse=False)):
+            with self.modes.target():
+                return target_call(module, args)
+        with self.modes.target():
+            both = local_forward_backward(module, jc, self.runner, args)
+            if both is None:
+                return target_call(module, args)
+        self.local_mine[name] = both[1]
+        return both[0]
 
     # -- gradient rows ------------------------------------------------------------------
 
@@ -162,7 +200,11 @@ class TargetPass:
             jc = self.calls[key]
             if not params or jc.grad_output is None:
                 continue
-            local = LocalGrads(module, jc, self.runner, self.floors, out_dtype)
+            mine = self.local_mine.get(name)
+            if mine is None:
+                with self.modes.target():
+                    mine = local_grads(module, jc, self.runner)
+            local = LocalGrads(module, jc, self.runner, self.floors, out_dtype, mine)
             for pname, p in params.items():
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
@@ -187,7 +229,7 @@ class TargetPass:
             shape="x".join(map(str, p.shape)), K=0, u=self.runner.unit_roundoff, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
-            ref_absmax=float(jg.abs().max()) if jg.numel() else math.nan, flagged=False,
+            ref_absmax=abs_max(jg), flagged=False,
         )
 
     def _grad_row(self, order, name, local: LocalGrads, param, g, jg, batch_size) -> dict:
@@ -204,7 +246,7 @@ class TargetPass:
             shape="x".join(map(str, p.shape)), K=k, u=op.operand, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
-            ref_absmax=float(jg.abs().max()), flagged=False,
+            ref_absmax=abs_max(jg), flagged=False,
         )
         row.update(local.check(self.tol, pname, jg, accumulation))
         return row

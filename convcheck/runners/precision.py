@@ -83,7 +83,35 @@ def round_to(t: torch.Tensor, unit_roundoff: float, dtype: torch.dtype | None = 
     if dtype is not None and dtype_unit_roundoff(dtype) == unit_roundoff:
         return t.to(dtype).to(t.dtype)
     bits = round(-math.log2(unit_roundoff))
+    if t.dtype in _BIT_LAYOUT and not _has_subnormal(t):
+        return _round_bits(t, bits)
     mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
     # (torch.ldexp forms 2^exponent in the default dtype: float32 would flush small exponents)
     rounded = torch.round(mantissa * 2.0**bits) * torch.exp2((exponent - bits).to(t.dtype))
     return torch.where(torch.isfinite(t), rounded, t)
+
+
+_BIT_LAYOUT = {torch.float64: (torch.int64, 52), torch.float32: (torch.int32, 23)}  # integer view, mantissa bits
+
+
+def _has_subnormal(t: torch.Tensor) -> bool:
+    """A subnormal keeps fewer significant bits than ``_round_bits`` assumes (``frexp`` rounds it)."""
+    return bool(torch.any((t.abs() < torch.finfo(t.dtype).tiny) & (t != 0))) if t.numel() else False
+
+
+def _round_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``round_to``'s rounding on the bit pattern: keep ``bits`` significant bits (``bits - 1``
+    stored), to nearest, ties to even; a carry out of the mantissa raises the exponent, as the
+    rounding should. Four integer passes instead of ``frexp``/``round``/``exp2``'s eight float
+    ones (TF32 floors round every operand of every matmul/conv this way). The same values as
+    the ``frexp`` form for every normal number; NaN and Inf are kept."""
+    int_dtype, mantissa_bits = _BIT_LAYOUT[t.dtype]
+    drop = mantissa_bits - (bits - 1)
+    if drop <= 0:
+        return t
+    raw = t.contiguous().view(int_dtype)
+    odd = (raw >> drop) & 1
+    half = (1 << (drop - 1)) - 1
+    rounded = ((raw + half + odd) & ~((1 << drop) - 1)).view(t.dtype)
+    return torch.where(torch.isfinite(t), rounded, t)
+

@@ -203,3 +203,29 @@ def lossy_residual_net() -> nn.Module:
         nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(), OffsetResidual(8),
         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 10),
     )
+
+
+class RacyScatter(nn.Module):
+    """``out[:, slot] = x`` with 64 features written into 16 slots (duplicate indices): which write
+    wins is up to the kernel - ``index_put`` without accumulation, which PyTorch documents as
+    nondeterministic. Here the write order changes on every call anywhere (a class-wide counter),
+    as a parallel kernel's order may: the same input gives a different output run to run."""
+
+    calls = 0
+
+    def __init__(self, features: int = 64, slots: int = 16):
+        super().__init__()
+        self.features = features
+        self.register_buffer("slot", torch.arange(features) % slots)
+        self.slots = slots
+
+    def forward(self, x):
+        RacyScatter.calls += 1
+        order = torch.tensor([(k * 37 + RacyScatter.calls * 11) % self.features for k in range(self.features)])
+        out = x.new_zeros(x.shape[0], self.slots)
+        out[:, self.slot[order]] = x[:, order]
+        return out
+
+
+def racy_scatter_net() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), RacyScatter(), nn.Linear(16, 10))
