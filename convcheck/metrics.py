@@ -49,6 +49,13 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     ``floor`` is the size below which ``ref`` counts as cancelled to zero (e.g. the
     norm of the terms a gradient sums), so rounding noise is not a relative error.
     """
+    return rel_l2_finite(x, ref, floor)[0]
+
+
+def rel_l2_finite(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> tuple[float, bool]:
+    """``(rel_l2, whether every element of x and ref is finite)``: True is known for free when both
+    norms are finite (the fast path), so a caller counting NaN/Inf in ``x`` can skip its pass;
+    False means "not known", not "non-finite"."""
     e = ref.detach().to(dtype=torch.float64)
     a = x.detach().to(device=e.device)
     if a.shape != e.shape:
@@ -59,18 +66,18 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     num = float(torch.linalg.vector_norm(_difference(a, e)))
     if math.isfinite(den) and math.isfinite(num):
         if den < _TINY:
-            return 0.0 if num < _TINY else math.inf
-        return num / den
+            return (0.0 if num < _TINY else math.inf), True
+        return num / den, True
     a = a.to(dtype=torch.float64)
     finite_ref = torch.isfinite(e)
     if not bool(torch.isfinite(a)[finite_ref].all()):
-        return math.inf
+        return math.inf, False
     a, e = a[finite_ref], e[finite_ref]
     den = max(float(torch.linalg.vector_norm(e)), floor)
     num = float(torch.linalg.vector_norm(a - e))
     if den < _TINY:
-        return 0.0 if num < _TINY else math.inf
-    return num / den
+        return (0.0 if num < _TINY else math.inf), False
+    return num / den, False
 
 
 def _difference(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:

@@ -202,3 +202,82 @@ def test_own_code_that_draws_is_still_found_stochastic():
     r = run_parity(build, batch, [Target.parse("cpu:bf16")])
     assert r.stochastic_layers == ["1"], r.stochastic_layers
     assert not r.layers["flagged"].any()
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cpu:bf16", "cpu:fp16"])
+@pytest.mark.parametrize("layer", [nn.ReLU(), nn.ReLU6(), nn.MaxPool2d(2), nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                                   nn.AdaptiveMaxPool2d(3), nn.Flatten(), nn.Unflatten(1, (2, 2)), nn.Identity()],
+                         ids=lambda m: type(m).__name__)
+def test_a_selection_layers_local_error_is_its_output_rounding(spec, layer):
+    """``known.selects``: parity writes the free lower bound as the local error without running the
+    copy; running it gives the same number, to the bit (values near float16's limit included)."""
+    from convcheck.parity.floor import FloorMeter
+    from convcheck.parity.known import selects
+
+    assert selects(layer)
+    runner = T(spec).runner
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, generator=g) * 3e4  # past 65504 once rounded to float16
+    if isinstance(layer, nn.Unflatten):
+        x = x.reshape(2, 4, 36)
+    judge_out = layer(x)
+    got = private_copy(layer)(x.to(runner.param_dtype))
+    meter = FloorMeter.of(runner, CPU_JUDGE.runner)
+    assert rel_l2(got, judge_out) == meter.output_rounding(judge_out, got.dtype)
+    assert not selects(nn.LeakyReLU()) and not selects(nn.Hardtanh(-0.3, 0.3))
+
+
+def test_abs_max_and_finite_flag_give_the_long_ways_values():
+    from convcheck.metrics import abs_max, rel_l2_finite
+
+    for t in (torch.tensor([-3.0, 2.0]), torch.tensor([-0.0, 0.0]), torch.tensor([1.0, -math.inf]),
+              torch.randn(100, dtype=torch.float64)):
+        assert abs_max(t) == float(t.abs().max()) and str(abs_max(t)) == str(float(t.abs().max()))
+    assert math.isnan(abs_max(torch.tensor([1.0, math.nan]))) and math.isnan(abs_max(torch.tensor([])))
+    ref = torch.randn(50, dtype=torch.float64)
+    assert rel_l2_finite(ref.float(), ref) == (rel_l2(ref.float(), ref), True)
+    bad = ref.float().clone()
+    bad[3] = math.nan
+    err, finite = rel_l2_finite(bad, ref)
+    assert math.isinf(err) and not finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype):
+    from convcheck.runners.precision import round_to
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(20000, generator=g, dtype=torch.float64)
+         * torch.exp(10 * torch.randn(20000, generator=g, dtype=torch.float64))).to(dtype)
+    ties = (torch.arange(1024, 2048, dtype=dtype) + 0.5) * 2.0 ** -7
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -3e-42], dtype=dtype)
+    for t in (x, torch.cat([ties, -ties, special])):
+        for u in (2.0 ** -11, 2.0 ** -8):
+            bits = round(-math.log2(u))
+            m, e = torch.frexp(t)
+            want = torch.where(torch.isfinite(t), torch.round(m * 2.0 ** bits) * torch.exp2((e - bits).to(dtype)), t)
+            got = round_to(t, u)
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            ok = ~torch.isnan(want)
+            assert torch.equal(got[ok], want[ok]) and torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cpu:bf16", "cpu:emulate-tf32"])
+def test_one_forward_for_local_output_and_gradients_gives_both_long_ways(spec):
+    from convcheck.parity.judge_pass import JudgeCall
+    from convcheck.parity.local import local_forward_backward, local_grads, target_call
+
+    runner = T(spec).runner
+    g = torch.Generator().manual_seed(4)
+    for layer, x in ((nn.Conv2d(2, 3, 3), torch.randn(2, 2, 5, 5, generator=g, dtype=torch.float64)),
+                     (nn.BatchNorm1d(4), torch.randn(6, 4, generator=g, dtype=torch.float64)),
+                     (nn.Linear(4, 2), torch.randn(3, 4, generator=g, dtype=torch.float64))):
+        judge_out = layer.double()(x)
+        jc = JudgeCall("l", type(layer).__name__, (x,), judge_out.detach(), torch.randn_like(judge_out))
+        target_layer = copy.deepcopy(layer).to(runner.param_dtype)
+        args = (x.to(runner.param_dtype),)
+        with runner.applied():
+            out, grads = local_forward_backward(target_layer, jc, runner, args)
+            want_out, want_grads = target_call(target_layer, args), local_grads(target_layer, jc, runner)
+        assert torch.equal(out, want_out)
+        assert grads.keys() == want_grads.keys() and all(torch.equal(grads[k], want_grads[k]) for k in grads)

@@ -44,6 +44,21 @@ STOCK_LAYERS = frozenset({
 })
 
 
+# Each output value is one of the input's values (or 0, or 6): max/min of inputs and constants,
+# a copy or a view. Rounding is monotone, so the layer on the judge's input rounded to the
+# target's dtype gives exactly the judge's output rounded to it: the local error of the target's
+# copy *is* the free lower bound of its floor, known without running the copy (``selects``).
+SELECTION_LAYERS = frozenset({
+    nn.ReLU, nn.ReLU6, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Identity,
+})
+
+
+def selects(module: nn.Module) -> bool:
+    """A stock layer whose output only selects input values (``SELECTION_LAYERS``)."""
+    return type(module) in SELECTION_LAYERS and stock_type(module)
+
+
 def stock_type(module: nn.Module) -> bool:
     """A layer of exactly a listed type, with its class's own ``forward``."""
     return type(module) in STOCK_LAYERS and "forward" not in vars(module)

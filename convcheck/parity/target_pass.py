@@ -7,14 +7,17 @@ intrinsic error, bound, NaN/Inf counts) and a row per parameter gradient.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
-from convcheck.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
-from convcheck.parity.checks import LocalGrads, check_forward
+from convcheck.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2, rel_l2_finite
+from convcheck.parity import checks
+from convcheck.parity.checks import LocalGrads, check_forward, row_verdict
+from convcheck.parity.known import selects
 from convcheck.parity.floor import FloorMeter
 from convcheck.parity.kernels import KernelsSeen
 from convcheck.parity.local import cast_args, local_forward_backward, local_grads, target_call
@@ -41,6 +44,7 @@ class TargetPass:
         self.own_params: dict[str, tuple[int, nn.Module]] = {}  # modules with children and parameters of their own
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
+        self._counted: dict[int, tuple] = {}  # id -> (weak reference, version, NaN/Inf counts): ``counts``
         self.local_mine: dict[str, dict] = {}  # layer name -> its local gradients made in the forward row
         self.masks: SharedDropoutMasks | None = None
         self.floors = FloorMeter.of(runner, judge)
@@ -70,13 +74,13 @@ class TargetPass:
     # -- forward rows -----------------------------------------------------------------
 
     def _row(self, key: str, label: str, inputs, out: torch.Tensor, jc) -> dict:
-        nan, inf = nonfinite_count(out)
+        nan, inf = self.counts(out)
         return dict(
             target=self.name, order=len(self.rows), kind="forward", layer=key, module=label,
             param="", shape="x".join(map(str, out.shape)), K=0, u=self.runner.unit_roundoff, bound=math.nan,
             propagated=math.nan, local=math.nan, intrinsic=math.nan, floor=math.nan, over_floor=math.nan,
             needed=math.nan, nan=nan, inf=inf,
-            input_nonfinite=sum(sum(nonfinite_count(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
+            input_nonfinite=sum(sum(self.counts(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
             grad_in_nonfinite=0,
             ref_absmax=abs_max(jc.output) if jc is not None else math.nan,
             flagged=False,
@@ -105,10 +109,12 @@ class TargetPass:
     def _measure_call(self, key, name, module, inputs, out):
         jc = self.calls.get(key)
         order = len(self.rows)
+        measured = jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic
+        propagated = self._propagated(out, jc.output) if measured else None
         row = self._row(key, type(module).__name__, inputs, out, jc)
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
-        if jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic:
-            row.update(self._forward_errors(name, module, jc, inputs, out))
+        if measured:
+            row.update(self._forward_errors(name, module, jc, inputs, propagated, out.dtype))
         self._add(key, row, out)
         if jc is not None:
             if name not in self.first_call:
@@ -162,10 +168,31 @@ class TargetPass:
             except REPLAY_FAILURES:
                 pass
 
-    def _forward_errors(self, name, module, jc, inputs, out) -> dict:
+    def counts(self, t: torch.Tensor) -> tuple[int, int]:
+        """``nonfinite_count(t)``, once per tensor and version: a layer's input is mostly the output
+        the row before counted, and a tensor whose error against the judge came out finite has none."""
+        hit = self._counted.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        found = nonfinite_count(t)
+        self._counted[id(t)] = (weakref.ref(t), t._version, found)
+        return found
+
+    def _propagated(self, out: torch.Tensor, judge_out: torch.Tensor) -> float:
+        """The target's output against the judge's; when that shows every value finite, ``out``'s
+        NaN/Inf count is known (none) without a pass of its own."""
+        err, finite = rel_l2_finite(out, judge_out)
+        if finite:
+            self._counted[id(out)] = (weakref.ref(out), out._version, (0, 0))
+        return err
+
+    def _forward_errors(self, name, module, jc, inputs, propagated: float, out_dtype) -> dict:
         k = reduction_length(module, jc.inputs, jc.output)
+        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=propagated)
+        if selects(module) and not checks.MEASURE_ALL:  # its local error is its floor's lower bound, exactly
+            lower = self.floors.output_rounding(jc.output, out_dtype)
+            return dict(row, local=lower, **row_verdict(self.tol, lower, math.nan, lower))
         args = cast_args(jc, inputs, self.runner.torch_device)
-        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=rel_l2(out, jc.output))
         if is_shared_dropout(module):  # the same mask the target's own call used: nothing of its own
             local = rel_l2(args[0] * self.masks.last_mask, jc.output)
             return dict(row, local=local, flagged=not math.isfinite(local))
