@@ -281,3 +281,22 @@ def test_one_forward_for_local_output_and_gradients_gives_both_long_ways(spec):
             want_out, want_grads = target_call(target_layer, args), local_grads(target_layer, jc, runner)
         assert torch.equal(out, want_out)
         assert grads.keys() == want_grads.keys() and all(torch.equal(grads[k], want_grads[k]) for k in grads)
+
+
+def test_a_record_is_a_view_until_its_memory_is_written_then_the_value_recorded():
+    """``parity.snapshots``: no copy of what nothing writes; a copy, before the write, of what is written
+    (in place, through a view of it, or as an ``out=``)."""
+    from convcheck.parity.snapshots import Snapshots
+
+    a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(4), torch.zeros(3)
+    snap = Snapshots()
+    with snap:
+        ra, rb, rc = snap(a), snap(b), snap(c)
+        assert snap(a) is ra  # one record per tensor and version
+        a[0].add_(10)  # a write through a view of a
+        torch.add(c, 5, out=c)
+        assert snap(a) is not ra  # a new version: a new record
+    snap.clear()
+    assert torch.equal(ra, torch.arange(6.0).reshape(2, 3)) and torch.equal(rc, torch.zeros(3))
+    assert rb.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # never written: still a view
+    assert ra.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from convcheck.batch import map_tensors
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, tensors_in
+from convcheck.parity.snapshots import Snapshots
 from convcheck.runners import Runner
 
 
@@ -24,33 +25,11 @@ class JudgeCall:
     children: list[str] | None = None  # a module with children: its children's call keys, in order
 
 
-class _Snapshots:
-    """Snapshots, not views: code between modules may change a recorded tensor in place
-    (ResNet's ``out += identity`` on the last BatchNorm's output). One snapshot per tensor
-    and version, so a layer's input shares the previous layer's output copy."""
-
-    def __init__(self):
-        self._seen: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-
-    def __call__(self, t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        hit = self._seen.get(id(t))
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        copy = t.detach().clone()
-        self._seen[id(t)] = (t, t._version, copy)
-        return copy
-
-    def clear(self):
-        self._seen.clear()
-
-
 def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
     """``(calls by key, call order, parameter gradients, loss)`` of the judge's forward/backward."""
     x, y = batch
     calls: dict[str, JudgeCall] = {}
-    snap = _Snapshots()
+    snap = Snapshots()  # views, copied only before something writes to them (``snapshots``)
 
     def on_call(key, name, module, inputs, out):
         rec = JudgeCall(name, type(module).__name__, tuple(snap(t) for t in inputs), snap(out))
@@ -72,7 +51,7 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
 
     keep = lambda obj: map_tensors(obj, snap)  # noqa: E731
     with judge.applied():
-        with SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent, keep=keep) as lc:
+        with snap, SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent, keep=keep) as lc:
             _, loss = judge.forward_loss(model, x, y, loss_fn)
         snap.clear()
         judge.backward(loss)

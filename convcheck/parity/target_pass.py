@@ -45,7 +45,9 @@ class TargetPass:
         self.first_call: dict[str, tuple[int, nn.Module, str, torch.dtype]] = {}
         self.reused: set[str] = set()
         self._counted: dict[int, tuple] = {}  # id -> (weak reference, version, NaN/Inf counts): ``counts``
-        self.local_mine: dict[str, dict] = {}  # layer name -> its local gradients made in the forward row
+        self.local_checks: dict[str, dict] = {}  # layer name -> per parameter, its row's local columns
+        self.batch_size = 0
+        self.module_names: set[str] = set()
         self.masks: SharedDropoutMasks | None = None
         self.floors = FloorMeter.of(runner, judge)
         self.kernels = KernelsSeen()  # what the target's own forward/backward ran (``kernels``)
@@ -55,6 +57,7 @@ class TargetPass:
     def run(self, model: nn.Module, batch, loss_fn) -> tuple[float, list]:
         """Forward and backward; ``(loss, [output, *parameter gradients])`` of this run."""
         x, y = batch
+        self.batch_size, self.module_names = batch_size_of(x), {n for n, _ in model.named_modules()}
         self.masks = SharedDropoutMasks(model, self.seed)
         scale = self.runner.parity_loss_scale
         with self.runner.applied():
@@ -63,7 +66,7 @@ class TargetPass:
                     out, loss = self.runner.forward_loss(model, x, y, loss_fn)
                 self.runner.backward(loss, scale)
             with self.modes.measuring():
-                self._grad_rows(model, batch_size_of(x), scale)
+                self._grad_rows(model, scale)
         self.rerun_needed = self.kernels.rerun_needed(self.runner.torch_device)
         if not self.rerun_needed:  # nothing to hold a rerun against
             return float(loss.detach()), []
@@ -196,12 +199,12 @@ class TargetPass:
         if is_shared_dropout(module):  # the same mask the target's own call used: nothing of its own
             local = rel_l2(args[0] * self.masks.last_mask, jc.output)
             return dict(row, local=local, flagged=not math.isfinite(local))
-        got = self._local_forward(name, module, jc, args)
+        got = self._local_forward(name, module, jc, args, out_dtype)
         if got is None:
             return row
         return dict(row, **check_forward(self.tol, self.floors, module, jc, args, got, k))
 
-    def _local_forward(self, name, module, jc, args) -> torch.Tensor | None:
+    def _local_forward(self, name, module, jc, args, out_dtype) -> torch.Tensor | None:
         """The target's copy of the layer on ``args``. A layer with parameters, on its first call,
         also makes its local parameter gradients in the same forward (for its gradient rows):
         one forward of the layer instead of two."""
@@ -212,14 +215,31 @@ class TargetPass:
             both = local_forward_backward(module, jc, self.runner, args)
             if both is None:
                 return target_call(module, args)
-        self.local_mine[name] = both[1]
+        self.local_checks[name] = self._local_checks(name, LocalGrads(module, jc, self.runner, self.floors,
+                                                                      out_dtype, both[1]))
         return both[0]
+
+    def _local_checks(self, name: str, local: LocalGrads) -> dict[str, dict]:
+        """Per parameter, the local columns of its gradient row, made where the local gradients are
+        (they are dropped then: only scalars wait for the backward to give the target's own)."""
+        checks = {}
+        op = self.runner.precision.for_module(local.module)
+        for pname, p in local.module.named_parameters(recurse=False):
+            jg = self.judge_grads.get(f"{name}.{pname}" if name in self.module_names else pname)
+            if jg is None:
+                continue
+            k = grad_reduction_length(p, self.batch_size, local.jc.output)
+            # Summing K = batch x positions terms: float32 kernels add up to ~0.4 u sqrt(K) beyond the
+            # rounding of the operands (thresholds.GRAD_ACCUMULATION), part of the floor.
+            accumulation = GRAD_ACCUMULATION * op.accumulate * math.sqrt(k)
+            checks[pname] = dict(K=k, u=op.operand, **local.check(self.tol, pname, jg, accumulation))
+        return checks
 
     # -- gradient rows ------------------------------------------------------------------
 
-    def _grad_rows(self, model: nn.Module, batch_size: int, scale: float) -> None:
+    def _grad_rows(self, model: nn.Module, scale: float) -> None:
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        modules = dict(model.named_modules())
+        modules = self.module_names
         for name, (order, module, key, out_dtype) in self.first_call.items():
             if key in self.stochastic or name in self.reused:
                 continue
@@ -227,17 +247,17 @@ class TargetPass:
             jc = self.calls[key]
             if not params or jc.grad_output is None:
                 continue
-            mine = self.local_mine.get(name)
-            if mine is None:
+            checks = self.local_checks.get(name)
+            if checks is None:  # not made in the forward row (autocast's operands): made now
                 with self.modes.target():
                     mine = local_grads(module, jc, self.runner)
-            local = LocalGrads(module, jc, self.runner, self.floors, out_dtype, mine)
+                checks = self._local_checks(name, LocalGrads(module, jc, self.runner, self.floors, out_dtype, mine))
             for pname, p in params.items():
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
-                if g is not None and jg is not None:
-                    self.rows.append(self._grad_row(order, name, local, (full, pname, p), g.detach() / scale, jg,
-                                                    batch_size))
+                if g is not None and jg is not None and pname in checks:
+                    self.rows.append(self._grad_row(order, name, jc.module, (full, p), g.detach() / scale, jg,
+                                                    checks[pname]))
 
         for name, (order, module) in self.own_params.items():
             label = own_code_label(type(module).__name__)
@@ -259,21 +279,17 @@ class TargetPass:
             ref_absmax=abs_max(jg), flagged=False,
         )
 
-    def _grad_row(self, order, name, local: LocalGrads, param, g, jg, batch_size) -> dict:
-        full, pname, p = param
-        jc = local.jc
-        k = grad_reduction_length(p, batch_size, jc.output)
-        op = self.runner.precision.for_module(local.module)
-        # Summing K = batch x positions terms: float32 kernels add up to ~0.4 u sqrt(K) beyond the
-        # rounding of the operands (thresholds.GRAD_ACCUMULATION), part of the floor.
-        accumulation = GRAD_ACCUMULATION * op.accumulate * math.sqrt(k)
+    def _grad_row(self, order, name, label, param, g, jg, local: dict) -> dict:
+        """A parameter's gradient row: the target's own gradient against the judge's, and ``local``
+        (``_local_checks``: K, u and the local columns)."""
+        full, p = param
         nan, inf = nonfinite_count(g)
         row = dict(
-            target=self.name, order=order, kind="grad", layer=name, module=jc.module, param=full,
-            shape="x".join(map(str, p.shape)), K=k, u=op.operand, floor=math.nan, bound=math.nan,
+            target=self.name, order=order, kind="grad", layer=name, module=label, param=full,
+            shape="x".join(map(str, p.shape)), K=0, u=math.nan, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
             ref_absmax=abs_max(jg), flagged=False,
         )
-        row.update(local.check(self.tol, pname, jg, accumulation))
+        row.update(local)
         return row
