@@ -35,6 +35,7 @@ from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
 from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import run_judge, stochastic_layers
+from convcheck.parity.kernels import rerun_needed
 from convcheck.parity.known import RandomDraws, probe_needed
 from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
 from convcheck.parity.target_pass import TargetPass
@@ -70,8 +71,9 @@ def run_parity(
     torch.manual_seed(seed)
     judge_model = build(judge)
     probe = probe_needed(judge_model, judge.runner)
+    ops: set = set()  # the operators the model runs (``kernels``)
     with RandomDraws(judge_model) as draws:
-        calls, _, judge_grads, judge_loss = run_judge(judge_model, batch, judge.runner, seed, loss_fn)
+        calls, _, judge_grads, judge_loss = run_judge(judge_model, batch, judge.runner, seed, loss_fn, ops)
     probe = probe and (draws.drawn or judge.torch_device.type != "cpu")
     del judge_model  # its parameter gradients live on in judge_grads
     tick(1)
@@ -96,13 +98,14 @@ def run_parity(
         # from the judge's, as they would on another device.
         torch.manual_seed(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
+        tp.rerun_needed = rerun_needed(ops, target.torch_device)
         losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
         tick(3 + others.index(target))
         rows.extend(tp.rows)
         first[str(target)] = first_flagged(tp.rows)
         if tp.rerun_needed:
             reruns.append((i, target, first_run))
-        else:  # a CPU pass of documented-deterministic kernels only (``kernels``): bitwise the same again
+        else:  # a CPU pass of documented-deterministic kernels (``kernels``): bitwise the same again
             selfdiff[str(target)] = 0.0
         del tp  # and with it this target's model
     del calls, judge_grads  # every target has used the judge's record: the reruns run without it

@@ -25,8 +25,9 @@ class JudgeCall:
     children: list[str] | None = None  # a module with children: its children's call keys, in order
 
 
-def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
-    """``(calls by key, call order, parameter gradients, loss)`` of the judge's forward/backward."""
+def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn, ops: set | None = None):
+    """``(calls by key, call order, parameter gradients, loss)`` of the judge's forward/backward;
+    ``ops`` receives the operators its forward ran."""
     x, y = batch
     calls: dict[str, JudgeCall] = {}
     snap = Snapshots()  # views, copied only before something writes to them (``snapshots``)
@@ -54,6 +55,8 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn):
         with snap, SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent, keep=keep) as lc:
             _, loss = judge.forward_loss(model, x, y, loss_fn)
         snap.clear()
+        if ops is not None:
+            ops.update(snap.ops)
         judge.backward(loss)
     grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}  # the model is dropped
     return calls, lc.order, grads, float(loss.detach())

@@ -8,7 +8,8 @@ each tensor instead and watches, with a dispatch mode over the judge's forward, 
 that writes to a tensor (its schema says so: ``add_``, ``copy_``, an ``out=``): a recorded
 tensor sharing storage with one about to be written is copied first, so the record holds the
 value it had when recorded. One record per tensor and version, so a layer's input is the
-previous layer's output record.
+previous layer's output record. The mode also notes every operator the forward runs
+(``ops``: ``kernels`` decides from them whether a target needs a rerun).
 
 What a dispatch mode cannot see is a write that bypasses PyTorch's operators (through a NumPy
 array sharing the memory, say): the value recorded is then the one written.
@@ -20,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from convcheck.batch import tensors_of
+from convcheck.parity.kernels import operator_of
 
 
 class Snapshots(TorchDispatchMode):
@@ -29,6 +31,7 @@ class Snapshots(TorchDispatchMode):
         super().__init__()
         self._seen: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._views: dict[int, list[torch.Tensor]] = {}  # storage address -> records viewing it
+        self.ops: set = set()  # every operator the forward ran (``kernels.rerun_needed`` reads them)
 
     def __call__(self, t):
         if not isinstance(t, torch.Tensor):
@@ -49,6 +52,7 @@ class Snapshots(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops.add(operator_of(func, args))
         if self._views and func._schema.is_mutable:
             for i, arg in enumerate(func._schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:

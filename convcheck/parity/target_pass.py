@@ -19,7 +19,6 @@ from convcheck.parity import checks
 from convcheck.parity.checks import LocalGrads, check_forward, row_verdict
 from convcheck.parity.known import selects
 from convcheck.parity.floor import FloorMeter
-from convcheck.parity.kernels import KernelsSeen
 from convcheck.parity.local import cast_args, local_forward_backward, local_grads, target_call
 from convcheck.parity.modes import TargetModes
 from convcheck.parity.own_check import OwnCodeCheck, first_nonfinite_op, own_code_produces
@@ -50,9 +49,8 @@ class TargetPass:
         self.module_names: set[str] = set()
         self.masks: SharedDropoutMasks | None = None
         self.floors = FloorMeter.of(runner, judge)
-        self.kernels = KernelsSeen()  # what the target's own forward/backward ran (``kernels``)
-        self.modes = TargetModes(own=self.kernels)  # measurements outside the modes (``modes``)
-        self.rerun_needed = True
+        self.modes = TargetModes()  # measurements outside the target's dispatch modes (``modes``)
+        self.rerun_needed = True  # whether ``run`` keeps what a rerun is held against
 
     def run(self, model: nn.Module, batch, loss_fn) -> tuple[float, list]:
         """Forward and backward; ``(loss, [output, *parameter gradients])`` of this run."""
@@ -61,13 +59,11 @@ class TargetPass:
         self.masks = SharedDropoutMasks(model, self.seed)
         scale = self.runner.parity_loss_scale
         with self.runner.applied():
-            with self.kernels:  # innermost: the hooks below pop it while they measure
-                with self.masks, LeafCalls(model, self._on_call, self._on_parent, grad_in=self._grad_in):
-                    out, loss = self.runner.forward_loss(model, x, y, loss_fn)
-                self.runner.backward(loss, scale)
+            with self.masks, LeafCalls(model, self._on_call, self._on_parent, grad_in=self._grad_in):
+                out, loss = self.runner.forward_loss(model, x, y, loss_fn)
+            self.runner.backward(loss, scale)
             with self.modes.measuring():
                 self._grad_rows(model, scale)
-        self.rerun_needed = self.kernels.rerun_needed(self.runner.torch_device)
         if not self.rerun_needed:  # nothing to hold a rerun against
             return float(loss.detach()), []
         first_run = [t.detach() for t in tensors_of(out)] + [p.grad.detach() for p in model.parameters()
@@ -126,12 +122,9 @@ class TargetPass:
                 self.reused.add(name)
 
     def _on_parent(self, call: ParentCall) -> None:
-        with self.kernels.paused():
-            self._measure_parent(call)
-
-    def _measure_parent(self, call: ParentCall) -> None:
         """A module with children: a row for its own code (``parity.own_code``) when it computes
-        anything of its own, or when NaN/Inf first appear in it (naming the op)."""
+        anything of its own, or when NaN/Inf first appear in it (naming the op). Under the target's
+        modes: the replay of its own code computes as the target does."""
         out, jc = first_tensor(call.output), self.calls.get(call.key)
         if out is None:
             return

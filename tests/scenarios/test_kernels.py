@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import convcheck.parity as parity
-from convcheck.parity.kernels import KernelsSeen
+from convcheck.parity.kernels import rerun_needed
+from convcheck.parity.snapshots import Snapshots
 from convcheck.pipeline import compare
 
 from .models import racy_scatter_net
@@ -28,30 +29,31 @@ class _Twice(nn.Module):
         return _twice(x)
 
 
-def _seen(model: nn.Module, x: torch.Tensor) -> KernelsSeen:
-    with KernelsSeen() as seen:
-        model(x).sum().backward()
-    return seen
+CPU = torch.device("cpu")
+
+
+def _ops(forward) -> set:
+    """The operators a forward runs, as the judge's record sees them."""
+    with Snapshots() as seen:
+        forward()
+    return seen.ops
 
 
 def test_stock_cpu_pass_needs_no_rerun_and_other_devices_do():
-    seen = _seen(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10)),
-                 torch.randn(2, 1, 28, 28))
-    assert not seen.rerun_needed(torch.device("cpu"))
-    assert seen.rerun_needed(torch.device("cuda"))  # atomics, autotuned algorithms: always rerun
-    assert KernelsSeen().rerun_needed(torch.device("cpu"))  # nothing seen is nothing known
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
+    ops = _ops(lambda: net(torch.randn(2, 1, 28, 28)).sum())
+    assert not rerun_needed(ops, CPU)
+    assert rerun_needed(ops, torch.device("cuda"))  # atomics, autotuned algorithms: always rerun
+    assert rerun_needed(set(), CPU)  # nothing seen is nothing known
+    y = torch.tensor([3, -100, 1])
+    assert not rerun_needed(ops | _ops(lambda: y[y != -100]), CPU)  # labels have no gradient: no backward
 
 
 def test_listed_kernel_or_foreign_operator_needs_a_rerun():
-    x = torch.randn(2, 784)
-    assert _seen(racy_scatter_net(), x).rerun_needed(torch.device("cpu"))  # index_put
-    gather = nn.Sequential(nn.Linear(8, 8))
-    seen = KernelsSeen()
-    with seen:
-        h = gather(torch.randn(3, 8))
-        h[:, torch.tensor([0, 0, 1])].sum().backward()  # x[idx]'s backward: index_put with accumulation
-    assert seen.rerun_needed(torch.device("cpu"))
-    assert _seen(_Twice(), torch.randn(3, requires_grad=True)).rerun_needed(torch.device("cpu"))  # not aten
+    assert rerun_needed(_ops(lambda: racy_scatter_net()(torch.randn(2, 784))), CPU)  # index_put
+    h = nn.Linear(8, 8)(torch.randn(3, 8))
+    assert rerun_needed(_ops(lambda: h[:, torch.tensor([0, 0, 1])]), CPU)  # its backward: index_put, accumulating
+    assert rerun_needed(_ops(lambda: _Twice()(torch.randn(3))), CPU)  # not an aten operator
 
 
 def test_lenet_on_the_cpu_is_not_rerun(monkeypatch):
