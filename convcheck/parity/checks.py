@@ -90,11 +90,25 @@ class LocalGrads:
         dtypes = (runner.param_dtype, out_dtype) if op_class(module) != "elementwise" else (runner.param_dtype,)
         self.grad_dtype = max(dtypes, key=dtype_unit_roundoff)
         self.out_dtype = out_dtype
-        self.args = tuple(runner.cast_input(j) if isinstance(j, torch.Tensor) else j for j in jc.inputs)
-        self.g = jc.grad_output.to(device=runner.torch_device, dtype=out_dtype)  # as local_backward feeds it
+        self._args: tuple | None = None
+        self._g: torch.Tensor | None = None
         self._ref: nn.Module | None = None
         self._want: dict | None = None
         self._best: dict | None = None
+
+    @property
+    def args(self) -> tuple:
+        """The judge's inputs cast as ``local_grads`` casts them (made only for a float64 measurement)."""
+        if self._args is None:
+            self._args = tuple(self.runner.cast_input(j) if isinstance(j, torch.Tensor) else j for j in self.jc.inputs)
+        return self._args
+
+    @property
+    def g(self) -> torch.Tensor:
+        """The judge's output gradient as ``local_backward`` feeds it."""
+        if self._g is None:
+            self._g = self.jc.grad_output.to(device=self.runner.torch_device, dtype=self.out_dtype)
+        return self._g
 
     def ref(self) -> nn.Module:
         if self._ref is None:
