@@ -76,6 +76,9 @@ class FloorMeter:
         self.precision, self.judge = precision, judge
         # 16-bit operands are rounded through the dtype itself (float16's range included)
         self.dtype = compute_dtype
+        # (target's layer, op precision, its float64 copy with rounded parameters): a matmul/conv's
+        # parameters do not change within a pass, and its two floors come one after the other
+        self._last_rounded: tuple | None = None
 
     @classmethod
     def of(cls, runner: Runner, judge: Runner) -> "FloorMeter":
@@ -145,7 +148,10 @@ class FloorMeter:
         if not self.rounds(module, args):
             return ref, args
         op = self.precision.for_module(module)
-        return self._rounded_module(ref, op), self._rounded_args(args, op)
+        last = self._last_rounded  # a layer's forward floor and then its gradients' floor: one rounding
+        if last is None or last[0] is not module or last[1] != op:
+            last = self._last_rounded = (module, op, self._rounded_module(ref, op))
+        return last[2], self._rounded_args(args, op)
 
     def _rounded_args(self, args: tuple, op: OpPrecision) -> tuple:
         out = []
