@@ -11,11 +11,15 @@ from convcheck.capture import SharedDropoutMasks, leaf_modules, named_modules
 from convcheck.thresholds import SATURATED_ABS
 from convcheck.train.arms import Arm, perturb_
 from convcheck.train.nonfinite import FirstProducer
+from convcheck.train.stats import Scratch, fraction_abs_above, fraction_le_zero, norm64, seed_generators, zero_count
 
 
 class ArmState:
-    def __init__(self, arm: Arm, build, steps: int, recipe, masks=None):
+    def __init__(self, arm: Arm, build, steps: int, recipe, masks=None, scratch: Scratch | None = None):
         self.arm = arm
+        self.scratch = scratch if scratch is not None else Scratch()  # run_training shares one between arms
+        # (parameter versions, ||theta||^2): the weight norm ``run_training`` measured after the last step
+        self._weight_sq: tuple[tuple[int, ...], float] | None = None
         self.runner = arm.target.runner
         self.model = build(arm.target)
         if arm.perturb_seed is not None:
@@ -62,10 +66,10 @@ class ArmState:
                 return
             with torch.no_grad():
                 if isinstance(module, nn.ReLU):
-                    dead = float((output <= 0).float().mean())
+                    dead = fraction_le_zero(output, self.scratch)
                     self.acts.append((name, "relu", dead, math.nan))
                 else:  # saturated sigmoid/tanh: pre-activations outside +-SATURATED_ABS (DeepDiagnosis)
-                    sat = float((inputs[0].abs() > SATURATED_ABS).float().mean())
+                    sat = fraction_abs_above(inputs[0], SATURATED_ABS, self.scratch)
                     self.acts.append((name, type(module).__name__.lower(), math.nan, sat))
         return hook
 
@@ -83,7 +87,7 @@ class ArmState:
         with runner.applied():
             # Any other random draw differs per arm, as it would on another device;
             # parity's probe names the layers that make such draws.
-            torch.manual_seed(rng_seed)
+            seed_generators(rng_seed)
             self.opt.zero_grad(set_to_none=True)
             _, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
             loss_value = float(loss.detach())
@@ -107,22 +111,34 @@ class ArmState:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         return math.isfinite(grad_norm) and grad_norm > self.clip
 
+    def remember_weight_sq(self, weight_sq: float) -> None:
+        """``run_training`` measured ||theta||^2 (as ``_grad_stats`` does) after this step: the next
+        step's update ratio reads it while no parameter has changed since (their versions say)."""
+        self._weight_sq = (self._param_versions(), weight_sq)
+
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.model.parameters())
+
     def _grad_stats(self) -> dict:
         """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|."""
         layer_norms, zero_fracs = [], []
         total_sq = 0.0
+        scratch = self.scratch
         for name, m in self.layers:
             grads = [p.grad.detach() for p in m.parameters(recurse=False) if p.grad is not None]
             if not grads:
                 continue
-            sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+            sq = sum(float(norm64(g, scratch)) ** 2 for g in grads)
             total_sq += sq
-            zeros = sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)  # one pass, no mask
+            zeros = sum(zero_count(g, scratch) for g in grads)
             layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
             zero_fracs.append(zeros / max(1, sum(g.numel() for g in grads)))
         grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf
-        weight_sq = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
-                        for p in self.model.parameters())
+        known = self._weight_sq
+        if known is not None and known[0] == self._param_versions():
+            weight_sq = known[1]
+        else:
+            weight_sq = sum(float(norm64(p.detach(), scratch)) ** 2 for p in self.model.parameters())
         lr = self.opt.param_groups[0]["lr"]
         update_ratio = lr * grad_norm / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
         return dict(grad_norm=grad_norm, update_ratio=update_ratio, layer_norms=layer_norms, zero_fracs=zero_fracs)
