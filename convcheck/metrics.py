@@ -140,10 +140,14 @@ def param_distance(a: nn.Module, b: nn.Module, b_norm_sq: float | None = None) -
         vb = _as_float64(pb)
         # the difference promotes ``pa`` to float64 inside the kernel: no float64 copy of it is made
         num += float(torch.linalg.vector_norm(torch.sub(pa.detach().to(vb.device), vb))) ** 2
-    den = param_norm_sq(b) if b_norm_sq is None else b_norm_sq
-    if not math.isfinite(num):
+    return relative_distance(num, param_norm_sq(b) if b_norm_sq is None else b_norm_sq)
+
+
+def relative_distance(num_sq: float, den_sq: float) -> float:
+    """sqrt(num_sq / den_sq): inf for a non-finite numerator, NaN for a zero denominator."""
+    if not math.isfinite(num_sq):
         return math.inf
-    return math.sqrt(num / den) if den > 0 else math.nan
+    return math.sqrt(num_sq / den_sq) if den_sq > 0 else math.nan
 
 
 def param_norm_sq(m: nn.Module) -> float:

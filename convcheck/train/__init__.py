@@ -18,10 +18,11 @@ from typing import Callable
 import pandas as pd
 
 from convcheck.errors import UsageError
-from convcheck.metrics import param_distance, param_norm_sq
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
 from convcheck.train.arms import Arm, lower_precision, make_arms, perturb_
+from convcheck.train.distances import Distances
+from convcheck.train.stats import Scratch
 from convcheck.train.result import (
     CONVERGED_RULE, ArmOutcome, EnvelopeSummary, TrainConfig, TrainResult, arm_outcome, converged, envelope_summary,
 )
@@ -53,9 +54,11 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     if keep is not None:
         keep(curves=rows)
     stream = iter(batches)
+    scratch = Scratch()  # buffers the arms' statistics reuse (one set: arms step one at a time)
+    distances = Distances(scratch)
     try:
         for arm in arms:  # inside the try: a data-parallel arm's processes are stopped on any failure
-            states.append(_arm_state(arm, build, cfg, recipe))
+            states.append(_arm_state(arm, build, cfg, recipe, scratch))
         for step in range(cfg.steps):
             try:
                 x, y = next(stream)
@@ -68,7 +71,8 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
                 results[s.arm.name] = s.step(x, y, step_seed, (step_seed * 16 + i) % _SEED_MOD)
                 if progress:
                     progress(step * len(states) + i + 1, cfg.steps * len(states))
-            _record(states, step, results, rows, grad_rows, act_rows)
+            dist = distances.measure(states, _partners(states), weights=step + 1 < cfg.steps)
+            _record(states, step, results, dist, rows, grad_rows, act_rows)
     finally:
         for s in states:
             s.close()
@@ -92,12 +96,12 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     return result
 
 
-def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe):
+def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe, scratch: Scratch):
     if arm.target.world is not None:  # data-parallel: N rank processes behind a proxy
         from convcheck.ddp.arm import DDPArmState
 
         return DDPArmState(arm, build, cfg.steps, recipe)
-    return ArmState(arm, build, cfg.steps, recipe)
+    return ArmState(arm, build, cfg.steps, recipe, scratch=scratch)
 
 
 def _default_recipe():
@@ -119,25 +123,18 @@ def _partners(states: list[ArmState]) -> dict[str, tuple]:
                          other.get(s.arm.name)) for s in states}
 
 
-def _record(states, step, results, rows, grad_rows, act_rows) -> None:
+def _record(states, step, results, dist, rows, grad_rows, act_rows) -> None:
+    """One step's rows; ``dist`` holds each arm's distance to each of its partners (``Distances``)."""
     partners = _partners(states)
-    norms: dict[int, float] = {}  # ||theta||^2 of each arm measured against, once per step
-
-    def dist(s, partner) -> float:
-        key = id(partner)
-        if key not in norms:
-            norms[key] = param_norm_sq(partner.model)
-        return param_distance(s.model, partner.model, norms[key])
-
     for s in states:
         r = results[s.arm.name]
         judge, ref, other = partners[s.arm.name]
         rows.append(dict(
             arm=s.arm.name, role=s.arm.role, target=str(s.arm.target), step=step,
             loss=r["loss"], grad_norm=r["grad_norm"],
-            dist_judge=dist(s, judge) if judge else 0.0,
-            dist_ref=dist(s, ref) if ref else math.nan,
-            dist_other=dist(s, other) if other else math.nan,
+            dist_judge=dist[(id(s), id(judge))] if judge else 0.0,
+            dist_ref=dist[(id(s), id(ref))] if ref else math.nan,
+            dist_other=dist[(id(s), id(other))] if other else math.nan,
             nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],
             loss_scale=r["loss_scale"], skipped=r["skipped"], update_ratio=r["update_ratio"],
             lr=r["lr"], clipped=r["clipped"],
