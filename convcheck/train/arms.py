@@ -44,14 +44,29 @@ def make_arms(targets: list[Target], envelope: int, seed: int, judge: Target) ->
 
 
 def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
-    """Move every floating parameter by one ulp (relative) in a random direction, in place."""
+    """Move every floating parameter by one ulp (relative) in a random direction, in place.
+
+    Each element is multiplied by one of the two factors 1 - ulp, 1 + ulp (computed in the
+    parameter's dtype), chosen by one 32-bit draw per element, ``torch.randint(0, 2)`` (the same
+    draws whatever dtype randint writes). The factor is ``down + draw * (up - down)`` written by
+    randint into the parameter's dtype: exactly the ``torch.where(draw, up, down)`` it replaces
+    wherever that arithmetic is exact in the dtype (``_factor_exact``, checked), a third of the time."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if not p.is_floating_point():
                 continue
-            # the same draws as int64 (one 32-bit draw per element whatever the dtype), kept as bytes;
-            # each element is multiplied by one of the two factors 1 + sign * ulp, computed in p's dtype
-            up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.uint8).bool().to(p.device)
-            down_f, up_f = 1 + torch.tensor([-1, 1], dtype=p.dtype, device=p.device) * ulp
-            p.mul_(torch.where(up, up_f, down_f))
+            down_f, up_f = 1 + torch.tensor([-1, 1], dtype=p.dtype) * ulp
+            if _factor_exact(down_f, up_f):
+                draws = torch.randint(0, 2, p.shape, generator=gen, dtype=p.dtype)
+                factor = draws.mul_(up_f - down_f).add_(down_f)
+            else:
+                up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.uint8).bool()
+                factor = torch.where(up, up_f, down_f)
+            p.mul_(factor.to(p.device))
+
+
+def _factor_exact(down_f: torch.Tensor, up_f: torch.Tensor) -> bool:
+    """Whether ``draw * (up - down) + down`` gives ``down`` and ``up`` exactly for draws 0 and 1."""
+    draws = torch.tensor([0, 1], dtype=down_f.dtype)
+    return torch.equal(draws.mul_(up_f - down_f).add_(down_f), torch.stack([down_f, up_f]))
