@@ -11,7 +11,7 @@ from convcheck.capture import SharedDropoutMasks, leaf_modules, named_modules
 from convcheck.thresholds import SATURATED_ABS
 from convcheck.train.arms import Arm, perturb_
 from convcheck.train.nonfinite import FirstProducer
-from convcheck.train.stats import Scratch, fraction_abs_above, fraction_le_zero, norm64, seed_generators, zero_count
+from convcheck.train.stats import Scratch, fraction_abs_above, fraction_le_zero, norms_and_zeros, seed_generators
 
 
 class ArmState:
@@ -33,6 +33,9 @@ class ArmState:
         # code uses parameters (a layer-scale gamma, a temperature)
         self.layers = [(n, m) for n, m in named_modules(self.model)
                        if any(True for _ in m.parameters(recurse=False))]
+        # their parameter objects, and the model's, listed once (the optimizer holds the same ones)
+        self._layer_params = [(n, list(m.parameters(recurse=False))) for n, m in self.layers]
+        self._params = list(self.model.parameters())
         self.acts: list[tuple[str, str, float, float]] = []
         # ``masks(model)``: a data-parallel rank takes its slice of the global batch's masks
         self.masks = masks(self.model) if masks is not None else SharedDropoutMasks(self.model, 0)
@@ -117,28 +120,36 @@ class ArmState:
         self._weight_sq = (self._param_versions(), weight_sq)
 
     def _param_versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.model.parameters())
+        return tuple(p._version for p in self._params)
 
     def _grad_stats(self) -> dict:
-        """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|."""
+        """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|.
+
+        The values of ``vector_norm(g, dtype=float64)`` and ``count_nonzero`` per tensor, summed per
+        layer in the same order, all tensors at once (``stats.norms_and_zeros``)."""
+        layers = []
+        for name, params in self._layer_params:
+            grads = [p.grad.detach() for p in params if p.grad is not None]
+            if grads:
+                layers.append((name, grads))
+        norms, zero_counts = norms_and_zeros([g for _, grads in layers for g in grads], self.scratch)
         layer_norms, zero_fracs = [], []
         total_sq = 0.0
-        scratch = self.scratch
-        for name, m in self.layers:
-            grads = [p.grad.detach() for p in m.parameters(recurse=False) if p.grad is not None]
-            if not grads:
-                continue
-            sq = sum(float(norm64(g, scratch)) ** 2 for g in grads)
+        i = 0
+        for name, grads in layers:
+            k = len(grads)
+            sq = sum(x ** 2 for x in norms[i:i + k])
             total_sq += sq
-            zeros = sum(zero_count(g, scratch) for g in grads)
             layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
-            zero_fracs.append(zeros / max(1, sum(g.numel() for g in grads)))
+            zero_fracs.append(sum(zero_counts[i:i + k]) / max(1, sum(g.numel() for g in grads)))
+            i += k
         grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf
         known = self._weight_sq
         if known is not None and known[0] == self._param_versions():
             weight_sq = known[1]
         else:
-            weight_sq = sum(float(norm64(p.detach(), scratch)) ** 2 for p in self.model.parameters())
+            params = [p.detach() for p in self._params]
+            weight_sq = sum(x ** 2 for x in norms_and_zeros(params, self.scratch, zeros=False)[0])
         lr = self.opt.param_groups[0]["lr"]
         update_ratio = lr * grad_norm / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
         return dict(grad_norm=grad_norm, update_ratio=update_ratio, layer_norms=layer_norms, zero_fracs=zero_fracs)

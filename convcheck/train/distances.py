@@ -8,10 +8,12 @@ a float32 partner once per pair and once more for its norm, each into a fresh te
 
 * each partner's parameters in float64 once (its own if float64, else a copy into a buffer kept
   for the run), and its ||theta||^2 from them;
-* each arm's parameters cast once per parameter into a reused buffer, subtracted from each
-  partner's into a second one (``copy_`` then ``sub`` equals ``torch.sub(a, b)`` promoting ``a``
-  inside the kernel: the same IEEE float64 subtraction of the same values, vectorised), one norm
-  each; the same pair asked twice (a target whose other target is the judge) is measured once;
+* each arm's parameters cast once into a reused buffer, subtracted from each partner's into a
+  second one (``copy_`` then ``sub`` equals ``torch.sub(a, b)`` promoting ``a`` inside the kernel:
+  the same IEEE float64 subtraction of the same values, vectorised), one norm per parameter; the
+  same pair asked twice (a target whose other target is the judge) is measured once;
+* small parameters go together (``stats.groups``): one copy, one subtraction and one norm call for
+  a run of them laid end to end, so a LeNet step costs a dozen calls, not a few hundred;
 * each arm's ||theta||^2 (the next step's update ratio) from the cast it already has.
 
 The per-parameter norms are summed in parameter order as ``param_distance`` sums them, so every
@@ -21,24 +23,30 @@ one device goes the long way (``param_distance``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from convcheck.metrics import param_distance, param_norm_sq, relative_distance
-from convcheck.train.stats import Scratch, as64
+from convcheck.train.stats import Scratch, flat64, groups, view_norms
 
 _F64 = torch.float64
 
 
-def _params(m: nn.Module) -> list[torch.Tensor]:
-    return [p.detach() for p in m.parameters()]
+class _Layout:
+    """One model's parameters (detached), its groups and their sizes; ``ok``: all contiguous floating
+    tensors on one device (the shortcut's condition)."""
 
+    def __init__(self, model: nn.Module):
+        self.params = [p.detach() for p in model.parameters()]
+        self.device = self.params[0].device if self.params else None
+        self.ok = bool(self.params) and all(
+            p.is_contiguous() and p.is_floating_point() and not p.is_complex() and p.device == self.device
+            for p in self.params)
+        self.shapes = [p.shape for p in self.params]
+        self.groups = groups(self.params) if self.ok else []
 
-def _fast(params: list[torch.Tensor], device) -> bool:
-    return all(p.is_contiguous() and p.is_floating_point() and not p.is_complex() and p.device == device
-               for p in params)
+    def matches(self, other: "_Layout") -> bool:
+        return self.ok and other.ok and self.shapes == other.shapes and self.device == other.device
 
 
 class Distances:
@@ -46,75 +54,80 @@ class Distances:
 
     def __init__(self, scratch: Scratch):
         self.scratch = scratch
-        self._kept: dict[int, list[torch.Tensor]] = {}  # id(partner state) -> its float64 buffers
+        self._kept: dict[int, torch.Tensor] = {}  # id(partner state) -> a flat float64 buffer for the run
 
     def measure(self, states, partners: dict[str, tuple], weights: bool) -> dict[tuple[int, int], float]:
         """{(id(arm), id(partner)): distance}; with ``weights``, each arm that can keep it is told its
         ||theta||^2 (``remember_weight_sq``) for the next step."""
         wanted = {id(p): p for trio in partners.values() for p in trio if p is not None}
-        theta64, norm_sq = {}, {}
+        layout = {id(s): _Layout(s.model) for s in states}
         for key, b in wanted.items():
-            params = _params(b.model)
-            device = params[0].device if params else None
-            if params and _fast(params, device):
-                theta64[key] = self._keep(key, params)
-                norm_sq[key] = sum((float(torch.linalg.vector_norm(v)) ** 2 for v in theta64[key]), 0.0)
+            layout.setdefault(key, _Layout(b.model))
+        theta64, norm_sq = {}, {}  # per partner: its groups in float64; its ||theta||^2
+        for key, b in wanted.items():
+            if layout[key].ok:
+                theta64[key], norms = self._partner(key, layout[key])
+                norm_sq[key] = sum((x ** 2 for x in norms), 0.0)
             else:
                 norm_sq[key] = param_norm_sq(b.model)
         out: dict[tuple[int, int], float] = {}
         for s in states:
             mine = [p for p in dict.fromkeys(partners[s.arm.name]) if p is not None and p is not s]
-            own = self._arm(s, mine, theta64, norm_sq, out)
-            if weights and hasattr(s, "remember_weight_sq"):
-                own = norm_sq.get(id(s)) if own is None else own
-                if own is not None:
-                    s.remember_weight_sq(own)
+            fast = [b for b in mine if id(b) in theta64 and layout[id(s)].matches(layout[id(b)])]
+            for b in mine:
+                if b not in fast:
+                    out[(id(s), id(b))] = param_distance(s.model, b.model, norm_sq[id(b)])
+            own = norm_sq.get(id(s))
+            if fast:
+                measured = self._arm(layout[id(s)], theta64.get(id(s)), [theta64[id(b)] for b in fast])
+                own = measured[0] if own is None else own
+                for b, num in zip(fast, measured[1:]):
+                    out[(id(s), id(b))] = relative_distance(num, norm_sq[id(b)])
+            if weights and own is not None and hasattr(s, "remember_weight_sq"):
+                s.remember_weight_sq(own)
         return out
 
-    def _keep(self, key: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The partner's parameters in float64: its own, or a copy into buffers kept for the run."""
-        if all(p.dtype == _F64 for p in params):
-            return params
-        kept = self._kept.get(key)
-        if kept is None or [k.shape for k in kept] != [p.shape for p in params] or kept[0].device != params[0].device:
-            kept = self._kept[key] = [torch.empty(p.shape, dtype=_F64, device=p.device) for p in params]
-        for k, p in zip(kept, params):
-            k.copy_(p)
-        return kept
+    def _partner(self, key: int, lay: _Layout) -> tuple[list[torch.Tensor], list[float]]:
+        """The partner's groups in float64 (copies into a buffer kept for the run, or its own float64
+        tensors) and the norm of each parameter."""
+        total = sum(p.numel() for p in lay.params)
+        buf = self._kept.get(key)
+        if buf is None or buf.numel() != total or buf.device != lay.device:
+            buf = self._kept[key] = torch.empty(total, dtype=_F64, device=lay.device)
+        flats, norms, start = [], [], 0
+        for g in lay.groups:
+            ts = [lay.params[i] for i in g]
+            n = sum(t.numel() for t in ts)
+            flats.append(flat64(ts, buf[start:start + n]))
+            norms += view_norms(flats[-1], [t.numel() for t in ts])
+            start += n
+        return flats, torch.stack(norms).tolist() if norms else []
 
-    def _arm(self, s, mine: list, theta64: dict, norm_sq: dict, out: dict) -> float | None:
-        """Distances of ``s`` to each partner in ``mine``; its own ||theta||^2 where it measured it."""
-        params = _params(s.model)
-        device = params[0].device if params else None
-        fast = [b for b in mine if id(b) in theta64 and params and _fast(params, device)
-                and [v.shape for v in theta64[id(b)]] == [p.shape for p in params]
-                and theta64[id(b)][0].device == device]
-        for b in mine:
-            if b not in fast:
-                out[(id(s), id(b))] = param_distance(s.model, b.model, norm_sq[id(b)])
-        if not fast:
-            return None
-        if id(s) in theta64:  # a partner too: float64 already, and its own norm is known
-            own_norms, pair_norms = self._nums(theta64[id(s)], fast, theta64, own=False)
-        else:
-            own_norms, pair_norms = self._nums(params, fast, theta64, own=True)
-        for b, norms in zip(fast, pair_norms):
-            num = 0.0
-            for x in norms:
-                num += x ** 2
-            out[(id(s), id(b))] = relative_distance(num, norm_sq[id(b)])
-        return sum((x ** 2 for x in own_norms), 0.0) if own_norms is not None else None
-
-    def _nums(self, params, fast: list, theta64: dict, own: bool):
-        """Per parameter: ||theta_s|| (when ``own``) and ||theta_s - theta_b|| for each partner b."""
+    def _arm(self, lay: _Layout, own64: list[torch.Tensor] | None, partners: list[list[torch.Tensor]]):
+        """[||theta_s||^2 or None, then num^2 = sum of ||theta_s - theta_b||^2 per partner b]; per
+        parameter in parameter order, summed as ``param_distance`` sums them. ``own64``: the arm's
+        groups in float64 already (it is a partner too, its norm known)."""
         scratch = self.scratch
-        own_norms: list[float] | None = [] if own else None
-        pair_norms: list[list[float]] = [[] for _ in fast]
-        for i, p in enumerate(params):
-            a = as64(p, scratch) if own else p  # a partner's ``params`` are float64 already
-            if own_norms is not None:
-                own_norms.append(float(torch.linalg.vector_norm(a)))
-            for b, norms in zip(fast, pair_norms):
-                diff = torch.sub(a, theta64[id(b)][i], out=scratch.like(a, _F64, slot=1))
-                norms.append(float(torch.linalg.vector_norm(diff)))
-        return own_norms, pair_norms
+        norms: list[torch.Tensor] = []
+        for k, g in enumerate(lay.groups):
+            ts = [lay.params[i] for i in g]
+            sizes = [t.numel() for t in ts]
+            n = sum(sizes)
+            if own64 is not None:
+                a = own64[k]
+            else:
+                a = flat64(ts, scratch.flat(n, _F64, lay.device, slot=0))
+                norms += view_norms(a, sizes)
+            for theta in partners:
+                diff = torch.sub(a, theta[k], out=scratch.flat(n, _F64, lay.device, slot=1))
+                norms += view_norms(diff, sizes)
+        values = torch.stack(norms).tolist()
+        per_group = (0 if own64 is not None else 1) + len(partners)
+        sums: list[float] = [0.0] * per_group  # num += x**2 in parameter order, as param_distance adds
+        pos = 0
+        for g in lay.groups:
+            for j in range(per_group):
+                for x in values[pos:pos + len(g)]:
+                    sums[j] += x ** 2
+                pos += len(g)
+        return ([None] if own64 is not None else []) + sums

@@ -30,11 +30,15 @@ class Scratch:
 
     def like(self, t: torch.Tensor, dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
         """A contiguous buffer shaped like ``t`` (its values are whatever was there)."""
-        key, n = (t.device, dtype, slot), t.numel()
+        return self.flat(t.numel(), dtype, t.device, slot).view(t.shape)
+
+    def flat(self, n: int, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
+        """A 1-D buffer of ``n`` elements."""
+        key = (torch.device(device), dtype, slot)
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n:
-            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=t.device)
-        return buf[:n].view(t.shape)
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
 
 def norm64(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
@@ -43,11 +47,6 @@ def norm64(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     if t.dtype == _F64 or not t.is_floating_point() or t.is_complex() or not t.is_contiguous():
         return torch.linalg.vector_norm(t, dtype=_F64)
     return torch.linalg.vector_norm(scratch.like(t, _F64).copy_(t))
-
-
-def as64(t: torch.Tensor, scratch: Scratch, slot: int = 0) -> torch.Tensor:
-    """``t.to(torch.float64)`` for a contiguous floating ``t`` (itself if float64), in ``scratch``."""
-    return t if t.dtype == _F64 else scratch.like(t, _F64, slot).copy_(t)
 
 
 def zero_count(t: torch.Tensor, scratch: Scratch) -> int:
@@ -83,3 +82,72 @@ def seed_generators(seed: int) -> None:
         torch.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(int(seed))
+
+
+# --- float64 copies of many tensors, group by group ------------------------------------
+
+ALONE = 1 << 16  # a tensor this large is a group of its own (its copy in a reused buffer, its own call)
+GROUP = 1 << 18  # most elements a group of smaller tensors holds (one copy, one subtraction, one norm call)
+
+
+def groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Consecutive indices of ``tensors``: each large one alone, the small ones together up to ``GROUP``
+    elements. A LeNet's ten parameters make one group; a ResNet's large convolutions one each."""
+    out: list[list[int]] = []
+    total = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if n >= ALONE or not out or total + n > GROUP or out[-1] and tensors[out[-1][-1]].numel() >= ALONE:
+            out.append([i])
+            total = n
+        else:
+            out[-1].append(i)
+            total += n
+    return out
+
+
+def flat64(tensors: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+    """The contiguous ``tensors`` cast to float64, one after the other in ``buf`` (1-D, their total size);
+    a single float64 tensor is its own flat view."""
+    if len(tensors) == 1 and tensors[0].dtype == _F64:
+        return tensors[0].reshape(-1)
+    torch._foreach_copy_(list(buf.split([t.numel() for t in tensors])), [t.reshape(-1) for t in tensors])
+    return buf
+
+
+def view_norms(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """``torch.linalg.vector_norm`` of each consecutive piece of ``flat``: a contiguous piece reduces as the
+    tensor it was copied from does (the same values in the same order). One call for all of them on the
+    CPU, where ``_foreach_norm`` runs ``vector_norm`` on each (elsewhere it fuses them: one call each)."""
+    pieces = flat.split(sizes)
+    if flat.device.type == "cpu":
+        return list(torch._foreach_norm(pieces, 2))
+    return [torch.linalg.vector_norm(v) for v in pieces]
+
+
+def norms_and_zeros(tensors: list[torch.Tensor], scratch: Scratch, zeros: bool = True):
+    """``([float(vector_norm(t, dtype=float64)) ...], [t.numel() - count_nonzero(t) ...])`` (``None``
+    without ``zeros``): each group cast once into a reused buffer, one norm call and one equality per
+    group; counted in float32 pieces below 2**24 elements (float64 above), where every partial sum is
+    an exact integer. Tensors that are not contiguous, floating and on one device: one at a time."""
+    device = tensors[0].device if tensors else None
+    if not all(t.is_contiguous() and t.is_floating_point() and not t.is_complex() and t.device == device
+               for t in tensors):
+        return ([float(norm64(t, scratch)) for t in tensors],
+                [zero_count(t, scratch) for t in tensors] if zeros else None)
+    norms: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    for g in groups(tensors):
+        ts = [tensors[i] for i in g]
+        sizes = [t.numel() for t in ts]
+        flat = flat64(ts, scratch.flat(sum(sizes), _F64, device, slot=0))
+        norms += view_norms(flat, sizes)
+        if zeros:
+            dtype = torch.float32 if max(sizes) <= 2 ** 24 else _F64
+            hits = torch.eq(flat, 0, out=scratch.flat(flat.numel(), dtype, device, slot=2))
+            counts += (torch._foreach_norm(hits.split(sizes), 1) if device.type == "cpu"
+                       else [h.sum() for h in hits.split(sizes)])
+    values = torch.stack(norms).tolist() if norms else []
+    if not zeros:
+        return values, None
+    return values, [int(c) for c in torch.stack(counts).tolist()] if counts else []
