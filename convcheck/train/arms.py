@@ -47,23 +47,38 @@ def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
     """Move every floating parameter by one ulp (relative) in a random direction, in place.
 
     Each element is multiplied by one of the two factors 1 - ulp, 1 + ulp (computed in the
-    parameter's dtype), chosen by one 32-bit draw per element, ``torch.randint(0, 2)`` (the same
-    draws whatever dtype randint writes). The factor is ``down + draw * (up - down)`` written by
-    randint into the parameter's dtype: exactly the ``torch.where(draw, up, down)`` it replaces
-    wherever that arithmetic is exact in the dtype (``_factor_exact``, checked), a third of the time."""
+    parameter's dtype), chosen by one 32-bit draw per element, ``torch.randint(0, 2)``, parameter
+    after parameter. Two shortcuts, each the same values (tests/test_cheap_paths.py): randint writes
+    the draws in the parameter's dtype (the same draws whatever dtype it writes), for a run of
+    parameters of one dtype at once (the generator draws element after element, so one call of
+    their total size draws what one call each does); and the factor is ``down + draw * (up - down)``
+    where that arithmetic is exact in the dtype (``_factor_exact``, checked), instead of a bool
+    tensor and ``torch.where``: a third of the time."""
     gen = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.is_floating_point()]
     with torch.no_grad():
-        for p in model.parameters():
-            if not p.is_floating_point():
-                continue
-            down_f, up_f = 1 + torch.tensor([-1, 1], dtype=p.dtype) * ulp
-            if _factor_exact(down_f, up_f):
-                draws = torch.randint(0, 2, p.shape, generator=gen, dtype=p.dtype)
-                factor = draws.mul_(up_f - down_f).add_(down_f)
-            else:
-                up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.uint8).bool()
-                factor = torch.where(up, up_f, down_f)
-            p.mul_(factor.to(p.device))
+        i = 0
+        while i < len(params):
+            dtype = params[i].dtype
+            j = i
+            while j < len(params) and params[j].dtype == dtype:
+                j += 1
+            _perturb_run(params[i:j], ulp, gen)
+            i = j
+
+
+def _perturb_run(params: list, ulp: float, gen: torch.Generator) -> None:
+    """``perturb_`` for consecutive parameters of one dtype, drawing from ``gen`` in their order."""
+    dtype = params[0].dtype
+    down_f, up_f = 1 + torch.tensor([-1, 1], dtype=dtype) * ulp
+    sizes = [p.numel() for p in params]
+    if _factor_exact(down_f, up_f):
+        factors = torch.randint(0, 2, (sum(sizes),), generator=gen, dtype=dtype).mul_(up_f - down_f).add_(down_f)
+    else:
+        up = torch.randint(0, 2, (sum(sizes),), generator=gen, dtype=torch.uint8).bool()
+        factors = torch.where(up, up_f, down_f)
+    for p, f in zip(params, factors.split(sizes)):
+        p.mul_(f.view(p.shape).to(p.device))
 
 
 def _factor_exact(down_f: torch.Tensor, up_f: torch.Tensor) -> bool:

@@ -101,15 +101,18 @@ def envelope_summary(result: TrainResult, tol: Tolerances) -> EnvelopeSummary | 
     runs = [a for a in result.arms if a.role == "envelope"]
     if not runs:
         return None
+    by_arm: dict[str, list[float]] = {}  # every arm's losses in step order, read once (not a filter per arm)
+    for name, loss in zip(result.curves["arm"].tolist(), result.curves["loss"].tolist()):
+        by_arm.setdefault(name, []).append(float(loss))
     ok = failed = 0
     for a in runs:
-        losses = [float(v) for v in result.arm_curve(a.name)["loss"]]
+        losses = by_arm.get(a.name, [])
         if converged(losses, tol):
             ok += 1
             continue
         mine = losses[-1] if losses else math.nan
-        ref_curve = result.arm_curve(a.reference)["loss"]
-        ref = float(ref_curve.iloc[-1]) if len(ref_curve) else math.nan
+        ref_losses = by_arm.get(a.reference, [])
+        ref = ref_losses[-1] if ref_losses else math.nan
         if not math.isfinite(mine) or not math.isfinite(ref) or mine > ref * (1 + FRAGILE_MARGIN):
             failed += 1
     return EnvelopeSummary(reference=runs[0].reference, runs=len(runs), converged=ok, failed=failed)

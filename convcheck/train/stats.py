@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 _F64 = torch.float64
+ALONE = 1 << 16  # a tensor this large has its float64 copy made in a reused buffer (and is a group of its own)
+GROUP = 1 << 18  # most elements a group of smaller tensors holds (one copy, one subtraction, one norm call)
 
 
 class Scratch:
@@ -43,19 +45,21 @@ class Scratch:
 
 def norm64(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """``torch.linalg.vector_norm(t, dtype=torch.float64)`` (which casts ``t`` to a new float64
-    tensor first), the float64 copy made into ``scratch``."""
-    if t.dtype == _F64 or not t.is_floating_point() or t.is_complex() or not t.is_contiguous():
+    tensor first); for a large float32/16 tensor the float64 copy is made into ``scratch``."""
+    if t.dtype == _F64 or t.numel() < ALONE or not t.is_floating_point() or t.is_complex() or not t.is_contiguous():
         return torch.linalg.vector_norm(t, dtype=_F64)
     return torch.linalg.vector_norm(scratch.like(t, _F64).copy_(t))
 
 
 def zero_count(t: torch.Tensor, scratch: Scratch) -> int:
-    """``t.numel() - int(torch.count_nonzero(t))``: ``count_nonzero`` branches per element (10x
-    slower on a tensor that is half zeros); an equality written into a float buffer and summed counts
-    the same - every partial sum is an integer, exact in float32 below 2**24 elements (float64 above)."""
-    if not t.is_floating_point() or t.is_complex() or t.numel() >= 2 ** 53:
-        return t.numel() - int(torch.count_nonzero(t))
-    small = t.numel() <= 2 ** 24
+    """``t.numel() - int(torch.count_nonzero(t))``. For a large tensor: ``count_nonzero`` branches per
+    element (10x slower on a tensor that is half zeros); an equality written into a float buffer and
+    summed counts the same - every partial sum is an integer, exact in float32 up to 2**24 elements
+    (float64 above)."""
+    n = t.numel()
+    if n < ALONE or not t.is_floating_point() or t.is_complex() or n >= 2 ** 53:
+        return n - int(torch.count_nonzero(t))
+    small = n <= 2 ** 24
     buf = scratch.like(t, torch.float32 if small else _F64, slot=2 if small else 1)
     return int(torch.eq(t, 0, out=buf).sum())
 
@@ -86,8 +90,6 @@ def seed_generators(seed: int) -> None:
 
 # --- float64 copies of many tensors, group by group ------------------------------------
 
-ALONE = 1 << 16  # a tensor this large is a group of its own (its copy in a reused buffer, its own call)
-GROUP = 1 << 18  # most elements a group of smaller tensors holds (one copy, one subtraction, one norm call)
 
 
 def groups(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -127,27 +129,7 @@ def view_norms(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 def norms_and_zeros(tensors: list[torch.Tensor], scratch: Scratch, zeros: bool = True):
     """``([float(vector_norm(t, dtype=float64)) ...], [t.numel() - count_nonzero(t) ...])`` (``None``
-    without ``zeros``): each group cast once into a reused buffer, one norm call and one equality per
-    group; counted in float32 pieces below 2**24 elements (float64 above), where every partial sum is
-    an exact integer. Tensors that are not contiguous, floating and on one device: one at a time."""
-    device = tensors[0].device if tensors else None
-    if not all(t.is_contiguous() and t.is_floating_point() and not t.is_complex() and t.device == device
-               for t in tensors):
-        return ([float(norm64(t, scratch)) for t in tensors],
-                [zero_count(t, scratch) for t in tensors] if zeros else None)
-    norms: list[torch.Tensor] = []
-    counts: list[torch.Tensor] = []
-    for g in groups(tensors):
-        ts = [tensors[i] for i in g]
-        sizes = [t.numel() for t in ts]
-        flat = flat64(ts, scratch.flat(sum(sizes), _F64, device, slot=0))
-        norms += view_norms(flat, sizes)
-        if zeros:
-            dtype = torch.float32 if max(sizes) <= 2 ** 24 else _F64
-            hits = torch.eq(flat, 0, out=scratch.flat(flat.numel(), dtype, device, slot=2))
-            counts += (torch._foreach_norm(hits.split(sizes), 1) if device.type == "cpu"
-                       else [h.sum() for h in hits.split(sizes)])
-    values = torch.stack(norms).tolist() if norms else []
-    if not zeros:
-        return values, None
-    return values, [int(c) for c in torch.stack(counts).tolist()] if counts else []
+    without ``zeros``), one tensor at a time: for small tensors the plain calls are the cheapest
+    (a fresh small copy is cheap, and a grouped copy, norm and count cost more than they save)."""
+    norms = [float(norm64(t, scratch)) for t in tensors]
+    return norms, [zero_count(t, scratch) for t in tensors] if zeros else None
