@@ -72,10 +72,10 @@ class Distances:
                 norm_sq[key] = param_norm_sq(b.model)
         out: dict[tuple[int, int], float] = {}
         for s in states:
-            mine = [p for p in dict.fromkeys(partners[s.arm.name]) if p is not None and p is not s]
+            mine = list({id(p): p for p in partners[s.arm.name] if p is not None and p is not s}.values())
             fast = [b for b in mine if id(b) in theta64 and layout[id(s)].matches(layout[id(b)])]
             for b in mine:
-                if b not in fast:
+                if all(b is not f for f in fast):
                     out[(id(s), id(b))] = param_distance(s.model, b.model, norm_sq[id(b)])
             own = norm_sq.get(id(s))
             if fast:

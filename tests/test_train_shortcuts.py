@@ -1,0 +1,170 @@
+"""Training's cheap statistics give what the long way gives, bit for bit (issue 14, item 2).
+
+Each shortcut in ``convcheck.train.stats``, ``train.distances`` and ``train.arms.perturb_`` is held
+against the plain expression it replaces. No timing here.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from convcheck.metrics import param_distance, param_norm_sq
+from convcheck.train.arms import perturb_
+from convcheck.train.distances import Distances
+from convcheck.train.stats import (
+    ALONE, GROUP, Scratch, fraction_abs_above, fraction_le_zero, groups, norms_and_zeros, seed_generators,
+)
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+
+
+def _tensors(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(ALONE + 17, generator=g).to(dtype)
+    big[::3] = 0
+    small = torch.randn(5, 7, generator=g).to(dtype)
+    small[0] = 0
+    odd = torch.randn(8, 8, generator=g).to(dtype).t()  # not contiguous
+    bad = torch.tensor([1.0, float("nan"), float("inf"), 0.0, -0.0]).to(dtype)
+    return [big, small, odd, bad, torch.zeros(0, dtype=dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_norms_and_zero_counts_are_the_plain_calls(dtype):
+    ts = _tensors(dtype)
+    norms, zeros = norms_and_zeros(ts, Scratch())
+    for t, n, z in zip(ts, norms, zeros):
+        assert _same(n, float(torch.linalg.vector_norm(t, dtype=torch.float64)))
+        assert z == t.numel() - int(torch.count_nonzero(t))
+    assert norms_and_zeros(ts, Scratch(), zeros=False)[1] is None
+
+
+def test_activation_fractions_are_the_plain_means():
+    scratch = Scratch()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, 9, 9, generator=g)
+    x[0, 0, 0, :3] = torch.tensor([float("nan"), -0.0, 0.0])
+    for t in (torch.relu(x), x, x.to(torch.bfloat16), x.to(torch.float64), x.permute(0, 2, 3, 1), x[:, :0]):
+        assert _same(fraction_le_zero(t, scratch), float((t <= 0).float().mean()))
+        assert _same(fraction_abs_above(t * 4, 5.0, scratch), float(((t * 4).abs() > 5.0).float().mean()))
+
+
+def test_seed_generators_seeds_the_cpu_generator_as_manual_seed_does():
+    seed_generators(1234)
+    a = torch.rand(5)
+    torch.manual_seed(1234)
+    assert torch.equal(a, torch.rand(5))
+
+
+def test_groups_keep_order_and_limits():
+    sizes = [3, ALONE, 5, 7, GROUP // 2, GROUP // 2, 1, ALONE * 2, 2]
+    ts = [torch.empty(n) for n in sizes]
+    gs = groups(ts)
+    assert [i for g in gs for i in g] == list(range(len(ts)))
+    for g in gs:
+        assert len(g) == 1 or (sum(sizes[i] for i in g) <= GROUP and all(sizes[i] < ALONE for i in g))
+
+
+def _long_perturb_(model: nn.Module, ulp: float, seed: int) -> None:
+    """perturb_ as it was written before the shortcuts."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_floating_point():
+                continue
+            up = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.uint8).bool().to(p.device)
+            down_f, up_f = 1 + torch.tensor([-1, 1], dtype=p.dtype, device=p.device) * ulp
+            p.mul_(torch.where(up, up_f, down_f))
+
+
+def _mixed_net():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, ALONE // 4 + 3), nn.Linear(3, 2))
+    net[3].to(torch.bfloat16)
+    net[0].weight.data = net[0].weight.data.to(memory_format=torch.channels_last)  # not contiguous
+    return net
+
+
+@pytest.mark.parametrize("ulp", [2.0 ** -23, 2.0 ** -7, 0.3, 3e38])  # 3e38: up - down overflows, not exact
+def test_perturb_is_the_long_way(ulp):
+    a, b = _mixed_net(), _mixed_net()
+    b.load_state_dict(a.state_dict())
+    perturb_(a, ulp, 7)
+    _long_perturb_(b, ulp, 7)
+    for (n, x), y in zip(a.named_parameters(), b.parameters()):
+        assert x.dtype == y.dtype and torch.equal(x, y), n
+
+
+def _state(name, model, role="target"):
+    s = SimpleNamespace(arm=SimpleNamespace(name=name, role=role), model=model, kept=None)
+    s.remember_weight_sq = lambda v, s=s: setattr(s, "kept", v)
+    return s
+
+
+def _nets():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Linear(8, ALONE // 8 + 5), nn.Linear(5, 3))
+    judge = _copy(base, torch.float64)
+    target = _copy(base, torch.float32)
+    env = _copy(base, torch.float32)
+    perturb_(env, 2.0 ** -23, 3)
+    low = _copy(base, torch.bfloat16)
+    odd = _copy(base, torch.float32)
+    odd[0].weight.data = odd[0].weight.data.to(memory_format=torch.channels_last)
+    return judge, target, env, low, odd
+
+
+def _copy(m, dtype):
+    import copy
+    return copy.deepcopy(m).to(dtype)
+
+
+def test_distances_are_param_distance_and_weight_norms_the_grad_stats_sum():
+    judge, target, env, low, odd = (_state(n, m) for n, m in zip(("judge", "t", "env", "low", "odd"), _nets()))
+    judge.arm.role = "judge"
+    partners = {"judge": (None, None, None), "t": (judge, None, judge), "env": (judge, target, None),
+                "low": (judge, None, target), "odd": (judge, target, odd)}
+    states = [target, env, low, odd, judge]
+    dist = Distances(Scratch())
+    for _ in range(2):  # the kept partner buffers are refilled on the second call
+        got = dist.measure(states, partners, weights=True)
+        for s in states:
+            for b in [p for p in partners[s.arm.name] if p is not None and p is not s]:
+                want = param_distance(s.model, b.model, param_norm_sq(b.model))
+                assert _same(got[(id(s), id(b))], want), (s.arm.name, b.arm.name)
+            long = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
+                       for p in s.model.parameters())
+            assert _same(s.kept, long), s.arm.name
+        with torch.no_grad():
+            for s in states:
+                for p in s.model.parameters():
+                    p.mul_(1.5)
+
+
+def test_an_arm_reuses_its_weight_norm_only_while_the_parameters_are_unchanged():
+    from convcheck.config import CompareConfig
+    from convcheck.recipe import build_recipe
+    from convcheck.targets import Target
+    from convcheck.train.arm_state import ArmState
+
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(4, 3))
+    arm = SimpleNamespace(name="cpu", target=Target("cpu"), role="target", perturb_seed=None)
+    s = ArmState(arm, lambda t: _copy(template, torch.float32), 3, build_recipe(CompareConfig()))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    s.remember_weight_sq(123.0)  # stale on purpose: the step below must not use it after a change
+    with torch.no_grad():
+        s.model[0].weight.add_(1.0)
+    before = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2 for p in s.model.parameters())
+    r = s.step(x, y, 1, 2)
+    assert r["update_ratio"] == r["lr"] * r["grad_norm"] / math.sqrt(before)
+    s.remember_weight_sq(4.0)  # nothing changes the parameters before the next statistics: it is used
+    stats = s._grad_stats()
+    assert stats["update_ratio"] == s.opt.param_groups[0]["lr"] * stats["grad_norm"] / 2.0
+    s.close()
