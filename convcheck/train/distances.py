@@ -36,14 +36,15 @@ class _Layout:
     """One model's parameters (detached), its groups and their sizes; ``ok``: all contiguous floating
     tensors on one device (the shortcut's condition)."""
 
-    def __init__(self, model: nn.Module):
-        self.params = [p.detach() for p in model.parameters()]
+    def __init__(self, params: list[torch.Tensor], known: "_Layout | None" = None):
+        self.params = [p.detach() for p in params]
         self.device = self.params[0].device if self.params else None
         self.ok = bool(self.params) and all(
             p.is_contiguous() and p.is_floating_point() and not p.is_complex() and p.device == self.device
             for p in self.params)
         self.shapes = [p.shape for p in self.params]
-        self.groups = groups(self.params) if self.ok else []
+        same = known is not None and known.ok and self.ok and known.shapes == self.shapes
+        self.groups = known.groups if same else groups(self.params) if self.ok else []
 
     def matches(self, other: "_Layout") -> bool:
         return self.ok and other.ok and self.shapes == other.shapes and self.device == other.device
@@ -55,14 +56,27 @@ class Distances:
     def __init__(self, scratch: Scratch):
         self.scratch = scratch
         self._kept: dict[int, torch.Tensor] = {}  # id(partner state) -> a flat float64 buffer for the run
+        # id(state) -> (its model, the model's parameter objects, the last layout): a model's parameters
+        # are listed once per run (the optimizer holds the same objects), their groups kept while the
+        # shapes stay; contiguity and devices are read again every step
+        self._known: dict[int, tuple[nn.Module, list, _Layout | None]] = {}
+
+    def _layout(self, s) -> _Layout:
+        known = self._known.get(id(s))
+        if known is None or known[0] is not s.model:
+            known = (s.model, list(s.model.parameters()), None)
+        lay = _Layout(known[1], known[2])
+        self._known[id(s)] = (known[0], known[1], lay)
+        return lay
 
     def measure(self, states, partners: dict[str, tuple], weights: bool) -> dict[tuple[int, int], float]:
         """{(id(arm), id(partner)): distance}; with ``weights``, each arm that can keep it is told its
         ||theta||^2 (``remember_weight_sq``) for the next step."""
         wanted = {id(p): p for trio in partners.values() for p in trio if p is not None}
-        layout = {id(s): _Layout(s.model) for s in states}
+        layout = {id(s): self._layout(s) for s in states}
         for key, b in wanted.items():
-            layout.setdefault(key, _Layout(b.model))
+            if key not in layout:
+                layout[key] = self._layout(b)
         theta64, norm_sq = {}, {}  # per partner: its groups in float64; its ||theta||^2
         for key, b in wanted.items():
             if layout[key].ok:
