@@ -132,15 +132,17 @@ def test_distances_are_param_distance_and_weight_norms_the_grad_stats_sum():
                 "low": (judge, None, target), "odd": (judge, target, odd)}
     states = [target, env, low, odd, judge]
     dist = Distances(Scratch())
-    for _ in range(2):  # the kept partner buffers are refilled on the second call
-        got = dist.measure(states, partners, weights=True)
+    for weights in (True, True, False):  # the kept partner buffers are refilled on later calls
+        for s in states:
+            s.kept = None
+        got = dist.measure(states, partners, weights=weights)
         for s in states:
             for b in [p for p in partners[s.arm.name] if p is not None and p is not s]:
                 want = param_distance(s.model, b.model, param_norm_sq(b.model))
                 assert _same(got[(id(s), id(b))], want), (s.arm.name, b.arm.name)
             long = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
                        for p in s.model.parameters())
-            assert _same(s.kept, long), s.arm.name
+            assert _same(s.kept, long) if weights else s.kept is None, s.arm.name
         with torch.no_grad():
             for s in states:
                 for p in s.model.parameters():

@@ -93,7 +93,7 @@ class Distances:
                     out[(id(s), id(b))] = param_distance(s.model, b.model, norm_sq[id(b)])
             own = norm_sq.get(id(s))
             if fast:
-                measured = self._arm(layout[id(s)], theta64.get(id(s)), [theta64[id(b)] for b in fast])
+                measured = self._arm(layout[id(s)], theta64.get(id(s)), [theta64[id(b)] for b in fast], weights)
                 own = measured[0] if own is None else own
                 for b, num in zip(fast, measured[1:]):
                     out[(id(s), id(b))] = relative_distance(num, norm_sq[id(b)])
@@ -117,26 +117,27 @@ class Distances:
             start += n
         return flats, torch.stack(norms).tolist() if norms else []
 
-    def _arm(self, lay: _Layout, own64: list[torch.Tensor] | None, partners: list[list[torch.Tensor]]):
+    def _arm(self, lay: _Layout, own64: list[torch.Tensor] | None, partners: list[list[torch.Tensor]],
+             own: bool):
         """[||theta_s||^2 or None, then num^2 = sum of ||theta_s - theta_b||^2 per partner b]; per
         parameter in parameter order, summed as ``param_distance`` sums them. ``own64``: the arm's
-        groups in float64 already (it is a partner too, its norm known)."""
+        groups in float64 already (it is a partner too, its norm known); ``own``: whether to measure
+        ||theta_s|| (another step follows)."""
         scratch = self.scratch
+        own = own and own64 is None
         norms: list[torch.Tensor] = []
         for k, g in enumerate(lay.groups):
             ts = [lay.params[i] for i in g]
             sizes = [t.numel() for t in ts]
             n = sum(sizes)
-            if own64 is not None:
-                a = own64[k]
-            else:
-                a = flat64(ts, scratch.flat(n, _F64, lay.device, slot=0))
+            a = own64[k] if own64 is not None else flat64(ts, scratch.flat(n, _F64, lay.device, slot=0))
+            if own:
                 norms += view_norms(a, sizes)
             for theta in partners:
                 diff = torch.sub(a, theta[k], out=scratch.flat(n, _F64, lay.device, slot=1))
                 norms += view_norms(diff, sizes)
         values = torch.stack(norms).tolist()
-        per_group = (0 if own64 is not None else 1) + len(partners)
+        per_group = int(own) + len(partners)
         sums: list[float] = [0.0] * per_group  # num += x**2 in parameter order, as param_distance adds
         pos = 0
         for g in lay.groups:
@@ -144,4 +145,4 @@ class Distances:
                 for x in values[pos:pos + len(g)]:
                     sums[j] += x ** 2
                 pos += len(g)
-        return ([None] if own64 is not None else []) + sums
+        return ([] if own else [None]) + sums
