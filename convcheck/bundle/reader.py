@@ -15,7 +15,9 @@ import json
 import math
 import os
 import stat
+import tokenize
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -82,7 +84,7 @@ class _Source:
             try:
                 with self.zip.open(info) as f:
                     data = f.read(limit + 1)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, zlib.error) as exc:
                 raise _Bad(f"{name} cannot be read ({exc})") from None
         else:
             full = self.path
@@ -325,7 +327,9 @@ class Bundle:
                 return out
         except _Bad:
             raise
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError) as exc:
+        # numpy parses an array's header with tokenize and ast: a damaged one raises their errors
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError, SyntaxError,
+                tokenize.TokenError, RecursionError, zlib.error) as exc:
             raise _Bad(f"{rel} is not a plain array file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
     def _wrap(self, fn, *args):

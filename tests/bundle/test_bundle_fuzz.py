@@ -99,3 +99,24 @@ def test_a_damaged_array_file_is_read_or_a_usage_error(tmp_path_factory, bundles
         b.forward(0)
     except UsageError:
         pass
+
+
+def test_an_array_file_whose_header_numpy_cannot_tokenize_is_a_usage_error(tmp_path_factory, bundles):
+    """Found by the fuzz test above: a first byte changed and the file cut short made numpy read an
+    ``.npy`` header that ends inside its dict, and tokenize raised TokenError through the reader."""
+    dst = tmp_path_factory.mktemp("header") / "A"
+    shutil.copytree(bundles[0], dst)
+    f = dst / "forward" / "00000.npz"
+    raw = bytearray(f.read_bytes())
+    raw[0] = 4
+    f.write_bytes(bytes(raw[:75520]))
+    try:
+        open_bundle(dst).forward(0)
+    except UsageError as exc:
+        assert "not a plain array file" in str(exc) or "cannot be read" in str(exc)
+    header = b"\x93NUMPY\x01\x00" + (20).to_bytes(2, "little") + b"{'descr': '<f4', 'fo"
+    f.write_bytes(header)
+    try:
+        open_bundle(dst).forward(0)
+    except UsageError as exc:
+        assert "not a plain array file" in str(exc)
