@@ -2,7 +2,7 @@
 """convcheck performance harness: every figure is a ratio against the bare model, same process.
 
     .venv/bin/python benchmarks/run.py [--models lenet,cifar_cnn,resnet18] [--quick]
-                                       [--include-resnet50] [--profile] [--no-memory]
+                                       [--include-resnet50] [--profile] [--no-memory] [--repeats N]
 
 For each model it times, in one process and on the same seeded batches:
 
@@ -595,6 +595,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for every measurement (default: %(default)s, so that a "
                          "shared or busy machine slows both sides alike; 0 = torch's own default)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="convcheck runs per measurement, after one warm-up run (median; default: the "
+                         "model's plan, 1 for ResNets - a single run moves by 20-30%% on a shared machine)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     ap.add_argument("--no-compare", action="store_true", help="skip the whole compare() timing")
     ap.add_argument("--profile", action="store_true", help="cProfile parity:cpu and training per model")
@@ -637,7 +640,7 @@ def main(argv=None) -> int:
                      cuda=torch.cuda.is_available(), loadavg_start=_loadavg()),
         git=_git_state(),
         settings=dict(parity_targets=args.parity_targets, train_targets=args.train_targets,
-                      envelope=args.envelope, quick=args.quick, threads=args.threads,
+                      envelope=args.envelope, quick=args.quick, repeats=args.repeats, threads=args.threads,
                       lr=LR, momentum=MOMENTUM, seed=SEED),
         models={},
     )
@@ -647,6 +650,8 @@ def main(argv=None) -> int:
         if args.quick:
             plan.update(QUICK_PLAN)
             plan["steps"] = max(1, min(plan["steps"], 3))
+        if args.repeats:
+            plan.update(cc_repeats=max(1, args.repeats), cc_warmup=True)
         if args.steps:
             plan["steps"] = args.steps
         r = Bench(name, plan, args).run()
