@@ -64,7 +64,6 @@ def run_parity(
     ``build(target)`` returns the model with the shared initial weights, cast
     and moved to ``target``, in training mode.
     """
-    x, y = batch
     others = [t for t in targets if t != judge]
     total = 2 + 2 * len(others)  # judge pass, stochastic probe, each target's pass, each target's rerun
     tick = (lambda done: progress(done, total)) if progress else (lambda done: None)
@@ -77,7 +76,7 @@ def run_parity(
     probe = probe and (draws.drawn or judge.torch_device.type != "cpu")
     del judge_model  # its parameter gradients live on in judge_grads
     tick(1)
-    stochastic = stochastic_layers(build(judge), x, calls, judge.runner, seed) if probe else []
+    stochastic = stochastic_layers(build(judge), batch[0], calls, judge.runner, seed) if probe else []
     tick(2)
     rows: list[dict] = []
     first: dict[str, str | None] = {}
@@ -88,11 +87,7 @@ def run_parity(
         if target == judge:
             continue
         if target.world is not None:  # data-parallel: its ranks' DDP-averaged gradient vs the judge's
-            from convcheck.ddp.parity import ddp_parity
-
-            losses[str(target)], ddp_rows, _ = ddp_parity(target, build, batch, judge_grads, loss_fn, seed)
-            rows.extend(ddp_rows)
-            first[str(target)] = first_flagged(ddp_rows)
+            losses[str(target)], first[str(target)] = _ddp_rows(target, build, batch, judge_grads, loss_fn, seed, rows)
             continue
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
@@ -107,16 +102,29 @@ def run_parity(
             reruns.append((i, target, first_run))
         else:  # a CPU pass of documented-deterministic kernels (``kernels``): bitwise the same again
             selfdiff[str(target)] = 0.0
-        del tp  # and with it this target's model
     del calls, judge_grads  # every target has used the judge's record: the reruns run without it
+    selfdiff = _self_differences(reruns, selfdiff, others, build, batch, seed, loss_fn, tick)
+    tick(total)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
+
+
+def _self_differences(reruns: list, selfdiff: dict, others: list, build, batch, seed: int, loss_fn, tick) -> dict:
+    """Each rerun target's ``self_difference``, with ``selfdiff`` (those not rerun), in the targets' order."""
     for i, target, first_run in reruns:
         torch.manual_seed(seed + 1 + i)  # as before the parity run
         selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
         tick(3 + len(others) + others.index(target))
-    tick(total)
-    selfdiff = {str(t): selfdiff[str(t)] for t in others if str(t) in selfdiff}  # in the targets' order
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
+    return {str(t): selfdiff[str(t)] for t in others if str(t) in selfdiff}
+
+
+def _ddp_rows(target: Target, build, batch, judge_grads, loss_fn, seed: int, rows: list) -> tuple[float, str | None]:
+    """A data-parallel target's gradient rows (appended to ``rows``): ``(loss, first flagged layer)``."""
+    from convcheck.ddp.parity import ddp_parity
+
+    loss, ddp_rows, _ = ddp_parity(target, build, batch, judge_grads, loss_fn, seed)
+    rows.extend(ddp_rows)
+    return loss, first_flagged(ddp_rows)
 
 
 def self_difference(model: nn.Module, target: Target, batch, mask_seed: int, first_run: list, loss_fn) -> float:
