@@ -300,3 +300,31 @@ def test_a_record_is_a_view_until_its_memory_is_written_then_the_value_recorded(
     assert torch.equal(ra, torch.arange(6.0).reshape(2, 3)) and torch.equal(rc, torch.zeros(3))
     assert rb.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # never written: still a view
     assert ra.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cpu:amp-bf16"])
+def test_the_last_target_drops_the_judges_record_as_it_goes_and_makes_the_same_rows(spec):
+    """``TargetPass.release``: each call's record goes once its rows and its parent's own-code row are
+    made (autocast's layers keep theirs for gradient rows made after the backward)."""
+    import pandas as pd
+
+    from convcheck.parity.result import COLUMNS
+    from convcheck.parity.target_pass import TargetPass
+    from convcheck.tolerances import DEFAULT_TOLERANCES
+
+    model = resolve_model("resnet18", input_shape=(3, 32, 32), num_classes=10)
+    build = model_builder(model, initial_state(model, 0))
+    g = torch.Generator().manual_seed(6)
+    batch = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+    target = T(spec)
+    tables, left = [], []
+    for release in (False, True):
+        calls, _, grads, _ = run_judge(build(CPU_JUDGE), batch, CPU_JUDGE.runner, 0, cross_entropy)
+        n = len(calls)
+        tp = TargetPass(spec, target.runner, CPU_JUDGE.runner, (calls, grads), DEFAULT_TOLERANCES, [], 0)
+        tp.release = release
+        tp.run(build(target), batch, cross_entropy)
+        tables.append(pd.DataFrame(tp.rows, columns=COLUMNS))
+        left.append(len(calls) / n)
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+    assert left[0] == 1.0 and left[1] < (0.5 if spec == "cpu" else 1.0)

@@ -83,6 +83,7 @@ def run_parity(
     losses: dict[str, float] = {}
     selfdiff: dict[str, float] = {}
     reruns: list[tuple[int, Target, list]] = []
+    last = max((i for i, t in enumerate(targets) if t != judge and t.world is None), default=-1)
     for i, target in enumerate(targets):
         if target == judge:
             continue
@@ -93,7 +94,7 @@ def run_parity(
         # from the judge's, as they would on another device.
         torch.manual_seed(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
-        tp.rerun_needed = rerun_needed(ops, target.torch_device)
+        tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device), i == last
         losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
         tick(3 + others.index(target))
         rows.extend(tp.rows)

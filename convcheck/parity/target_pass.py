@@ -51,6 +51,7 @@ class TargetPass:
         self.floors = FloorMeter.of(runner, judge)
         self.modes = TargetModes()  # measurements outside the target's dispatch modes (``modes``)
         self.rerun_needed = True  # whether ``run`` keeps what a rerun is held against
+        self.release = False  # the last target: each judge call's record is dropped once measured (``_drop``)
 
     def run(self, model: nn.Module, batch, loss_fn) -> tuple[float, list]:
         """Forward and backward; ``(loss, [output, *parameter gradients])`` of this run."""
@@ -122,6 +123,22 @@ class TargetPass:
                 self.reused.add(name)
 
     def _on_parent(self, call: ParentCall) -> None:
+        self._measure_parent(call)
+        if self.release:
+            for child in call.children:
+                self._drop(child.key)
+
+    def _drop(self, key: str) -> None:
+        """The judge's record of one call, dropped once nothing reads it again: its own row and its
+        parent's own-code row are made (a parent's call ends after its children's), and its gradient
+        rows need only the scalars taken in its forward row (``local_checks``). The last target's
+        pass frees the record as it goes instead of holding all of it until its backward ends."""
+        jc = self.calls.get(key)
+        if jc is None or (jc.grad_output is not None and jc.name not in self.local_checks):
+            return  # (its gradient rows are made from the record after the backward)
+        del self.calls[key]
+
+    def _measure_parent(self, call: ParentCall) -> None:
         """A module with children: a row for its own code (``parity.own_code``) when it computes
         anything of its own, or when NaN/Inf first appear in it (naming the op). Under the target's
         modes: the replay of its own code computes as the target does."""
@@ -237,11 +254,11 @@ class TargetPass:
             if key in self.stochastic or name in self.reused:
                 continue
             params = dict(module.named_parameters(recurse=False))
-            jc = self.calls[key]
-            if not params or jc.grad_output is None:
-                continue
             checks = self.local_checks.get(name)
             if checks is None:  # not made in the forward row (autocast's operands): made now
+                jc = self.calls.get(key)
+                if not params or jc is None or jc.grad_output is None:
+                    continue
                 with self.modes.target():
                     mine = local_grads(module, jc, self.runner)
                 checks = self._local_checks(name, LocalGrads(module, jc, self.runner, self.floors, out_dtype, mine))
@@ -249,7 +266,7 @@ class TargetPass:
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
                 if g is not None and jg is not None and pname in checks:
-                    self.rows.append(self._grad_row(order, name, jc.module, (full, p), g.detach() / scale, jg,
+                    self.rows.append(self._grad_row(order, name, type(module).__name__, (full, p), g.detach() / scale, jg,
                                                     checks[pname]))
 
         for name, (order, module) in self.own_params.items():
