@@ -10,8 +10,10 @@ gradient the target's copy of the layer computes from the judge's input and
 output gradient.
 
 Memory: only the judge's per-layer tensors are held in full (inputs, outputs, and
-the output gradients of layers with parameters, the only ones read); each target
-is compared layer by layer while it runs and keeps scalars only. The run-to-run
+the output gradients of layers with parameters, the only ones read), as views of
+the judge's own activations until something writes to them (``snapshots``); each
+target is compared layer by layer while it runs and keeps scalars only, and the
+last target's pass drops each call's record once it is measured. The run-to-run
 reruns come after every target's pass, once the judge's record is dropped.
 
 Time: building is a copy (``builder``); the stochastic-layer probe is skipped where
