@@ -358,3 +358,55 @@ def test_resnet_blocks_have_every_gradient_and_no_stochastic_layer():
     assert fwd["local"].map(math.isfinite).all()
     assert fwd["local"].max() < 1e-5
     assert r.first_flagged == {"cpu": None}
+
+
+# --- layers the fast paths must not trip over (found in review) ------------------------------
+
+class _FFT(nn.Module):
+    def forward(self, x):
+        return torch.fft.fft(x)
+
+
+class _Magnitude(nn.Module):
+    def forward(self, x):
+        return x.abs()
+
+
+class ComplexLayers(nn.Module):
+    """A leaf whose output is complex (an FFT), then its magnitude."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten, self.a, self.fft, self.mag, self.b = nn.Flatten(), nn.Linear(64, 32), _FFT(), _Magnitude(), \
+            nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(self.mag(self.fft(self.a(self.flatten(x)))))
+
+
+def test_a_layer_with_complex_output_is_measured_not_a_crash():
+    r = _parity(_object(ComplexLayers), ["cpu", "cpu:emulate-tf32"], n=4)
+    fwd = _fwd(r, "cpu").set_index("layer")
+    assert fwd.loc["fft", "ref_absmax"] > 0 and math.isfinite(fwd.loc["fft", "propagated"])
+    assert r.first_flagged["cpu"] is None
+
+
+class _GradModePath(nn.Module):
+    """Computes in float64 when autograd is on (a training-only path), in its own dtype otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 4) * 0.1)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            return (x.double() @ self.w.double()).to(x.dtype)
+        return x @ self.w
+
+
+def test_the_local_run_takes_the_path_the_targets_own_forward_took():
+    """The target's forward runs with autograd on; so does its copy of the layer on the judge's input
+    (with it off, a layer like ``nn.MultiheadAttention`` takes a fast path the target never ran)."""
+    r = _parity(_object(lambda: nn.Sequential(nn.Flatten(), _GradModePath())), ["cpu"], n=8)
+    row = _fwd(r, "cpu").set_index("layer").loc["1"]
+    assert row["local"] == row["floor"]  # the float64 path: nothing but the rounding of its result

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from convcheck.batch import map_tensors
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, tensors_in
+from convcheck.parity.kernels import PYTHON_BACKWARD, python_backward
 from convcheck.parity.snapshots import Snapshots
 from convcheck.runners import Runner
 
@@ -57,6 +58,8 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn, ops: s
         snap.clear()
         if ops is not None:
             ops.update(snap.ops)
+            if python_backward(loss):
+                ops.add(PYTHON_BACKWARD)
         judge.backward(loss)
     grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}  # the model is dropped
     return calls, lc.order, grads, float(loss.detach())

@@ -13,7 +13,8 @@ extension's or a custom op, whose kernel nobody here has read), or one on the li
 
 The operators are those of the judge's forward, seen for free by the dispatch mode that
 keeps its record (``snapshots.Snapshots``): every target runs the same model code (a target's
-runner adds only deterministic casts and roundings). What this cannot see: model code that
+runner adds only deterministic casts and roundings). A ``torch.autograd.Function`` written in
+Python has a backward nobody saw run, so its presence in the graph is a rerun too. What this cannot see: model code that
 runs other operators at another precision, and nondeterminism *between* kernels, in Python -
 code whose order of operations changes run to run (summing a ``set`` of tensors); the rerun
 would catch that, the CPU shortcut does not.
@@ -42,6 +43,24 @@ def operator_of(func, args: tuple):
                                                    and args[0].is_floating_point()):
         return None
     return packet
+
+
+PYTHON_BACKWARD = "a torch.autograd.Function's backward"  # Python no dispatch mode sees run in the forward
+
+
+def python_backward(loss: torch.Tensor) -> bool:
+    """Whether the graph behind ``loss`` holds a ``torch.autograd.Function`` written in Python: its
+    backward runs operators the forward never showed (``rerun_needed`` then reruns)."""
+    seen, stack = set(), [getattr(loss, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def rerun_needed(ops: set, device: torch.device) -> bool:

@@ -53,10 +53,12 @@ def cast_args(jc: JudgeCall, actual_inputs: tuple, device) -> tuple:
 
 
 def target_call(module: nn.Module, args: tuple) -> torch.Tensor | None:
-    """The target's copy of this layer on ``args`` (under whatever mode the target's forward is in)."""
-    with torch.no_grad():
+    """The target's copy of this layer on ``args`` (under whatever mode the target's forward is in),
+    with autograd on as in the target's own forward: a layer whose forward takes another path without
+    it (``nn.MultiheadAttention``'s fast path, a checkpointed block) computes as the target did."""
+    with torch.enable_grad():
         got = tensors_in(private_copy(module)(*args))
-    return got[0] if got else None
+    return got[0].detach() if got else None
 
 
 def local_forward_backward(module: nn.Module, jc: JudgeCall, target: Runner,

@@ -78,3 +78,29 @@ def test_every_target_with_a_listed_kernel_is_rerun():
     r = compare(racy_scatter_net, "cpu,cpu:bf16", steps=2, envelope=0, env_findings=[], **MNIST_SHAPE)
     assert set(r.parity.self_difference) == {"cpu", "cpu:bf16"}
     assert all(d > 1e-3 for d in r.parity.self_difference.values())
+
+
+class _Doubled(torch.autograd.Function):
+    """A Function written in Python: its backward runs operators no dispatch mode saw in the forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _DoubledLayer(nn.Module):
+    def forward(self, x):
+        return _Doubled.apply(x)
+
+
+def test_a_python_autograd_function_is_rerun(monkeypatch):
+    calls = []
+    real = parity.self_difference
+    monkeypatch.setattr(parity, "self_difference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    net = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 32), _DoubledLayer(), nn.Linear(32, 10))  # noqa: E731
+    r = compare(net, "cpu,cpu:float64", steps=2, envelope=0, env_findings=[], **MNIST_SHAPE)
+    assert calls and r.parity.self_difference["cpu"] == 0.0  # rerun, and the same
