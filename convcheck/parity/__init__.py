@@ -42,6 +42,7 @@ from convcheck.parity.known import RandomDraws, probe_needed
 from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
 from convcheck.parity.target_pass import TargetPass
 from convcheck.runners import cross_entropy
+from convcheck.seeding import seed_all
 from convcheck.targets import CPU_JUDGE, Target
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 
@@ -69,7 +70,7 @@ def run_parity(
     others = [t for t in targets if t != judge]
     total = 2 + 2 * len(others)  # judge pass, stochastic probe, each target's pass, each target's rerun
     tick = (lambda done: progress(done, total)) if progress else (lambda done: None)
-    torch.manual_seed(seed)
+    seed_all(seed)
     judge_model = build(judge)
     probe = probe_needed(judge_model, judge.runner)
     ops: set = set()  # the operators the model runs (``kernels``)
@@ -94,7 +95,7 @@ def run_parity(
             continue
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
-        torch.manual_seed(seed + 1 + i)
+        seed_all(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
         tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device), i == last
         losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
@@ -115,7 +116,7 @@ def run_parity(
 def _self_differences(reruns: list, selfdiff: dict, others: list, build, batch, seed: int, loss_fn, tick) -> dict:
     """Each rerun target's ``self_difference``, with ``selfdiff`` (those not rerun), in the targets' order."""
     for i, target, first_run in reruns:
-        torch.manual_seed(seed + 1 + i)  # as before the parity run
+        seed_all(seed + 1 + i)  # as before the parity run
         selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
         tick(3 + len(others) + others.index(target))
     return {str(t): selfdiff[str(t)] for t in others if str(t) in selfdiff}

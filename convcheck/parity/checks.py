@@ -27,6 +27,7 @@ import torch.nn as nn
 from convcheck.metrics import rel_l2
 from convcheck.parity.floor import FloorMeter, reference_call, reference_grads
 from convcheck.parity.judge_pass import JudgeCall
+from convcheck.parity.judged import Judged
 from convcheck.parity.local import grad_terms_norm, local_grads, reference_copy
 from convcheck.runners import Runner
 from convcheck.runners.precision import dtype_unit_roundoff, op_class
@@ -57,12 +58,13 @@ def row_verdict(tol: Tolerances, local: float, intrinsic: float, floor: float) -
 
 
 def check_forward(tol: Tolerances, meter: FloorMeter, module: nn.Module, jc: JudgeCall, args: tuple,
-                  got: torch.Tensor, k: int) -> dict:
+                  got: torch.Tensor, k: int, judged: Judged | None = None) -> dict:
     """The forward row of one call: ``got`` is the target's copy of ``module`` on ``args`` (the
-    judge's input cast as the target's call received it)."""
+    judge's input cast as the target's call received it); ``judged``: the judge's output's measures."""
     judge = meter.judge
-    local = rel_l2(got, jc.output)
-    lower = meter.output_rounding(jc.output, got.dtype)
+    judged = judged or Judged(jc.output)
+    local = judged.rel(got)
+    lower = meter.output_rounding(jc.output, got.dtype, judged)
     if not MEASURE_ALL and not tol.is_flagged(local, lower):
         return dict(local=local, **row_verdict(tol, local, math.nan, lower))
     ref = reference_copy(module, judge)
@@ -137,19 +139,21 @@ class LocalGrads:
         mine = self.mine.get(pname)
         if mine is None:
             return dict(local=math.nan)
-        local = rel_l2(mine, jg)
+        judged = Judged(jg).take((mine,), self.grad_dtype)  # one pass over the judge's gradient
+        local = judged.rel(mine)
         terms = self._terms(pname) if not local < DESTROYED_ERROR else 0.0
         if terms:
-            local = rel_l2(mine, jg, floor=terms)
-        lower = self.meter.output_rounding(jg, self.grad_dtype) + accumulation
+            local = judged.rel(mine, floor=terms)
+        lower = self.meter.output_rounding(jg, self.grad_dtype, judged) + accumulation
         if not MEASURE_ALL and not tol.is_flagged(local, lower):
-            return dict(local=local, **row_verdict(tol, local, math.nan, lower))
+            return dict(local=local, ref_absmax=judged.abs_max(), **row_verdict(tol, local, math.nan, lower))
         errors = self._errors(tol, pname, jg, accumulation, terms)
         if not terms and row_verdict(tol, **errors)["flagged"] and math.isfinite(errors["intrinsic"]):
             terms = self._terms(pname)
             if terms:
                 errors = self._errors(tol, pname, jg, accumulation, terms)
-        return dict(local=errors["local"], intrinsic=errors["intrinsic"], **row_verdict(tol, **errors))
+        return dict(local=errors["local"], intrinsic=errors["intrinsic"], ref_absmax=judged.abs_max(),
+                    **row_verdict(tol, **errors))
 
     def _terms(self, pname: str) -> float:
         return grad_terms_norm(self.module, self.jc, self.meter.judge).get(pname) or 0.0

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.capture import tensors_in
-from convcheck.metrics import rel_l2
+from convcheck.metrics import rel_l2, rounding_error
 from convcheck.runners import Runner
 from convcheck.runners.precision import (
     U_FLOAT32,
@@ -84,11 +84,13 @@ class FloorMeter:
     def of(cls, runner: Runner, judge: Runner) -> "FloorMeter":
         return cls(runner.precision, runner.compute_dtype, judge)
 
-    def output_rounding(self, judge_out: torch.Tensor, out_dtype: torch.dtype) -> float:
+    def output_rounding(self, judge_out: torch.Tensor, out_dtype: torch.dtype, judged=None) -> float:
         """The judge's result rounded to ``out_dtype``, vs itself: a lower bound of any floor with that
-        output dtype (no value in that dtype is closer to the judge's than its nearest one), free."""
+        output dtype (no value in that dtype is closer to the judge's than its nearest one), free.
+        ``judged``: ``judge_out``'s ``parity.judged.Judged``, which may have measured it already."""
         if judge_out.is_floating_point() and dtype_unit_roundoff(out_dtype) > dtype_unit_roundoff(judge_out.dtype):
-            return rel_l2(judge_out.to(out_dtype), judge_out)  # round_to's values: rel_l2 casts them back
+            # round_to's values (cast back to float64)
+            return judged.rounding(out_dtype) if judged is not None else rounding_error(judge_out, out_dtype)
         return rel_l2(round_to(judge_out, dtype_unit_roundoff(out_dtype), out_dtype), judge_out)
 
     def rounds(self, module: nn.Module, args: tuple) -> bool:

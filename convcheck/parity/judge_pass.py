@@ -12,6 +12,7 @@ from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_t
 from convcheck.parity.kernels import PYTHON_BACKWARD, python_backward
 from convcheck.parity.snapshots import Snapshots
 from convcheck.runners import Runner
+from convcheck.seeding import seed_all
 
 
 @dataclass
@@ -100,7 +101,7 @@ def stochastic_layers(model: nn.Module, x, calls: dict, judge: Runner, seed: int
         if out is not None:
             on_call(call.key, call.name, call.module, call.inputs, out, call.children)
 
-    torch.manual_seed(seed + 7777)
+    seed_all(seed + 7777)
     with judge.applied(), torch.no_grad():
         with SharedDropoutMasks(model, seed), LeafCalls(model, on_call, on_parent):
             judge.forward(model, x)

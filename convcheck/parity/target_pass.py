@@ -14,11 +14,12 @@ import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
-from convcheck.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2, rel_l2_finite
+from convcheck.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
 from convcheck.parity import checks
 from convcheck.parity.checks import LocalGrads, check_forward, row_verdict
 from convcheck.parity.known import selects
 from convcheck.parity.floor import FloorMeter
+from convcheck.parity.judged import Judged
 from convcheck.parity.local import cast_args, local_forward_backward, local_grads, target_call
 from convcheck.parity.modes import TargetModes
 from convcheck.parity.own_check import OwnCodeCheck, first_nonfinite_op, own_code_produces
@@ -73,7 +74,7 @@ class TargetPass:
 
     # -- forward rows -----------------------------------------------------------------
 
-    def _row(self, key: str, label: str, inputs, out: torch.Tensor, jc) -> dict:
+    def _row(self, key: str, label: str, inputs, out: torch.Tensor, judged: Judged | None) -> dict:
         nan, inf = self.counts(out)
         return dict(
             target=self.name, order=len(self.rows), kind="forward", layer=key, module=label,
@@ -82,7 +83,7 @@ class TargetPass:
             needed=math.nan, nan=nan, inf=inf,
             input_nonfinite=sum(sum(self.counts(t)) for t in tensors_in(inputs)), grad_out_nonfinite=0,
             grad_in_nonfinite=0,
-            ref_absmax=abs_max(jc.output) if jc is not None else math.nan,
+            ref_absmax=judged.abs_max() if judged is not None else math.nan,
             flagged=False,
         )
 
@@ -110,11 +111,15 @@ class TargetPass:
         jc = self.calls.get(key)
         order = len(self.rows)
         measured = jc is not None and tuple(jc.output.shape) == tuple(out.shape) and key not in self.stochastic
-        propagated = self._propagated(out, jc.output) if measured else None
-        row = self._row(key, type(module).__name__, inputs, out, jc)
+        judged = Judged(jc.output) if jc is not None else None
+        args, got = self._local_output(name, module, jc, inputs, out.dtype) if measured else (None, None)
+        if measured:  # the judge's output read once for every measure of the row (``judged``)
+            judged.take((out, got), out.dtype)
+        propagated = self._propagated(out, judged) if measured else None
+        row = self._row(key, type(module).__name__, inputs, out, judged)
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
         if measured:
-            row.update(self._forward_errors(name, module, jc, inputs, propagated, out.dtype))
+            row.update(self._forward_errors(module, jc, args, got, judged, propagated, out.dtype))
         self._add(key, row, out)
         if jc is not None:
             if name not in self.first_call:
@@ -159,7 +164,8 @@ class TargetPass:
         produced = (self.nonfinite_seen or sum(nonfinite_count(out)) > 0) and own_code_produces(call)
         if errors is None and not produced:
             return
-        row = self._row(call.key, own_code_label(type(call.module).__name__), call.inputs, out, jc)
+        row = self._row(call.key, own_code_label(type(call.module).__name__), call.inputs, out,
+                        Judged(jc.output) if jc is not None else None)
         if jc is not None and tuple(jc.output.shape) == tuple(out.shape):
             row["propagated"] = rel_l2(out, jc.output)
         row.update(errors or {})
@@ -191,28 +197,37 @@ class TargetPass:
         self._counted[id(t)] = (weakref.ref(t), t._version, found)
         return found
 
-    def _propagated(self, out: torch.Tensor, judge_out: torch.Tensor) -> float:
+    def _propagated(self, out: torch.Tensor, judged: Judged) -> float:
         """The target's output against the judge's; when that shows every value finite, ``out``'s
         NaN/Inf count is known (none) without a pass of its own."""
-        err, finite = rel_l2_finite(out, judge_out)
+        err, finite = judged.rel_finite(out)
         if finite:
             self._counted[id(out)] = (weakref.ref(out), out._version, (0, 0))
         return err
 
-    def _forward_errors(self, name, module, jc, inputs, propagated: float, out_dtype) -> dict:
-        k = reduction_length(module, jc.inputs, jc.output)
-        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=propagated)
-        if selects(module) and not checks.MEASURE_ALL:  # its local error is its floor's lower bound, exactly
-            lower = self.floors.output_rounding(jc.output, out_dtype)
-            return dict(row, local=lower, **row_verdict(self.tol, lower, math.nan, lower))
+    def _local_output(self, name, module, jc, inputs, out_dtype) -> tuple[tuple | None, torch.Tensor | None]:
+        """``(args, got)``: the judge's input cast as the target's call received it, and the target's
+        copy of the layer on it. ``(None, None)`` for a selection layer: its local error is its floor's
+        lower bound, exactly (``known.selects``)."""
+        if selects(module) and not checks.MEASURE_ALL:
+            return None, None
         args = cast_args(jc, inputs, self.runner.torch_device)
         if is_shared_dropout(module):  # the same mask the target's own call used: nothing of its own
-            local = rel_l2(args[0] * self.masks.last_mask, jc.output)
+            return args, args[0] * self.masks.last_mask
+        return args, self._local_forward(name, module, jc, args, out_dtype)
+
+    def _forward_errors(self, module, jc, args, got, judged: Judged, propagated: float, out_dtype) -> dict:
+        k = reduction_length(module, jc.inputs, jc.output)
+        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=propagated)
+        if args is None:  # a selection layer
+            lower = self.floors.output_rounding(jc.output, out_dtype, judged)
+            return dict(row, local=lower, **row_verdict(self.tol, lower, math.nan, lower))
+        if is_shared_dropout(module):
+            local = judged.rel(got)
             return dict(row, local=local, flagged=not math.isfinite(local))
-        got = self._local_forward(name, module, jc, args, out_dtype)
         if got is None:
             return row
-        return dict(row, **check_forward(self.tol, self.floors, module, jc, args, got, k))
+        return dict(row, **check_forward(self.tol, self.floors, module, jc, args, got, k, judged))
 
     def _local_forward(self, name, module, jc, args, out_dtype) -> torch.Tensor | None:
         """The target's copy of the layer on ``args``. A layer with parameters, on its first call,
@@ -266,7 +281,7 @@ class TargetPass:
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
                 if g is not None and jg is not None and pname in checks:
-                    self.rows.append(self._grad_row(order, name, type(module).__name__, (full, p), g.detach() / scale, jg,
+                    self.rows.append(self._grad_row(order, name, type(module).__name__, (full, p), _unscaled(g, scale), jg,
                                                     checks[pname]))
 
         for name, (order, module) in self.own_params.items():
@@ -275,7 +290,7 @@ class TargetPass:
                 full = f"{name}.{pname}" if name in modules else pname
                 g, jg = grads.get(full), self.judge_grads.get(full)
                 if g is not None and jg is not None:
-                    self.rows.append(self._own_grad_row(order, name, label, full, p, g.detach() / scale, jg))
+                    self.rows.append(self._own_grad_row(order, name, label, full, p, _unscaled(g, scale), jg))
 
     def _own_grad_row(self, order, name, label, full, p, g, jg) -> dict:
         """A parameter of a module's own code: its gradient against the judge's (propagated error and
@@ -299,7 +314,12 @@ class TargetPass:
             shape="x".join(map(str, p.shape)), K=0, u=math.nan, floor=math.nan, bound=math.nan,
             propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
-            ref_absmax=abs_max(jg), flagged=False,
+            ref_absmax=local["ref_absmax"] if "ref_absmax" in local else abs_max(jg), flagged=False,
         )
         row.update(local)
         return row
+
+
+def _unscaled(g: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gradient of a loss scaled by ``scale``, unscaled (no copy at scale 1)."""
+    return g.detach() / scale if scale != 1.0 else g.detach()

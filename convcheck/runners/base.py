@@ -277,8 +277,10 @@ class Runner:
             return None, {}
         out = outs[0]
         if out.requires_grad:  # a layer whose parameters are all frozen has no gradient to give
-            out.backward(grad_output.to(device=out.device, dtype=out.dtype) * scale)
-        return out.detach(), {n: p.grad.detach() / scale for n, p in module.named_parameters() if p.grad is not None}
+            g = grad_output.to(device=out.device, dtype=out.dtype)
+            out.backward(g * scale if scale != 1.0 else g)
+        return out.detach(), {n: p.grad.detach() / scale if scale != 1.0 else p.grad.detach()
+                              for n, p in module.named_parameters() if p.grad is not None}
 
 
 _EMPTY_KINDS = (dict, collections.OrderedDict, set, list)
