@@ -323,6 +323,8 @@ class Bench:
         self.build = model_builder(self.resolved, self.state)
         self.bare = BareModel(name, self.batches)
         self.bare_samples: list[float] = []
+        self.floor_models: dict[str, BareModel] = {}  # target spec -> the bare model in its precision
+        self.floor_samples: dict[str, list[float]] = {}
         self.out: dict = dict(batch=self.batch, steps=self.steps, input_shape=list(self.resolved.input_shape),
                               params=sum(p.numel() for p in self.bare.model.parameters()))
 
@@ -334,15 +336,28 @@ class Bench:
     def bare_step_s(self) -> float:
         return _median(self.bare_samples)
 
-    def repeat(self, fn: Callable[[], object], target: Target | None = None) -> list[float]:
-        """Convcheck runs: optional warm-up, then repeats, each followed by one bare sample."""
+    def repeat(self, fn: Callable[[], object], target: Target | None = None,
+               floors: tuple[str, ...] = ()) -> list[float]:
+        """Convcheck runs: optional warm-up, then repeats, each followed by one bare sample and one
+        sample of each floor in ``floors`` (the bare step in those targets' precisions), so a load
+        that changes during the run moves the floor as it moves convcheck."""
         if self.plan["cc_warmup"]:
             fn()
         samples = []
         for _ in range(self.plan["cc_repeats"]):
             samples.append(_timed(fn, target))
             self.bare_sample()
+            self.floor_sample(floors)
         return samples
+
+    def floor_sample(self, specs, n: int = 1) -> None:
+        """``n`` samples of the bare step in each target precision of ``specs`` (float32 "cpu": ``bare``)."""
+        for spec in specs:
+            if spec == "cpu":
+                self.bare_sample(n)
+                continue
+            m = self.floor_models[spec]
+            self.floor_samples[spec].extend(m.time_step() for _ in range(n))
 
     def run(self) -> dict:
         p, out = self.plan, self.out
@@ -350,19 +365,16 @@ class Bench:
         self.bare.step()  # warm-up
         self.bare_sample(p["bare_repeats"])
 
-        # bare in each target's precision: the floor of parity and training
-        floors: dict[str, float] = {}
-        specs = sorted({*self.args.parity_targets, *self.args.train_targets, str(JUDGE)})
+        # bare in each target's precision: the floor of parity and training, sampled here (at least
+        # three samples: one sample of a float64 LeNet step moved its parity ratio 0.9x-1.6x) and
+        # again after every convcheck run that is held against it (``repeat``)
+        specs = sorted({str(Target.parse(s)) for s in (*self.args.parity_targets, *self.args.train_targets,
+                                                        str(JUDGE))} - {"cpu"})
         for spec in specs:
-            t = Target.parse(spec)
-            if str(t) == "cpu":
-                continue
-            m = BareModel(self.name, self.batches, t)
+            self.floor_models[spec] = m = BareModel(self.name, self.batches, Target.parse(spec))
             m.step()
-            floors[str(t)] = _median([m.time_step() for _ in range(max(1, p["bare_repeats"] - 2))])
-            del m
-        floors["cpu"] = None  # filled from bare_samples at the end
-        out["bare_at"] = floors
+            self.floor_samples[spec] = []
+        self.floor_sample(specs, max(3, p["bare_repeats"] - 2))
 
         # N consecutive bare steps from fresh weights (one arm's training)
         n_samples = []
@@ -378,7 +390,7 @@ class Bench:
             target = Target.parse(spec)
             _log(f"{self.name}: parity {spec}")
             samples = self.repeat(lambda: run_parity(self.build, self.batches[0], [target], judge=JUDGE, seed=SEED),
-                                  target)
+                                  target, floors=(str(JUDGE), str(target)))
             out["parity"][spec] = dict(seconds=_median(samples), samples=samples)
 
         # lockstep training on all arms
@@ -386,7 +398,8 @@ class Bench:
         arms = make_arms(pair, self.args.envelope, SEED, JUDGE)
         cfg = TrainConfig(steps=self.steps, seed=SEED)
         _log(f"{self.name}: training {len(arms)} arms x {self.steps} steps")
-        samples = self.repeat(lambda: run_training(self.build, self.batches, arms, cfg))
+        samples = self.repeat(lambda: run_training(self.build, self.batches, arms, cfg),
+                              floors=tuple(sorted({str(a.target) for a in arms})))
         out["training"] = dict(seconds=_median(samples), samples=samples, arms=[a.name for a in arms],
                                arm_targets=[str(a.target) for a in arms], envelope=self.args.envelope,
                                targets=self.args.train_targets)
@@ -394,8 +407,12 @@ class Bench:
         if self.args.profile:
             out["profile"] = self.profile(pair, arms, cfg)
 
-        # finish the bare figures
+        # finish the bare figures: each floor the median of all its samples
+        self.floor_models.clear()
+        floors = {spec: _median(v) for spec, v in self.floor_samples.items()}
         floors["cpu"] = self.bare_step_s
+        out["bare_at"] = floors
+        out["bare_at_samples"] = self.floor_samples
         out["bare_step_s"] = self.bare_step_s
         out["bare_samples"] = self.bare_samples
         out["bare_spread"] = (max(self.bare_samples) / min(self.bare_samples)) if self.bare_samples else math.nan
