@@ -328,3 +328,48 @@ def test_the_last_target_drops_the_judges_record_as_it_goes_and_makes_the_same_r
         left.append(len(calls) / n)
     pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
     assert left[0] == 1.0 and left[1] < (0.5 if spec == "cpu" else 1.0)
+
+
+@pytest.mark.parametrize("spec", ["cpu:emulate-tf32", "cpu:amp-bf16"])
+def test_a_forward_floor_takes_the_gradient_floors_output_and_gives_the_long_ways_rows(spec):
+    """``FloorMeter``: where a row rounds its operands (TF32, autocast), the gradients' float64 floor
+    computes the output the forward's floor needs; handing it over gives the rows of computing it again,
+    and the float64 forward on rounded operands runs once per matmul/conv call instead of twice."""
+    import pandas as pd
+
+    from convcheck.parity import floor
+    from convcheck.parity.result import COLUMNS
+    from convcheck.parity.target_pass import TargetPass
+    from convcheck.tolerances import DEFAULT_TOLERANCES
+
+    model = resolve_model("lenet")
+    build = model_builder(model, initial_state(model, 0))
+    g = torch.Generator().manual_seed(7)
+    batch = torch.randn(4, 1, 28, 28, generator=g), torch.randint(0, 10, (4,), generator=g)
+    target = T(spec)
+    tables, forwards = [], []
+    calls_made = []
+    original = floor.reference_call
+
+    def counted(*args, **kwargs):
+        calls_made.append(1)
+        return original(*args, **kwargs)
+
+    for shared in (False, True):
+        calls, _, grads, _ = run_judge(build(CPU_JUDGE), batch, CPU_JUDGE.runner, 0, cross_entropy)
+        tp = TargetPass(spec, target.runner, CPU_JUDGE.runner, (calls, grads), DEFAULT_TOLERANCES, [], 0)
+        if not shared:
+            tp.floors._taken_output = lambda module, args: None  # the long way: the forward's floor computes it
+        calls_made.clear()
+        floor.reference_call = counted
+        try:
+            tp.run(build(target), batch, cross_entropy)
+        finally:
+            floor.reference_call = original
+        tables.append(pd.DataFrame(tp.rows, columns=COLUMNS))
+        forwards.append(len(calls_made))
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+    if spec == "cpu:emulate-tf32":  # five conv/linear layers, each with its gradient floor made in its row
+        assert forwards == [5, 0]
+    else:  # autocast's gradient rows are made after the backward: the forward's floor comes first
+        assert forwards[0] == forwards[1] > 0

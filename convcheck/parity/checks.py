@@ -84,7 +84,7 @@ class LocalGrads:
     its precision), and on demand the float64 copy's on the same cast operands and the floor's."""
 
     def __init__(self, module: nn.Module, jc: JudgeCall, runner: Runner, meter: FloorMeter, out_dtype,
-                 mine: dict[str, torch.Tensor] | None = None):
+                 mine: dict[str, torch.Tensor] | None = None, args: tuple | None = None):
         self.module, self.jc, self.runner, self.meter = module, jc, runner, meter
         # ``mine``: the target's local gradients where the forward row already made them (``target_pass``)
         self.mine = mine if mine is not None else local_grads(module, jc, runner)
@@ -92,7 +92,9 @@ class LocalGrads:
         dtypes = (runner.param_dtype, out_dtype) if op_class(module) != "elementwise" else (runner.param_dtype,)
         self.grad_dtype = max(dtypes, key=dtype_unit_roundoff)
         self.out_dtype = out_dtype
-        self._args: tuple | None = None
+        # ``args``: the judge's inputs as ``local_grads`` casts them, where the forward row made them
+        # (its floor then reuses what this one's rounds and computes: ``FloorMeter``)
+        self._args: tuple | None = args
         self._g: torch.Tensor | None = None
         self._ref: nn.Module | None = None
         self._want: dict | None = None

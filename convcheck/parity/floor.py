@@ -60,13 +60,20 @@ def reference_call(ref: nn.Module, args: tuple, judge: Runner) -> torch.Tensor |
 
 def reference_grads(ref: nn.Module, args: tuple, grad_output: torch.Tensor, judge: Runner) -> dict[str, torch.Tensor]:
     """Parameter gradients of ``ref`` (float64, built by the judge) for ``args`` and ``grad_output``."""
+    return reference_forward_backward(ref, args, grad_output, judge)[1]
+
+
+def reference_forward_backward(ref: nn.Module, args: tuple, grad_output: torch.Tensor,
+                               judge: Runner) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(output, parameter gradients)`` of ``ref`` on ``args``: ``reference_grads`` with the output of
+    its forward (the value ``reference_call`` gives: the same kernels, autograd only records)."""
     ref_args = tuple(judge.reference(a) if isinstance(a, torch.Tensor) else a for a in args)
     for p in ref.parameters():
         p.grad = None
     with torch.enable_grad(), torch.autocast(judge.torch_device.type, enabled=False):
         out = tensors_in(ref(*ref_args))[0]
         out.backward(judge.reference(grad_output))
-    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return out.detach(), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
 class FloorMeter:
@@ -79,6 +86,12 @@ class FloorMeter:
         # (target's layer, op precision, its float64 copy with rounded parameters): a matmul/conv's
         # parameters do not change within a pass, and its two floors come one after the other
         self._last_rounded: tuple | None = None
+        # (op precision, args, rounded args): the gradients' floor rounds the operands the
+        # forward's floor rounds next (``grads`` then ``forward``, in one forward row)
+        self._last_args: tuple | None = None
+        # (layer, op precision, args, output): the float64 output on rounded operands that the
+        # gradients' floor computed on its way (``grads``), the forward's floor itself (``forward``)
+        self._last_out: tuple | None = None
 
     @classmethod
     def of(cls, runner: Runner, judge: Runner) -> "FloorMeter":
@@ -111,7 +124,11 @@ class FloorMeter:
         rounded to ``out_dtype``, vs ``judge_out``. ``reference_out`` (``ref`` on ``args``
         unrounded) is reused when the rounding changes nothing (float32, a cast target)."""
         out = reference_out
-        if self.rounds(module, args) or out is None:
+        if self.rounds(module, args):
+            out = self._taken_output(module, args)
+            if out is None:
+                out = reference_call(*self._rounded(module, ref, args), self.judge)
+        elif out is None:
             out = reference_call(*self._rounded(module, ref, args), self.judge)
         if out is None:
             return math.nan
@@ -130,8 +147,11 @@ class FloorMeter:
         changes nothing (``rounds_grads`` is False) ``reference``, the float64 gradients on the
         unrounded operands, is rounded instead (and must be given)."""
         if self.rounds_grads(module, args, grad_output):
-            g = round_to(self.judge.reference(grad_output), self.precision.for_module(module).operand, self.dtype)
-            reference = reference_grads(*self._rounded(module, ref, args), g, self.judge)
+            op = self.precision.for_module(module)
+            g = round_to(self.judge.reference(grad_output), op.operand, self.dtype)
+            out, reference = reference_forward_backward(*self._rounded(module, ref, args), g, self.judge)
+            # the forward's floor of the same call is this output, rounded (``forward``): kept for it
+            self._last_out = (module, op, args, out) if self.rounds(module, args) else None
         u = dtype_unit_roundoff(grad_dtype)
         return {n: round_to(t, u, grad_dtype) for n, t in reference.items()}
 
@@ -155,7 +175,23 @@ class FloorMeter:
             last = self._last_rounded = (module, op, self._rounded_module(ref, op))
         return last[2], self._rounded_args(args, op)
 
+    def _taken_output(self, module: nn.Module, args: tuple) -> torch.Tensor | None:
+        """The float64 output on rounded operands that ``grads`` computed for this very call (same
+        layer, precision and argument tensors), handed over once; None otherwise."""
+        hit, self._last_out = self._last_out, None
+        if hit is None or hit[0] is not module or hit[1] != self.precision.for_module(module):
+            return None
+        return hit[3] if _same_tensors(hit[2], args) else None
+
     def _rounded_args(self, args: tuple, op: OpPrecision) -> tuple:
+        last = self._last_args
+        if last is not None and last[0] == op and _same_tensors(last[1], args):
+            return last[2]
+        rounded = self._rounding_args(args, op)
+        self._last_args = (op, args, rounded)
+        return rounded
+
+    def _rounding_args(self, args: tuple, op: OpPrecision) -> tuple:
         out = []
         for a in args:
             if isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -171,6 +207,11 @@ class FloorMeter:
                 if t.is_floating_point():
                     t.copy_(round_to(t, op.operand, self.dtype))
         return copy
+
+
+def _same_tensors(a: tuple, b: tuple) -> bool:
+    """The same argument objects, one by one (a new tuple of the same tensors counts)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def magnitude_ratio(module: nn.Module, judge_inputs: tuple, judge_out: torch.Tensor, judge: Runner) -> float:

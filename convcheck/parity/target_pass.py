@@ -240,8 +240,9 @@ class TargetPass:
             both = local_forward_backward(module, jc, self.runner, args)
             if both is None:
                 return target_call(module, args)
+        # ``local_forward_backward`` ran on ``args`` only where they are ``local_grads``' operands
         self.local_checks[name] = self._local_checks(name, LocalGrads(module, jc, self.runner, self.floors,
-                                                                      out_dtype, both[1]))
+                                                                      out_dtype, both[1], args))
         return both[0]
 
     def _local_checks(self, name: str, local: LocalGrads) -> dict[str, dict]:
