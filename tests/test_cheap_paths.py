@@ -372,4 +372,4 @@ def test_a_forward_floor_takes_the_gradient_floors_output_and_gives_the_long_way
     if spec == "cpu:emulate-tf32":  # five conv/linear layers, each with its gradient floor made in its row
         assert forwards == [5, 0]
     else:  # autocast's gradient rows are made after the backward: the forward's floor comes first
-        assert forwards[0] == forwards[1] > 0
+        assert forwards[0] == forwards[1]
