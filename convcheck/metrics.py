@@ -143,11 +143,15 @@ def rounding_error(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return num / den
 
 
+SMALL = 1 << 15  # elements: below this a torch call costs more than the arithmetic it does
+
+
 def _difference(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``a - e`` in float64 (``e`` is). ``a`` is cast first and the difference taken in place: the same
-    values as ``torch.sub(a, e)``, whose mixed-dtype kernel is 1.6x slower (2.6 vs 4.1 ms on 1.6 M
-    elements, one CPU thread)."""
-    if a.dtype == e.dtype or not a.is_floating_point():  # a complex or integer ``a``: torch's own promotion
+    """``a - e`` in float64 (``e`` is). A large ``a`` is cast first and the difference taken in place:
+    the same values as ``torch.sub(a, e)``, whose mixed-dtype kernel is 1.6x slower (2.6 vs 4.1 ms on
+    1.6 M elements, one CPU thread); a small one in that one call (a call fewer, ~10 us, where the
+    arithmetic takes less: LeNet's rows make ~60 differences)."""
+    if a.dtype == e.dtype or not a.is_floating_point() or a.numel() < SMALL:  # complex, integer: torch's promotion
         return torch.sub(a, e)
     return a.to(dtype=e.dtype).sub_(e)
 
