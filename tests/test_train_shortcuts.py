@@ -170,3 +170,77 @@ def test_an_arm_reuses_its_weight_norm_only_while_the_parameters_are_unchanged()
     stats = s._grad_stats()
     assert stats["update_ratio"] == s.opt.param_groups[0]["lr"] * stats["grad_norm"] / 2.0
     s.close()
+
+
+class _LongFirstProducer:
+    """FirstProducer as it was written before its own hooks: ``capture.LeafCalls`` with a parent hook."""
+
+    def __init__(self, model):
+        from convcheck.capture import LeafCalls, first_tensor, made_in_own_code
+        from convcheck.train.nonfinite import _finite, all_finite
+
+        self.found, self.weights, self.step_index, dirty = None, False, 0, [False]
+
+        def blame(name, module):
+            self.found = (self.step_index, name)
+            self.weights = not all(all_finite(p) for p in module.parameters(recurse=False))
+
+        def leaf(key, name, module, inputs, out):
+            if self.found is None and torch.is_grad_enabled() and not all_finite(out):
+                dirty[0] = True
+                if _finite(inputs):
+                    blame(name, module)
+
+        def parent(call):
+            if self.found is not None or not torch.is_grad_enabled():
+                return
+            out = first_tensor(call.output)
+            if not dirty[0] and (out is None or all_finite(out)):
+                return
+            if made_in_own_code(call, _finite):
+                blame(call.name, call.module)
+
+        self._calls = LeafCalls(model, leaf, parent).__enter__()
+
+
+class _Blows(nn.Module):
+    """Own code that makes an Inf from finite values while ``blow`` is set, between two children."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.blow = nn.Linear(4, 4), nn.Linear(4, 4), False
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.blow:
+            h = h * torch.tensor([1.0, 1e38, 1e38, 1.0]) * 1e9  # overflows to Inf in this module's own code
+        h = self.b(h * self.gain)
+        return torch.sigmoid(h)  # an Inf that reaches a sigmoid comes out finite
+
+
+@pytest.mark.parametrize("where,at", [("own", 2), ("leaf", 3), ("weights", 1), ("none", 0)])
+def test_first_producer_names_what_leafcalls_named(where, at):
+    from convcheck.train.nonfinite import FirstProducer
+
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(3, 4), _Blows(), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    fast, long = FirstProducer(nets[0]), _LongFirstProducer(nets[1])
+    x = torch.randn(5, 3)
+    for step in range(4):
+        fast.next_step(step)
+        long.step_index = step
+        if where in ("leaf", "weights") and step == at:
+            for net in nets:
+                with torch.no_grad():  # a leaf whose output overflows from finite inputs (or its weights are Inf)
+                    net[3].weight.fill_(3e38 if where == "leaf" else math.inf)
+        for net in nets:
+            net[1].blow = where == "own" and step == at
+            net(x * 1e3 if step == at else x)
+        with torch.no_grad():
+            for net in nets:
+                net(x)  # not watched: gradients off
+    assert fast.found == long.found and fast.weights == long.weights
+    assert (fast.found is None) == (where == "none") and fast.weights == (where == "weights")
+    fast.close()

@@ -40,7 +40,7 @@ class ArmState:
         # ``masks(model)``: a data-parallel rank takes its slice of the global batch's masks
         self.masks = masks(self.model) if masks is not None else SharedDropoutMasks(self.model, 0)
         self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
-        self._hooks = [m.register_forward_hook(self._act_hook(n))
+        self._hooks = [m.register_forward_hook(self._act_hook(n, m))
                        for n, m in leaf_modules(self.model)
                        if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
         self.first_producer = FirstProducer(self.model)
@@ -63,18 +63,21 @@ class ArmState:
         """The first call that turned finite inputs into NaN/Inf (a leaf, or a module's own code)."""
         return self.first_producer.found
 
-    def _act_hook(self, name):
-        def hook(module, inputs, output):
-            if not torch.is_grad_enabled():
-                return
-            with torch.no_grad():
-                if isinstance(module, nn.ReLU):
-                    dead = fraction_le_zero(output, self.scratch)
-                    self.acts.append((name, "relu", dead, math.nan))
-                else:  # saturated sigmoid/tanh: pre-activations outside +-SATURATED_ABS (DeepDiagnosis)
-                    sat = fraction_abs_above(inputs[0], SATURATED_ABS, self.scratch)
-                    self.acts.append((name, type(module).__name__.lower(), math.nan, sat))
-        return hook
+    def _act_hook(self, name: str, module: nn.Module):
+        """Dead ReLU outputs, or saturated sigmoid/tanh pre-activations (outside +-SATURATED_ABS,
+        DeepDiagnosis), of every call while gradients are on; the kind is read once, here."""
+        acts, scratch = self.acts, self.scratch  # ``step`` clears the list in place
+        if isinstance(module, nn.ReLU):
+            def relu(module, inputs, output):
+                if torch.is_grad_enabled():
+                    acts.append((name, "relu", fraction_le_zero(output.detach(), scratch), math.nan))
+            return relu
+        kind = type(module).__name__.lower()
+
+        def saturation(module, inputs, output):
+            if torch.is_grad_enabled():
+                acts.append((name, kind, math.nan, fraction_abs_above(inputs[0].detach(), SATURATED_ABS, scratch)))
+        return saturation
 
     def close(self):
         for h in self._hooks:
@@ -84,7 +87,7 @@ class ArmState:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, seed: int, rng_seed: int) -> dict:
         runner = self.runner
-        self.acts = []
+        self.acts.clear()
         self.masks.seed = seed  # dropout masks: the same on every arm at this step
         self.masks._calls = 0
         with runner.applied():

@@ -1,6 +1,13 @@
 """The first call of a training run that turns finite inputs into NaN/Inf: a leaf module, or the
 own code of a module with children (its output, or an input it hands a child, is the first
-non-finite value while its inputs and the outputs of its children are finite)."""
+non-finite value while its inputs and the outputs of its children are finite).
+
+The hooks are training's own, not ``capture.LeafCalls``: they see what ``LeafCalls(model, leaf,
+parent)`` would hand this detector, at less cost per call - a leaf gets one forward hook (no
+pre-hook, no keyword arguments, no call key: the detector reads none of them), a module with
+children a pre-hook that opens its call and a hook that closes it. On LeNet that is 13 hook calls
+a forward instead of 24, each doing less (0.4 ms of a 7 ms step before).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import LeafCalls, ParentCall, first_tensor, made_in_own_code, tensors_in
+from convcheck.capture import ChildCall, ParentCall, first_tensor, hooks_live, leaf_modules, made_in_own_code, \
+    named_modules, tensors_in
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -36,25 +44,57 @@ class FirstProducer:
         self.weights = False
         self.step_index = 0
         self._dirty = False
-        self._calls = LeafCalls(model, self._leaf, self._parent)
-        self._calls.__enter__()
+        self._stack: list[ParentCall] = []  # the calls of modules with children under way
+        leaves = {id(m) for _, m in leaf_modules(model)}
+        self._handles = []
+        for name, module in named_modules(model):
+            if id(module) in leaves:
+                self._handles.append(module.register_forward_hook(self._leaf_hook(name)))
+            else:
+                self._handles.append(module.register_forward_pre_hook(self._enter(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._exit, with_kwargs=True))
 
     def next_step(self, index: int) -> None:
         self.step_index = index
-        self._calls.order.clear()  # keys are not needed across steps: nothing grows with the run
-        self._calls._counts.clear()
+        self._stack.clear()  # nothing is carried across steps: nothing grows with the run
 
     def close(self) -> None:
-        self._calls.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def _watching(self) -> bool:
         return self.found is None and torch.is_grad_enabled()
 
-    def _leaf(self, key, name, module, inputs, out) -> None:
-        if self._watching() and not all_finite(out):
-            self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
-            if _finite(inputs):
-                self._blame(name, module)
+    def _leaf_hook(self, name: str):
+        def hook(module, args, output):
+            if not hooks_live():
+                return
+            if self._stack:  # what the parent's own code handed this child and got back
+                self._stack[-1].children.append(ChildCall(name, name, args, output))
+            out = first_tensor(output)
+            if out is not None and self._watching() and not all_finite(out):
+                self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
+                if _finite(args):
+                    self._blame(name, module)
+
+        return hook
+
+    def _enter(self, name: str):
+        def hook(module, args, kwargs):
+            if hooks_live():
+                self._stack.append(ParentCall(name, name, module, args, dict(kwargs), None))
+
+        return hook
+
+    def _exit(self, module, args, kwargs, output) -> None:
+        if not hooks_live() or not self._stack or self._stack[-1].module is not module:
+            return
+        call = self._stack.pop()
+        call.output = output
+        if self._stack:
+            self._stack[-1].children.append(ChildCall(call.key, call.name, call.inputs, output))
+        self._parent(call)
 
     def _parent(self, call: ParentCall) -> None:
         if not self._watching():
