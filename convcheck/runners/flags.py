@@ -20,8 +20,19 @@ def set_tf32(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = on
 
 
+_ACCESSORS: list | None = None
+
+
 def _flag_accessors():
-    """(name, getter, setter) for every global flag a target or a run may touch."""
+    """(name, getter, setter) for every global flag a target or a run may touch; listed once per
+    process (which flags this torch has does not change; ``applied`` wraps every training step)."""
+    global _ACCESSORS
+    if _ACCESSORS is None:
+        _ACCESSORS = _list_accessors()
+    return _ACCESSORS
+
+
+def _list_accessors():
     b = torch.backends
 
     def attr(obj, name):

@@ -20,7 +20,7 @@ import pandas as pd
 from convcheck.errors import UsageError
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
-from convcheck.train.arms import Arm, lower_precision, make_arms, perturb_
+from convcheck.train.arms import PERTURB_SLOT, Arm, lower_precision, make_arms, perturb_
 from convcheck.train.distances import Distances
 from convcheck.train.stats import Scratch
 from convcheck.train.result import (
@@ -59,6 +59,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     try:
         for arm in arms:  # inside the try: a data-parallel arm's processes are stopped on any failure
             states.append(_arm_state(arm, build, cfg, recipe, scratch))
+        scratch.drop(PERTURB_SLOT)  # the envelope arms' one-ulp draws: not needed again
         for step in range(cfg.steps):
             try:
                 x, y = next(stream)

@@ -23,7 +23,7 @@ class ArmState:
         self.runner = arm.target.runner
         self.model = build(arm.target)
         if arm.perturb_seed is not None:
-            perturb_(self.model, self.runner.ulp, arm.perturb_seed)
+            perturb_(self.model, self.runner.ulp, arm.perturb_seed, self.scratch)
         self.opt = recipe.make_optimizer(self.model.parameters())
         self.schedule = recipe.make_schedule(self.opt, steps)
         self.clip = recipe.clip_grad_norm

@@ -43,7 +43,7 @@ def make_arms(targets: list[Target], envelope: int, seed: int, judge: Target) ->
     return arms
 
 
-def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
+def perturb_(model: nn.Module, ulp: float, seed: int, scratch=None) -> None:
     """Move every floating parameter by one ulp (relative) in a random direction, in place.
 
     Each element is multiplied by one of the two factors 1 - ulp, 1 + ulp (computed in the
@@ -53,7 +53,9 @@ def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
     parameters of one dtype at once (the generator draws element after element, so one call of
     their total size draws what one call each does); and the factor is ``down + draw * (up - down)``
     where that arithmetic is exact in the dtype (``_factor_exact``, checked), instead of a bool
-    tensor and ``torch.where``: a third of the time."""
+    tensor and ``torch.where``: a third of the time. With ``scratch`` (a ``stats.Scratch``) the draws
+    go into a buffer it keeps: ``randint`` is ``empty(...).random_(low, high)``, and a fresh 47 MB
+    (ResNet-18) is faulted in page by page, as long again as the draws; the envelope arms share one."""
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.is_floating_point()]
     with torch.no_grad():
@@ -63,20 +65,26 @@ def perturb_(model: nn.Module, ulp: float, seed: int) -> None:
             j = i
             while j < len(params) and params[j].dtype == dtype:
                 j += 1
-            _perturb_run(params[i:j], ulp, gen)
+            _perturb_run(params[i:j], ulp, gen, scratch)
             i = j
 
 
-def _perturb_run(params: list, ulp: float, gen: torch.Generator) -> None:
+PERTURB_SLOT = "perturb"  # the Scratch slot of the draws (``run_training`` drops it once the arms are built)
+
+
+def _perturb_run(params: list, ulp: float, gen: torch.Generator, scratch=None) -> None:
     """``perturb_`` for consecutive parameters of one dtype, drawing from ``gen`` in their order."""
     dtype = params[0].dtype
     down_f, up_f = 1 + torch.tensor([-1, 1], dtype=dtype) * ulp
     sizes = [p.numel() for p in params]
-    if _factor_exact(down_f, up_f):
-        factors = torch.randint(0, 2, (sum(sizes),), generator=gen, dtype=dtype).mul_(up_f - down_f).add_(down_f)
+    exact = _factor_exact(down_f, up_f)
+    kind = dtype if exact else torch.uint8
+    draws = (scratch.flat(sum(sizes), kind, "cpu", slot=PERTURB_SLOT) if scratch is not None
+             else torch.empty(sum(sizes), dtype=kind)).random_(0, 2, generator=gen)  # torch.randint's draws
+    if exact:
+        factors = draws.mul_(up_f - down_f).add_(down_f)
     else:
-        up = torch.randint(0, 2, (sum(sizes),), generator=gen, dtype=torch.uint8).bool()
-        factors = torch.where(up, up_f, down_f)
+        factors = torch.where(draws.bool(), up_f, down_f)
     for p, f in zip(params, factors.split(sizes)):
         p.mul_(f.view(p.shape).to(p.device))
 

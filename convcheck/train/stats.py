@@ -42,6 +42,10 @@ class Scratch:
             buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
+    def drop(self, slot) -> None:
+        """Let go of every buffer of ``slot`` (one needed only while the arms are built)."""
+        self._bufs = {k: v for k, v in self._bufs.items() if k[2] != slot}
+
 
 def norm64(t: torch.Tensor, scratch: Scratch) -> torch.Tensor:
     """``torch.linalg.vector_norm(t, dtype=torch.float64)`` (which casts ``t`` to a new float64
