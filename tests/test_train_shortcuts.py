@@ -248,3 +248,26 @@ def test_first_producer_names_what_leafcalls_named(where, at):
     assert fast.found == long.found and fast.weights == long.weights
     assert (fast.found is None) == (where == "none") and fast.weights == (where == "weights")
     fast.close()
+
+
+@pytest.mark.parametrize("targets,lr", [(["cpu", "cpu:bf16"], 1e-3), (["cpu", "cpu:fp16"], 1e3),
+                                        (["cpu", "cpu:float64"], 1e9)])
+def test_outcomes_from_rows_are_arm_outcome_of_the_curves(targets, lr):
+    from convcheck.config import CompareConfig
+    from convcheck.recipe import build_recipe
+    from convcheck.targets import Target, default_judge
+    from convcheck.tolerances import DEFAULT_TOLERANCES
+    from convcheck.train import TrainConfig, make_arms, run_training
+    from convcheck.train.result import arm_outcome
+
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    batches = [(torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))) for _ in range(4)]
+    arms = make_arms([Target.parse(t) for t in targets], envelope=1, seed=0, judge=default_judge()[0])
+    recipe = build_recipe(CompareConfig(optimizer="sgd", lr=lr))
+    r = run_training(lambda t: t.place(_copy(template, torch.float64)), batches, arms,
+                     TrainConfig(steps=4, seed=0, recipe=recipe))
+    long = {a.name: arm_outcome(a, r.arm_curve(a.name), DEFAULT_TOLERANCES) for a in arms if a.role != "envelope"}
+    assert repr(r.outcomes) == repr(long) and len(long) >= 2  # repr: NaN fields compare equal, floats exactly
+    if lr > 1:
+        assert any(o.first_nonfinite_step is not None for o in long.values())

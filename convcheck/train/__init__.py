@@ -25,6 +25,7 @@ from convcheck.train.distances import Distances
 from convcheck.train.stats import Scratch
 from convcheck.train.result import (
     CONVERGED_RULE, ArmOutcome, EnvelopeSummary, TrainConfig, TrainResult, arm_outcome, converged, envelope_summary,
+    outcomes_from_rows,
 )
 
 Progress = Callable[[int, int], None]
@@ -87,8 +88,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
         ddp_ranks={s.arm.name: s.ranks for s in states if hasattr(s, "ranks")},
     )
-    result.outcomes = {a.name: arm_outcome(a, result.arm_curve(a.name), tolerances)
-                       for a in arms if a.role != "envelope"}
+    result.outcomes = outcomes_from_rows(arms, rows, tolerances)  # arm_outcome's values, from the rows
     result.envelope = envelope_summary(result, tolerances)
     targets = [a.target for a in arms if a.role == "target"]
     if len(targets) == 1:  # the other target is the judge itself (cpu,cpu:float64)

@@ -94,6 +94,31 @@ def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
     )
 
 
+def outcomes_from_rows(arms, rows: list[dict], tol: Tolerances) -> dict[str, ArmOutcome]:
+    """``{arm: arm_outcome(arm, its curve, tol)}`` for the targets and the judge, read from the curve
+    rows as ``run_training`` made them (in step order) instead of one DataFrame filter per arm and
+    column: the same values (a row's float is the one its DataFrame cell holds), a millisecond less."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in rows:
+        by_arm.setdefault(r["arm"], []).append(r)
+    out = {}
+    for arm in arms:
+        if arm.role == "envelope":
+            continue
+        mine = by_arm.get(arm.name, [])
+        losses = [float(r["loss"]) for r in mine]
+        bad = [r["step"] for r in mine if r["nonfinite_loss"] or r["nonfinite_grad"]]
+        last = (lambda col: float(mine[-1][col]) if mine else math.nan)
+        out[arm.name] = ArmOutcome(
+            name=arm.name, role=arm.role, converged=converged(losses, tol),
+            first_loss=losses[0] if losses else math.nan, final_loss=losses[-1] if losses else math.nan,
+            first_nonfinite_step=int(bad[0]) if bad else None,
+            skipped_steps=int(sum(bool(r["skipped"]) for r in mine)), final_loss_scale=last("loss_scale"),
+            final_dist_judge=last("dist_judge"),
+        )
+    return out
+
+
 def envelope_summary(result: TrainResult, tol: Tolerances) -> EnvelopeSummary | None:
     """Envelope runs that converge, and those that fail *clearly*: non-finite, or not converged and
     ending more than ``FRAGILE_MARGIN`` above the run they perturb (a run that only just misses the
