@@ -95,6 +95,7 @@ class LocalGrads:
         # ``args``: the judge's inputs as ``local_grads`` casts them, where the forward row made them
         # (its floor then reuses what this one's rounds and computes: ``FloorMeter``)
         self._args: tuple | None = args
+        self._in_forward_row = args is not None
         self._g: torch.Tensor | None = None
         self._ref: nn.Module | None = None
         self._want: dict | None = None
@@ -130,7 +131,8 @@ class LocalGrads:
         if self._best is None:
             meter = self.meter
             shared = None if meter.rounds_grads(self.module, self.args, self.g) else self.want()
-            self._best = meter.grads(self.module, self.ref(), self.args, self.g, self.grad_dtype, shared)
+            self._best = meter.grads(self.module, self.ref(), self.args, self.g, self.grad_dtype, shared,
+                                     keep_output=self._in_forward_row)
         return self._best
 
     def check(self, tol: Tolerances, pname: str, jg: torch.Tensor, accumulation: float) -> dict:

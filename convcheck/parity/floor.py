@@ -141,17 +141,19 @@ class FloorMeter:
                                              and op.operand > dtype_unit_roundoff(grad_output.dtype))
 
     def grads(self, module: nn.Module, ref: nn.Module, args: tuple, grad_output: torch.Tensor,
-              grad_dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              grad_dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None,
+              keep_output: bool = False) -> dict[str, torch.Tensor]:
         """The best parameter gradients at this precision: ``ref`` fed operand-rounded ``args``,
         ``grad_output`` and parameters, each gradient rounded to ``grad_dtype``. Where the rounding
         changes nothing (``rounds_grads`` is False) ``reference``, the float64 gradients on the
-        unrounded operands, is rounded instead (and must be given)."""
+        unrounded operands, is rounded instead (and must be given). ``keep_output``: the forward
+        floor of this call comes next (its forward row): the float64 output is kept for it."""
         if self.rounds_grads(module, args, grad_output):
             op = self.precision.for_module(module)
             g = round_to(self.judge.reference(grad_output), op.operand, self.dtype)
             out, reference = reference_forward_backward(*self._rounded(module, ref, args), g, self.judge)
             # the forward's floor of the same call is this output, rounded (``forward``): kept for it
-            self._last_out = (module, op, args, out) if self.rounds(module, args) else None
+            self._last_out = (module, op, args, out) if keep_output and self.rounds(module, args) else None
         u = dtype_unit_roundoff(grad_dtype)
         return {n: round_to(t, u, grad_dtype) for n, t in reference.items()}
 
@@ -174,6 +176,10 @@ class FloorMeter:
         if last is None or last[0] is not module or last[1] != op:
             last = self._last_rounded = (module, op, self._rounded_module(ref, op))
         return last[2], self._rounded_args(args, op)
+
+    def forget_output(self) -> None:
+        """Drop a kept output its forward floor did not take (a row settled without it)."""
+        self._last_out = None
 
     def _taken_output(self, module: nn.Module, args: tuple) -> torch.Tensor | None:
         """The float64 output on rounded operands that ``grads`` computed for this very call (same

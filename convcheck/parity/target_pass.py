@@ -120,6 +120,7 @@ class TargetPass:
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
         if measured:
             row.update(self._forward_errors(module, jc, args, got, judged, propagated, out.dtype))
+            self.floors.forget_output()  # (one its floor did not need)
         self._add(key, row, out)
         if jc is not None:
             if name not in self.first_call:
