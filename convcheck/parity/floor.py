@@ -86,9 +86,6 @@ class FloorMeter:
         # (target's layer, op precision, its float64 copy with rounded parameters): a matmul/conv's
         # parameters do not change within a pass, and its two floors come one after the other
         self._last_rounded: tuple | None = None
-        # (op precision, args, rounded args): the gradients' floor rounds the operands the
-        # forward's floor rounds next (``grads`` then ``forward``, in one forward row)
-        self._last_args: tuple | None = None
         # (layer, op precision, args, output): the float64 output on rounded operands that the
         # gradients' floor computed on its way (``grads``), the forward's floor itself (``forward``)
         self._last_out: tuple | None = None
@@ -123,12 +120,8 @@ class FloorMeter:
         target holds them) on operand-rounded ``args`` (as the target's call received them),
         rounded to ``out_dtype``, vs ``judge_out``. ``reference_out`` (``ref`` on ``args``
         unrounded) is reused when the rounding changes nothing (float32, a cast target)."""
-        out = reference_out
-        if self.rounds(module, args):
-            out = self._taken_output(module, args)
-            if out is None:
-                out = reference_call(*self._rounded(module, ref, args), self.judge)
-        elif out is None:
+        out = self._taken_output(module, args) if self.rounds(module, args) else reference_out
+        if out is None:
             out = reference_call(*self._rounded(module, ref, args), self.judge)
         if out is None:
             return math.nan
@@ -187,17 +180,10 @@ class FloorMeter:
         hit, self._last_out = self._last_out, None
         if hit is None or hit[0] is not module or hit[1] != self.precision.for_module(module):
             return None
-        return hit[3] if _same_tensors(hit[2], args) else None
+        same = len(hit[2]) == len(args) and all(a is b for a, b in zip(hit[2], args))
+        return hit[3] if same else None
 
     def _rounded_args(self, args: tuple, op: OpPrecision) -> tuple:
-        last = self._last_args
-        if last is not None and last[0] == op and _same_tensors(last[1], args):
-            return last[2]
-        rounded = self._rounding_args(args, op)
-        self._last_args = (op, args, rounded)
-        return rounded
-
-    def _rounding_args(self, args: tuple, op: OpPrecision) -> tuple:
         out = []
         for a in args:
             if isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -213,11 +199,6 @@ class FloorMeter:
                 if t.is_floating_point():
                     t.copy_(round_to(t, op.operand, self.dtype))
         return copy
-
-
-def _same_tensors(a: tuple, b: tuple) -> bool:
-    """The same argument objects, one by one (a new tuple of the same tensors counts)."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def magnitude_ratio(module: nn.Module, judge_inputs: tuple, judge_out: torch.Tensor, judge: Runner) -> float:
