@@ -373,3 +373,61 @@ def test_a_forward_floor_takes_the_gradient_floors_output_and_gives_the_long_way
         assert forwards == [5, 0]
     else:  # autocast's gradient rows are made after the backward: the forward's floor comes first
         assert forwards[0] == forwards[1]
+
+
+class _Chain(nn.Module):
+    """Own code of four kinds: ``plain`` hands each child's output to the next; ``inplace`` scales one
+    in place between children; ``view`` reshapes between children."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.act = nn.ReLU()
+        self.flat = nn.Flatten()
+        self.fc = nn.Linear(2 * 6 * 6, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.kind == "inplace":
+            h.mul_(3.0)
+        h = self.act(h)
+        h = h.reshape(h.shape[0], -1) if self.kind == "view" else self.flat(h)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("kind, passes, rows", [("plain", True, 0), ("inplace", False, 1), ("view", False, 0)])
+def test_own_code_that_only_hands_values_on_is_not_replayed_and_gives_the_replays_rows(kind, passes, rows,
+                                                                                       monkeypatch):
+    """``judge_pass.passes_on``: a module whose own code only hands values on (LeNet's, CifarCNN's
+    forward) has no own-code point, so no target replays it; the rows are those of replaying it.
+    Code that changes a value in place is replayed and gets its row; a view is replayed too (its
+    replay finds the view is nothing of its own)."""
+    import pandas as pd
+
+    from convcheck.parity import own_check
+    from convcheck.parity import run_parity
+
+    resolved = _resolved(lambda: _Chain(kind))
+    build = model_builder(resolved, initial_state(resolved, 0))
+    replays = []
+    original = own_check.OwnCodeCheck.errors
+
+    def counted(self, *args):
+        replays.append(type(self.module).__name__)
+        return original(self, *args)
+
+    monkeypatch.setattr(own_check.OwnCodeCheck, "errors", counted)
+    calls, _, _, _ = run_judge(build(CPU_JUDGE), _batch(), CPU_JUDGE.runner, 0, cross_entropy)
+    assert calls["_Chain"].passes_on is passes
+    tables = []
+    for shortcut in (True, False):
+        if not shortcut:
+            monkeypatch.setattr("convcheck.parity.judge_pass.passes_on", lambda call, output: False)
+        replays.clear()
+        result = run_parity(build, _batch(), [T("cpu:bf16")], seed=0)
+        tables.append(result.layers)
+        assert replays == ([] if shortcut and passes else ["_Chain"])
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+    own_rows = tables[0][tables[0]["module"].str.contains("own code")]
+    assert len(own_rows) == rows

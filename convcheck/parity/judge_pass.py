@@ -25,6 +25,7 @@ class JudgeCall:
     full: object = None  # the whole output as the call returned it (set from its parent's record)
     kwargs: dict = field(default_factory=dict)
     children: list[str] | None = None  # a module with children: its children's call keys, in order
+    passes_on: bool = False  # a module with children whose own code only hands values on (``passes_on``)
 
 
 def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn, ops: set | None = None):
@@ -45,9 +46,10 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn, ops: s
         out = first_tensor(call.output)
         if out is None:
             return
+        full = keep(call.output)
         calls[call.key] = JudgeCall(call.name, type(call.module).__name__, call.inputs, snap(out),
-                                    full=keep(call.output), kwargs=call.kwargs,
-                                    children=[c.key for c in call.children])
+                                    full=full, kwargs=call.kwargs, children=[c.key for c in call.children],
+                                    passes_on=passes_on(call, full))
         for c in call.children:
             if c.key in calls:
                 calls[c.key].full = c.output
@@ -64,6 +66,20 @@ def run_judge(model: nn.Module, batch, judge: Runner, seed: int, loss_fn, ops: s
         judge.backward(loss)
     grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}  # the model is dropped
     return calls, lc.order, grads, float(loss.detach())
+
+
+def passes_on(call: ParentCall, output) -> bool:
+    """Whether a module's own code, in the judge's call, only handed values on: every floating tensor
+    it fed a child, and its ``output``, is the very record of one it was given or a child gave back.
+    Records are snapshots (one per tensor and version): a value changed in place, or any new
+    tensor, a view included, is another record. Such code produces nothing of its own (its replay
+    would find no point: ``own_code``), so no target replays it."""
+    handed = {id(t) for t in tensors_in([call.inputs, call.kwargs])}
+    for child in call.children:
+        if any(t.is_floating_point() and id(t) not in handed for t in tensors_in(child.inputs)):
+            return False
+        handed.update(id(t) for t in tensors_in(child.output))
+    return all(id(t) in handed for t in tensors_in(output) if t.is_floating_point())
 
 
 def _has_parameters(module: nn.Module) -> bool:

@@ -155,7 +155,7 @@ class TargetPass:
             self.own_params[call.name] = (len(self.rows), call.module)
         check, errors = None, None
         if jc is not None and jc.children is not None and call.key not in self.stochastic \
-                and not plain_container(call.module):
+                and not plain_container(call.module) and not jc.passes_on:
             try:
                 check = OwnCodeCheck(call, jc, self.calls, self.runner.torch_device)
                 errors = check.errors(self.tol, self.floors)
