@@ -82,12 +82,22 @@ def test_cpu_only_run_says_no_gpu_records_every_step_and_exits_0(tmp_path):
         assert "--json" in s["argv"] and "--out" in s["argv"]
         assert s["results"]["targets"][1] == "cpu:emulate-tf32"
         assert any(o.endswith("summary.json") for o in s["outputs"])
+    # The compare against its bare run (issue 14, item 3): wall time and stages over the bare steps.
+    bare = steps["bench-lenet-bare"]
+    assert bare["status"] == "ok", bare
+    assert bare["results"]["steps"] == 3 and bare["results"]["batch_size"] == 8
+    assert 0 < bare["results"]["warm_s"] <= bare["results"]["cold_s"]
+    (bench,) = summary["benchmarks"]
+    assert bench["compare"] == "compare-lenet-cpu_emulate-tf32" and bench["goal_x"] is None
+    assert bench["x_bare"] == round(steps["compare-lenet-cpu_emulate-tf32"]["seconds"] / bare["results"]["warm_s"], 2)
+    assert set(bench["stages_x_bare"]) >= {"parity_s", "train_s"}
+    assert "benchmark compare-lenet-cpu_emulate-tf32: " in proc.stdout
     # Every GPU step is listed, skipped, with the reason.
     gpu_steps = [s for s in summary["steps"] if s["gpu"]]
     assert {s["name"] for s in gpu_steps} >= {
         "compare-lenet-cpu_cuda", "compare-lenet-tf32_no-tf32", "compare-lenet-cuda_amp-fp16",
         "compare-lenet-cuda_amp-bf16", "compare-cifar_cnn-tf32_emulate-tf32", "compare-resnet50-cpu_cuda",
-        "compare-resnet50-gpu-judge",
+        "compare-resnet50-gpu-judge", "bench-resnet50-bare",
     }
     assert "--judge cuda:float64" in steps["compare-resnet50-gpu-judge"]["command"]
     assert all(s["status"] == "skipped" and "no CUDA GPU" in s["detail"] for s in gpu_steps)
@@ -183,3 +193,10 @@ def test_gpu_plan_has_every_step_the_issue_lists(dc):
     assert "-m pytest -m gpu" in commands["pytest-gpu"]
     assert commands["nvidia-smi"] == "nvidia-smi -q"
     assert sum(s.timeout for s in names.values() if s.kind == "compare") < 900
+    # the bare run of the GPU-judge compare's steps, before it (issue 14, item 3)
+    bare, judged = commands["bench-resnet50-bare"], commands["compare-resnet50-gpu-judge"]
+    assert "benchmarks/bare_steps.py resnet50 --target cuda --steps 10 --batch-size 32" in bare
+    assert "--steps 10" in judged and "--batch-size 32" in judged
+    order = [s.name for s in dc.plan(True, [])]
+    assert order.index("bench-resnet50-bare") < order.index("compare-resnet50-gpu-judge")
+    assert ("compare-resnet50-gpu-judge", "bench-resnet50-bare") in dc.BENCH_PAIRS
