@@ -153,6 +153,32 @@ def test_distances_are_param_distance_and_weight_norms_the_grad_stats_sum():
                     p.mul_(1.5)
 
 
+def test_distances_both_ways_in_place_and_per_layout_are_param_distance():
+    """The two targets each other's partner (one difference for both), arms that are no partner (a
+    float32 and a float64 one: their last difference is taken in place, never in a model's tensor nor in
+    a partner's copy an arm after them reads), and a second model of another layout in the same call."""
+    judge, target, env, low, _ = (_state(n, m) for n, m in zip(("judge", "t", "env", "low", "odd"), _nets()))
+    deep = _state("f64", _copy(env.model, torch.float64))
+    torch.manual_seed(1)
+    small_judge = _state("j2", nn.Sequential(nn.Linear(4, 3)).to(torch.float64))
+    small = _state("t2", _copy(small_judge.model, torch.float32))
+    perturb_(small.model, 2.0 ** -10, 5)
+    partners = {"t": (judge, None, low), "low": (judge, None, target), "env": (judge, low, None),
+                "f64": (judge, target, low), "judge": (None, None, None), "t2": (small_judge, None, None),
+                "j2": (None, None, None)}
+    states = [target, low, env, deep, judge, small, small_judge]  # target's copy is read after env's
+    before = [[p.detach().clone() for p in s.model.parameters()] for s in states]
+    got = Distances(Scratch()).measure(states, partners, weights=True)
+    for s in states:
+        for b in [p for p in partners[s.arm.name] if p is not None]:
+            assert _same(got[(id(s), id(b))], param_distance(s.model, b.model)), (s.arm.name, b.arm.name)
+        long = sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2 for p in s.model.parameters())
+        assert _same(s.kept, long), s.arm.name
+    assert got[(id(target), id(low))] != got[(id(low), id(target))]  # one numerator, two denominators
+    for s, kept in zip(states, before):
+        assert all(torch.equal(p, q) for p, q in zip(s.model.parameters(), kept)), s.arm.name
+
+
 def test_an_arm_reuses_its_weight_norm_only_while_the_parameters_are_unchanged():
     from convcheck.config import CompareConfig
     from convcheck.recipe import build_recipe
