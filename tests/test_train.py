@@ -241,3 +241,10 @@ def test_data_that_runs_out_is_a_usage_error():
     build, batches = _setup(steps=2, batch_size=2)
     with pytest.raises(UsageError, match="ran out after 2 batches; 3 steps need 3"):
         run_training(build, list(batches)[:2], make_arms([T("cpu"), JUDGE], 0, 0, JUDGE), TrainConfig(steps=3))
+
+
+@pytest.mark.parametrize("targets", [["cpu"], ["cpu", "cpu:bf16", "cpu:fp16"]])
+def test_make_arms_takes_exactly_two_targets(targets):
+    """One target (with an envelope it had no partner to pick the lower precision from: an IndexError)."""
+    with pytest.raises(ValueError, match="takes the two targets"):
+        make_arms([T(t) for t in targets], envelope=1, seed=0, judge=JUDGE)

@@ -33,6 +33,8 @@ def lower_precision(targets: list[Target]) -> Target:
 
 def make_arms(targets: list[Target], envelope: int, seed: int, judge: Target) -> list[Arm]:
     """The two targets, the judge, and ``envelope`` perturbed runs of the lower-precision target."""
+    if len(targets) != 2:  # (the CLI and ``compare`` refuse another count with a usage error first)
+        raise ValueError(f"make_arms takes the two targets, got {len(targets)}: {[str(t) for t in targets]}")
     arms = [Arm(str(t), t, "target") for t in targets if t != judge]
     arms.append(Arm(str(judge), judge, "judge"))
     if envelope > 0:
