@@ -82,41 +82,32 @@ class TrainResult:
 
 
 def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
-    losses = [float(v) for v in curve["loss"]]
-    bad = curve[curve["nonfinite_loss"] | curve["nonfinite_grad"]]
-    last = (lambda col: float(curve[col].iloc[-1]) if len(curve) else math.nan)
-    return ArmOutcome(
-        name=arm.name, role=arm.role, converged=converged(losses, tol),
-        first_loss=losses[0] if losses else math.nan, final_loss=losses[-1] if losses else math.nan,
-        first_nonfinite_step=int(bad["step"].iloc[0]) if len(bad) else None,
-        skipped_steps=int(curve["skipped"].sum()), final_loss_scale=last("loss_scale"),
-        final_dist_judge=last("dist_judge"),
-    )
+    """An arm's outcome from its curve (a ``TrainResult.arm_curve``, or one read back from a bundle)."""
+    return _outcome(arm, curve.to_dict("records"), tol)
 
 
 def outcomes_from_rows(arms, rows: list[dict], tol: Tolerances) -> dict[str, ArmOutcome]:
     """``{arm: arm_outcome(arm, its curve, tol)}`` for the targets and the judge, read from the curve
-    rows as ``run_training`` made them (in step order) instead of one DataFrame filter per arm and
-    column: the same values (a row's float is the one its DataFrame cell holds), a millisecond less."""
+    rows as ``run_training`` made them (in step order) instead of one DataFrame filter per arm: the
+    same values (a row's float is the one its DataFrame cell holds), a millisecond less."""
     by_arm: dict[str, list[dict]] = {}
     for r in rows:
         by_arm.setdefault(r["arm"], []).append(r)
-    out = {}
-    for arm in arms:
-        if arm.role == "envelope":
-            continue
-        mine = by_arm.get(arm.name, [])
-        losses = [float(r["loss"]) for r in mine]
-        bad = [r["step"] for r in mine if r["nonfinite_loss"] or r["nonfinite_grad"]]
-        last = (lambda col: float(mine[-1][col]) if mine else math.nan)
-        out[arm.name] = ArmOutcome(
-            name=arm.name, role=arm.role, converged=converged(losses, tol),
-            first_loss=losses[0] if losses else math.nan, final_loss=losses[-1] if losses else math.nan,
-            first_nonfinite_step=int(bad[0]) if bad else None,
-            skipped_steps=int(sum(bool(r["skipped"]) for r in mine)), final_loss_scale=last("loss_scale"),
-            final_dist_judge=last("dist_judge"),
-        )
-    return out
+    return {arm.name: _outcome(arm, by_arm.get(arm.name, []), tol) for arm in arms if arm.role != "envelope"}
+
+
+def _outcome(arm, mine: list[dict], tol: Tolerances) -> ArmOutcome:
+    """The outcome of one arm from its curve rows, in step order."""
+    losses = [float(r["loss"]) for r in mine]
+    bad = [r["step"] for r in mine if r["nonfinite_loss"] or r["nonfinite_grad"]]
+    last = (lambda col: float(mine[-1][col]) if mine else math.nan)
+    return ArmOutcome(
+        name=arm.name, role=arm.role, converged=converged(losses, tol),
+        first_loss=losses[0] if losses else math.nan, final_loss=losses[-1] if losses else math.nan,
+        first_nonfinite_step=int(bad[0]) if bad else None,
+        skipped_steps=int(sum(bool(r["skipped"]) for r in mine)), final_loss_scale=last("loss_scale"),
+        final_dist_judge=last("dist_judge"),
+    )
 
 
 def envelope_summary(result: TrainResult, tol: Tolerances) -> EnvelopeSummary | None:
