@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from convcheck.report.text import fmt
+from convcheck.table_schema import named
 
 
 def failure_message(result, max_rows: int = 5) -> str:
@@ -24,7 +25,7 @@ def failure_message(result, max_rows: int = 5) -> str:
                          f"{fmt(r.needed):>14}")
         lines.append(f"(bound_factor={result.config.tolerances.bound_factor:g}; "
                      f"passing would need bound_factor >= {fmt(result.parity.needed_bound_factor())})")
-    for name, info in result.training.outcomes.items():
+    for name, info in named(result.training.outcomes).items():
         if not info.converged:
             lines.append(f"{name} did not converge (loss {fmt(info.first_loss)} -> {fmt(info.final_loss)})")
     if v is not None:

@@ -83,7 +83,7 @@ def recipe_problems(result) -> list[Symptom]:
     """The judge's recipe symptoms of one comparison (read only: the probe ran in the pipeline)."""
     cfg, training = result.config, result.training
     judge = str(cfg.judge)
-    outcome = training.outcomes.get(judge)
+    outcome = training.outcomes.get(cfg.judge)
     layers = result.parity.layers
     norms = sorted(set(layers.loc[layers["module"].isin(NORM_MODULES), "layer"])) \
         if len(layers) and "module" in layers else []

@@ -200,7 +200,7 @@ def test_own_code_that_draws_is_still_found_stochastic():
 
     batch = (torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
     r = run_parity(build, batch, [Target.parse("cpu:bf16")])
-    assert r.stochastic_layers == ["1"], r.stochastic_layers
+    assert r.stochastic_layers == ("1",), r.stochastic_layers
     assert not r.layers["flagged"].any()
 
 

@@ -85,7 +85,7 @@ def test_digits_trains_lenet_on_both_arms():
     r = compare("lenet", "cpu,cpu:bf16", data="digits", steps=30, lr=3e-3, envelope=0, env_findings=[])
     assert r.data_source == "digits"
     for arm in ("cpu", "cpu:bf16"):
-        o = r.training.outcomes[arm]
+        o = r.training.outcomes[T(arm)]
         assert o.final_loss < 0.5 * o.first_loss, (arm, o)
     assert r.data_stats["y_distinct"] == 10
 
@@ -103,6 +103,9 @@ import resource, sys, torch
 import torch.nn as nn
 torch.set_num_threads(1)
 from convcheck.pipeline import compare
+from convcheck.targets import Target
+
+T = Target.parse
 def tiny():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 2))
 compare(tiny, "cpu,cpu:float64", steps=int(sys.argv[1]), batch_size=256, envelope=0, input_shape=(1, 28, 28),

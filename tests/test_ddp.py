@@ -127,7 +127,7 @@ def test_ddp_matches_single_device_with_shared_dropout():
     assert (abs(one["loss"] - ddp["loss"]) <= 1e-6 * abs(one["loss"])).all()  # reduction order only
     assert (abs(one["grad_norm"] - ddp["grad_norm"]) <= 1e-5 * one["grad_norm"]).all()
     assert _last(r, "ddp:cpu:2", "dist_other") < 1e-6
-    assert r.outcomes["ddp:cpu:2"].converged == r.outcomes["cpu"].converged
+    assert r.outcomes[T("ddp:cpu:2")].converged == r.outcomes[T("cpu")].converged
     assert ddp_findings(r) == []
 
 
@@ -241,7 +241,7 @@ def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
     rows = p.layers[p.layers["target"] == "ddp:cpu:2"]
     assert set(rows["param"]) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     assert (rows["propagated"] < rows["bound"]).all() and (rows["propagated"] < 1e-5).all()
-    assert abs(p.losses["ddp:cpu:2"] - p.losses["cpu"]) < 1e-6
+    assert abs(p.losses[T("ddp:cpu:2")] - p.losses[T("cpu")]) < 1e-6
 
 
 def test_ddp_verdict_is_setup_ddp_naming_the_layer():
@@ -312,7 +312,7 @@ def test_numeric_modes_compose_and_envelope_runs_of_a_ddp_target():
     r = _train(_mlp, targets="cpu,ddp:cpu:2:bf16", steps=2, envelope=1)
     c = r.curves
     assert set(c["arm"]) == {"cpu", "ddp:cpu:2:bf16", "cpu:float64", "ddp:cpu:2:bf16~1"}
-    assert r.lower_precision == "ddp:cpu:2:bf16"
+    assert r.lower_precision == T("ddp:cpu:2:bf16")
     bf16 = c[c["arm"] == "ddp:cpu:2:bf16"]["loss"].to_numpy()
     one = c[c["arm"] == "cpu"]["loss"].to_numpy()
     assert abs(bf16 - one).max() < 0.05 and abs(bf16 - one).max() > 0  # bf16 rounding, same training

@@ -33,7 +33,7 @@ def outcome(name: str, first: float, final: float) -> ArmOutcome:
 @dataclass(frozen=True)
 class FakeTarget:
     name: str
-    runner: SimpleNamespace = field(default_factory=lambda: runner())
+    runner: SimpleNamespace = field(default_factory=lambda: runner(), compare=False)  # keyed by name
     unit_roundoff: float = 2.0**-24
 
     def __str__(self) -> str:
@@ -58,10 +58,11 @@ def fake_result(local_bf16: float = 2e-3, steps: int = 5, stochastic=()) -> Simp
     bf16 = FakeTarget("cpu:bf16", runner(half_compute=True, half_storage=True, compute_dtype="torch.bfloat16"))
     layers = pd.DataFrame([parity_row("cpu", 0, "fc1", 1e-7), parity_row("cpu", 1, "fc2", 2e-7),
                            parity_row("cpu:bf16", 0, "fc1", local_bf16), parity_row("cpu:bf16", 1, "fc2", 1e-3)])
-    flagged = {t: (rows[rows["flagged"]]["layer"].iloc[0] if rows["flagged"].any() else None)
+    by_name = {str(t): t for t in (cpu, bf16, judge)}
+    flagged = {by_name[t]: (rows[rows["flagged"]]["layer"].iloc[0] if rows["flagged"].any() else None)
                for t, rows in layers.groupby("target")}
-    parity = SimpleNamespace(layers=layers, first_flagged=flagged, stochastic_layers=list(stochastic),
-                             self_difference={"cpu": 0.0, "cpu:bf16": 0.0},
+    parity = SimpleNamespace(layers=layers, first_flagged=flagged, stochastic_layers=tuple(stochastic),
+                             self_difference={cpu: 0.0, bf16: 0.0},
                              flagged=lambda t: layers[layers["flagged"] & (layers["target"] == t)])
     losses = [2.3 * 0.8**s for s in range(steps)]
     curves = pd.DataFrame([dict(arm=a, role="judge" if a == JUDGE else "target", target=a, step=s, loss=v,
@@ -69,12 +70,12 @@ def fake_result(local_bf16: float = 2e-3, steps: int = 5, stochastic=()) -> Simp
                                 nonfinite_loss=False, nonfinite_grad=False, loss_scale=math.nan, skipped=0,
                                 update_ratio=1e-3)
                            for a in ("cpu", "cpu:bf16", JUDGE) for s, v in enumerate(losses)])
-    outcomes = {a: outcome(a, losses[0], losses[-1]) for a in ("cpu", "cpu:bf16", JUDGE)}
+    outcomes = {by_name[a]: outcome(a, losses[0], losses[-1]) for a in ("cpu", "cpu:bf16", JUDGE)}
     training = SimpleNamespace(
-        curves=curves, outcomes=outcomes, envelope=None, lower_precision="cpu:bf16",
+        curves=curves, outcomes=outcomes, envelope=None, lower_precision=bf16,
         layer_grads=pd.DataFrame(columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
         activations=pd.DataFrame(columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
-        nonfinite_producer={"cpu": None, "cpu:bf16": None, JUDGE: None})
+        nonfinite_producer={cpu: None, bf16: None, judge: None}, arm_of=lambda t: t)  # its arms: the targets
     config = SimpleNamespace(targets=(cpu, bf16), judge=judge, steps=steps, lr=1e-3, optimizer="adam",
                              envelope=0, tolerances=Evidence().tolerances)
     return SimpleNamespace(config=config, parity=parity, training=training, data_stats={},
@@ -114,7 +115,7 @@ def test_a_small_flagged_layer_is_a_note_not_a_verdict():
         [1e-4, 1e-4, 1e-7]
     layers["over_floor"] = layers["intrinsic"] / layers["floor"]
     layers["flagged"] = [Evidence().tolerances.is_flagged(e, f) for e, f in zip(layers["intrinsic"], layers["floor"])]
-    result.parity.first_flagged["cpu"] = "fc2"
+    result.parity.first_flagged[next(t for t in result.parity.first_flagged if str(t) == "cpu")] = "fc2"
     ev = gather(result)
     assert ev.target_symptoms == () and [n.layer for n in ev.layer_notes] == ["fc2"]
     v = diagnose(result)

@@ -31,6 +31,8 @@ from convcheck.targets import Target
 from convcheck.thresholds import DESTROYED_ERROR, FLOOR_ABSOLUTE
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 
+T = Target.parse
+
 TARGETS = ("cpu", "cpu:bf16", "cpu:fp16", "cpu:amp-bf16", "cpu:emulate-tf32")
 F64 = torch.float64
 
@@ -152,7 +154,7 @@ def healthy_rows():
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_healthy_layer_passes_against_its_floor(healthy_rows, name, target):
     row, r = healthy_rows[(name, target)]
-    assert r.first_flagged[target] is None, r.flagged()
+    assert r.first_flagged[T(target)] is None, r.flagged()
     assert 0 < row["floor"] < 0.05 and math.isfinite(row["bound"])
     assert row["local"] <= row["bound"] and row["needed"] <= DEFAULT_TOLERANCES.bound_factor
     # the floor is at least the rounding of the judge's result to the target's output dtype:
@@ -170,7 +172,7 @@ def test_a_layer_wrong_by_ten_times_its_noise_is_flagged_first(healthy_rows, nam
     eps = 10 * max(healthy["local"], 1e-7)  # 10x the healthy local error (the noise)
     row, r = layer_row(name, target, eps)
     assert row["flagged"], (row["local"], row["intrinsic"], row["floor"], row["bound"])
-    assert r.first_flagged[target] == "0"
+    assert r.first_flagged[T(target)] == "0"
 
 
 def test_a_float32_conv_under_tf32_emulation_has_a_tf32_floor(healthy_rows):

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from convcheck.targets import Target, snapshot_global_flags
+from convcheck.table_schema import named
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -59,6 +60,8 @@ no_tf32_override = pytest.mark.skipif(
     HAS_CUDA and os.environ.get("NVIDIA_TF32_OVERRIDE") == "0",
     reason="NVIDIA_TF32_OVERRIDE=0 disables TF32 in this process",
 )
+
+T = Target.parse
 
 
 def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -177,14 +180,14 @@ def test_amp_fp16_records_the_grad_scaler_scale_in_the_curves():
     # GradScaler starts at 2^16 and only halves (on a skipped step) or doubles after 2000 steps.
     assert ((scales > 0) & (scales <= 2.0**16)).all(), list(scales)
     assert plain["loss_scale"].astype(float).isna().all(), "no scaler, no scale"
-    final = result.training.outcomes["cuda:amp-fp16"].final_loss_scale
+    final = result.training.outcomes[T("cuda:amp-fp16")].final_loss_scale
     assert final is not None and math.isfinite(final) and final == scales.iloc[-1]
     # A skipped step (Inf/NaN in the scaled gradients) is exactly a halving of the scale.
     previous = [2.0**16] + list(scales.iloc[:-1])
     for prev, scale, skipped in zip(previous, scales, amp["skipped"].astype(bool)):
         assert scale == (prev / 2 if skipped else prev), (prev, scale, skipped)
-    assert result.training.outcomes["cuda:amp-fp16"].skipped_steps == int(amp["skipped"].astype(bool).sum())
-    assert result.training.outcomes["cuda:amp-fp16"].skipped_steps < 4, "fp16 LeNet should train"
+    assert result.training.outcomes[T("cuda:amp-fp16")].skipped_steps == int(amp["skipped"].astype(bool).sum())
+    assert result.training.outcomes[T("cuda:amp-fp16")].skipped_steps < 4, "fp16 LeNet should train"
     losses = result.parity.losses
     assert math.isfinite(losses["cuda:amp-fp16"])
     assert abs(losses["cuda:amp-fp16"] - losses["cuda"]) < 1e-2 * abs(losses["cuda"])
@@ -285,7 +288,7 @@ def test_emulated_tf32_is_an_upper_bound_of_real_tf32():
     assert compared >= 7, f"only {compared} layers carried TF32-sized error"
     assert not above, "real TF32 more than 10x above its emulation:\n" + "\n".join(above)
     assert tf32_sized >= 3, "TF32 on changed (almost) no layer"  # most convs and fc run TF32 kernels
-    assert result.first_flagged == {"cuda:tf32": None, "cpu:emulate-tf32": None, "cuda:no-tf32": None}, \
+    assert named(result.first_flagged) == {"cuda:tf32": None, "cpu:emulate-tf32": None, "cuda:no-tf32": None}, \
         result.flagged()
     for (kind, layer, param), v in off.items():
         if kind == "forward" and (layer.endswith(".conv") or layer == "fc"):
@@ -334,7 +337,7 @@ def test_resnet50_compare_at_batch_32_with_the_gpu_judge():
                 env_findings=[])
     assert str(r.judge) == "cuda:float64" and "fast float64" not in r.judge_reason  # chosen explicitly
     assert r.verdict is not None and r.verdict.category in ("ok", "numerics", "setup")
-    assert set(r.training.outcomes) == {"cuda:tf32", "cuda:no-tf32", "cuda:float64"}
+    assert set(named(r.training.outcomes)) == {"cuda:tf32", "cuda:no-tf32", "cuda:float64"}
     assert r.timings["parity_s"] > 0 and r.timings["train_s"] > 0
 
 

@@ -18,6 +18,7 @@ from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.pipeline import compare
 from convcheck.runners.judge import Float64Runner
 from convcheck.targets import Target, default_judge, parse_judge
+from convcheck.table_schema import named
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 FAST = dict(steps=2, batch_size=4, envelope=1)
@@ -168,7 +169,7 @@ def test_a_gpu_judge_builds_every_float64_reference(monkeypatch):
     assert used["place"] >= 3  # parity's judge, the stochastic probe, the judge's training arm
     assert used["reference_module"] >= 1 and used["reference"] >= 1  # intrinsic / terms-norm references
     assert r.parity.layers["intrinsic"].notna().any()
-    assert set(r.training.outcomes) == {"cpu", "cpu:bf16", "cuda:float64"}
+    assert set(named(r.training.outcomes)) == {"cpu", "cpu:bf16", "cuda:float64"}
 
 
 # --- the caller's random state ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from convcheck.models import ResolvedModel, resolve_model
 from convcheck.parity import COLUMNS, ParityResult, run_parity
 from convcheck.targets import Target, snapshot_global_flags
 from convcheck.thresholds import FLOOR_ABSOLUTE
+from convcheck.table_schema import named
 
 T = Target.parse
 
@@ -100,8 +101,8 @@ def _grad(result, target):
 
 def test_lenet_cpu_against_the_judge(lenet_reduced, lenet):
     r = lenet_reduced
-    assert list(r.layers.columns) == COLUMNS
-    assert r.first_flagged["cpu"] is None
+    assert tuple(r.layers.columns) == COLUMNS
+    assert r.first_flagged[T("cpu")] is None
     fwd = _fwd(r, "cpu")
     names = [n for n, _ in leaf_modules(lenet.factory())]
     assert list(fwd["layer"]) == names
@@ -146,9 +147,9 @@ def test_lenet_reduced_precision_is_larger_but_bounded(lenet_reduced):
         assert fwd["local"].max() > 100 * cpu, target
         assert (fwd["over_floor"] <= r.tolerances.bound_factor).all(), target
         assert fwd["propagated"].max() < 0.5, target
-    assert set(r.losses) == {"cpu", "cpu:bf16", "cpu:emulate-tf32", "cpu:amp-bf16"}
+    assert set(named(r.losses)) == {"cpu", "cpu:bf16", "cpu:emulate-tf32", "cpu:amp-bf16"}
     assert all(math.isfinite(v) for v in r.losses.values())
-    assert abs(r.losses["cpu"] - r.judge_loss) < 1e-5
+    assert abs(r.losses[T("cpu")] - r.judge_loss) < 1e-5
 
 
 def test_emulated_tf32_matmuls_carry_the_error(lenet_reduced):
@@ -161,7 +162,7 @@ def test_emulated_tf32_matmuls_carry_the_error(lenet_reduced):
 def test_cifar_cnn_reduced_precision_is_larger_but_bounded():
     r = _parity(resolve_model("cifar_cnn"), ["cpu:bf16", "cpu:emulate-tf32"], n=4)
     assert bool(r), r.flagged()
-    assert r.first_flagged == {"cpu:bf16": None, "cpu:emulate-tf32": None}
+    assert named(r.first_flagged) == {"cpu:bf16": None, "cpu:emulate-tf32": None}
     assert 1e-3 < _fwd(r, "cpu:bf16")["local"].max() < 5e-2
     assert 5e-5 < _fwd(r, "cpu:emulate-tf32")["local"].max() < 5e-3
     assert r.layers["module"].isin(["BatchNorm2d"]).any()
@@ -179,7 +180,7 @@ def offset_net():
 def test_the_reduced_precision_culprit_is_flagged_first(offset_net):
     r = offset_net
     assert not bool(r)
-    assert r.first_flagged["cpu:bf16"] == "norm"
+    assert r.first_flagged[T("cpu:bf16")] == "norm"
     flagged = r.flagged("cpu:bf16")
     assert list(flagged["layer"]) == ["norm"]
     row = flagged.iloc[0]
@@ -197,7 +198,7 @@ def test_the_same_layer_in_float32_is_flagged_but_small(offset_net):
     """float32 loses ~1e-4 here: far above what float32 allows (its floor ~1e-6), so the row is
     flagged; below min_error it is a note for the verdict (tests/scenarios), not a culprit."""
     fwd = _fwd(offset_net, "cpu").set_index("layer")
-    assert offset_net.first_flagged["cpu"] == "norm"
+    assert offset_net.first_flagged[T("cpu")] == "norm"
     assert 1e-5 < fwd.loc["norm", "intrinsic"] < offset_net.tolerances.min_error
     assert fwd.loc["norm", "over_floor"] > offset_net.tolerances.bound_factor
     assert not fwd.drop(index="norm")["flagged"].any()
@@ -217,7 +218,7 @@ def _wrong_linear_net():
 
 def test_needed_bound_factor_comes_from_the_flagged_rows_and_would_pass_them():
     r = _parity(_object(_wrong_linear_net), ["cpu:bf16"], n=8)
-    assert r.first_flagged == {"cpu:bf16": "1"}
+    assert named(r.first_flagged) == {"cpu:bf16": "1"}
     row = _fwd(r, "cpu:bf16").set_index("layer").loc["1"]
     assert row["flagged"]
     need = r.needed_bound_factor()
@@ -231,10 +232,10 @@ def test_needed_bound_factor_comes_from_the_flagged_rows_and_would_pass_them():
 
 def test_tolerances_change_what_is_flagged():
     r = _parity(_object(_wrong_linear_net), ["cpu:bf16"], n=8, tolerances=Tolerances(bound_factor=1e6))
-    assert bool(r) and r.first_flagged == {"cpu:bf16": None}
+    assert bool(r) and named(r.first_flagged) == {"cpu:bf16": None}
     # a destroyed result is flagged whatever the factor
     r = _parity(_object(OffsetNet), ["cpu:bf16"], n=16, tolerances=Tolerances(bound_factor=1e6))
-    assert r.first_flagged == {"cpu:bf16": "norm"}
+    assert named(r.first_flagged) == {"cpu:bf16": "norm"}
 
 
 def test_worst_rows_are_each_targets_own_ranked_by_own_error_over_floor(offset_net):
@@ -266,7 +267,7 @@ def test_a_model_that_produces_nan_is_a_result():
         assert fwd.loc["1", "nan"] == 0
         assert _grad(r, target)["nan"].sum() > 0
         # the judge produces the same NaN: that is the model, not this target
-        assert r.first_flagged[target] is None
+        assert r.first_flagged[T(target)] is None
         assert math.isfinite(fwd.loc["2", "local"])
     assert "2" not in r.stochastic_layers       # NaN != NaN must not look random
     assert math.isnan(r.judge_loss)
@@ -274,7 +275,7 @@ def test_a_model_that_produces_nan_is_a_result():
 
 def test_overflow_only_in_float16_is_flagged_where_it_starts():
     r = _parity(_object(_scale_net), ["cpu", "cpu:fp16"], n=8)
-    assert r.first_flagged == {"cpu": None, "cpu:fp16": "2"}
+    assert named(r.first_flagged) == {"cpu": None, "cpu:fp16": "2"}
     fwd = _fwd(r, "cpu:fp16").set_index("layer")
     assert fwd.loc["2", "inf"] > 0 and fwd.loc["1", "inf"] == 0
     assert fwd.loc["2", "local"] == math.inf
@@ -301,7 +302,7 @@ def test_parity_leaves_flags_alone_and_prints_nothing(capsys):
 def test_the_judge_in_the_target_list_is_skipped():
     r = _parity(_object(OffsetNet), ["cpu:float64", "cpu"], n=2)
     assert set(r.layers["target"]) == {"cpu"}
-    assert set(r.first_flagged) == {"cpu"}
+    assert set(named(r.first_flagged)) == {"cpu"}
 
 
 # --- tensors changed in place between modules ------------------------------------------------
@@ -326,7 +327,7 @@ class InPlaceResidual(nn.Module):
 
 def test_an_output_changed_in_place_later_is_judged_as_the_layer_made_it():
     r = _parity(_object(InPlaceResidual), ["cpu"], n=8)
-    assert r.stochastic_layers == []  # was: 'bn' looked random (its recorded output had changed)
+    assert r.stochastic_layers == ()  # was: 'bn' looked random (its recorded output had changed)
     fwd = _fwd(r, "cpu").set_index("layer")
     assert fwd.loc["bn", "local"] < 1e-6 and fwd.loc["bn", "propagated"] < 1e-5
     assert {"bn.weight", "bn.bias"} <= set(_grad(r, "cpu")["param"])
@@ -342,7 +343,7 @@ def test_a_bias_feeding_batchnorm_is_not_a_culprit():
     """Its exact gradient is zero (BatchNorm removes the mean): float32 and float64 rounding
     noise are both ~0 and their ratio means nothing."""
     r = _parity(_object(_conv_bias_bn), ["cpu", "cpu:bf16"], n=8)
-    assert r.first_flagged == {"cpu": None, "cpu:bf16": None}
+    assert named(r.first_flagged) == {"cpu": None, "cpu:bf16": None}
     bias = _grad(r, "cpu").set_index("param").loc["0.bias"]
     assert bias["propagated"] > 1  # relative to the cancelled judge gradient: meaningless
     assert bias["local"] < 1e-6    # relative to the terms it sums: float32 rounding
@@ -351,13 +352,13 @@ def test_a_bias_feeding_batchnorm_is_not_a_culprit():
 def test_resnet_blocks_have_every_gradient_and_no_stochastic_layer():
     model = resolve_model("resnet18", input_shape=(3, 32, 32), num_classes=10)
     r = _parity(model, ["cpu"], n=2)
-    assert r.stochastic_layers == []
+    assert r.stochastic_layers == ()
     params = {n for n, _ in model.factory().named_parameters()}
     assert set(_grad(r, "cpu")["param"]) == params
     fwd = _fwd(r, "cpu")
     assert fwd["local"].map(math.isfinite).all()
     assert fwd["local"].max() < 1e-5
-    assert r.first_flagged == {"cpu": None}
+    assert named(r.first_flagged) == {"cpu": None}
 
 
 # --- layers the fast paths must not trip over (found in review) ------------------------------
@@ -388,7 +389,7 @@ def test_a_layer_with_complex_output_is_measured_not_a_crash():
     r = _parity(_object(ComplexLayers), ["cpu", "cpu:emulate-tf32"], n=4)
     fwd = _fwd(r, "cpu").set_index("layer")
     assert fwd.loc["fft", "ref_absmax"] > 0 and math.isfinite(fwd.loc["fft", "propagated"])
-    assert r.first_flagged["cpu"] is None
+    assert r.first_flagged[T("cpu")] is None
 
 
 class _GradModePath(nn.Module):

@@ -17,6 +17,9 @@ from convcheck.parity import ParityResult
 from convcheck.report.export import SUMMARY_SCHEMA, summary_dict
 from convcheck.targets import Target, snapshot_global_flags
 from convcheck.train import TrainResult
+from convcheck.table_schema import named
+
+T = Target.parse
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 FAST = dict(steps=3, batch_size=8, envelope=0)
@@ -41,8 +44,8 @@ def test_result_fields(lenet_run):
     assert r.model.name == "lenet" and r.model.input_shape == (1, 28, 28) and r.model.num_classes == 10
     assert r.config.steps == 4 and r.config.batch_size == 8 and r.config.envelope == 1
     assert isinstance(r.parity, ParityResult) and isinstance(r.training, TrainResult)
-    assert r.parity.first_flagged == {"cpu": None, "cpu:emulate-tf32": None}
-    assert set(r.training.outcomes) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
+    assert named(r.parity.first_flagged) == {"cpu": None, "cpu:emulate-tf32": None}
+    assert set(named(r.training.outcomes)) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
     assert len(r.training.curves) == 4 * 4  # two targets, the judge, one envelope run
     assert r.data_source == "synthetic"
     assert set(r.timings) >= {"setup_s", "parity_s", "train_s"}
@@ -124,7 +127,7 @@ def test_default_targets_without_a_gpu_come_with_a_note(monkeypatch):
     r = compare("lenet", steps=1, batch_size=2, envelope=0, env_findings=[])
     assert [str(t) for t in r.targets] == ["cpu", "cpu:float64"]
     assert any("no GPU" in n for n in r.notes)
-    assert set(r.training.outcomes) == {"cpu", "cpu:float64"}
+    assert set(named(r.training.outcomes)) == {"cpu", "cpu:float64"}
     assert r.to_summary()["notes"] == r.notes
 
 
@@ -153,7 +156,7 @@ def test_a_factory_and_a_module_instance():
     r = compare(offset_net, "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
     assert r.model.name == "offset_net" and r.model.source == "object"
     # float32 loses ~1e-4 in the naive norm: flagged, but a note (below min_error); bf16 loses everything
-    assert r.parity.first_flagged == {"cpu": "2", "cpu:bf16": "2"}
+    assert named(r.parity.first_flagged) == {"cpu": "2", "cpu:bf16": "2"}
     assert not r and r.verdict.target == "cpu:bf16"
     s = r.to_summary()
     assert s["parity"]["first_flagged_layer"]["cpu:bf16"] == "2"
@@ -179,8 +182,8 @@ def test_a_model_that_produces_nan_is_a_result():
     r = compare(nan_net, "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
     assert not r
     for name in ("cpu", "cpu:bf16", "cpu:float64"):
-        assert r.training.outcomes[name].first_nonfinite_step == 0
-        assert r.training.outcomes[name].converged is False
+        assert r.training.outcomes[T(name)].first_nonfinite_step == 0
+        assert r.training.outcomes[T(name)].converged is False
     s = r.to_summary()
     json.dumps(s, allow_nan=False)
     assert s["training"]["per_target"]["cpu"]["first_nonfinite_step"] == 0
@@ -249,7 +252,7 @@ def test_resnet50_one_parity_step_and_two_training_steps():
     before = snapshot_global_flags()
     r = compare("resnet50", "cpu,cpu:float64", steps=2, batch_size=2, envelope=0, env_findings=[])
     assert snapshot_global_flags() == before
-    assert r.parity.first_flagged == {"cpu": None}
+    assert named(r.parity.first_flagged) == {"cpu": None}
     fwd = r.parity.layers[r.parity.layers["kind"] == "forward"]
     grads = r.parity.layers[r.parity.layers["kind"] == "grad"]
     assert "layer1.0.relu#3" in set(fwd["layer"])
@@ -259,4 +262,4 @@ def test_resnet50_one_parity_step_and_two_training_steps():
     assert len(r.training.curves) == 2 * 2
     for info in r.training.outcomes.values():
         assert info.first_nonfinite_step is None
-    assert math.isfinite(r.training.outcomes["cpu"].final_dist_judge)
+    assert math.isfinite(r.training.outcomes[T("cpu")].final_dist_judge)

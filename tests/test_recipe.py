@@ -14,6 +14,9 @@ from convcheck.config import CompareConfig
 from convcheck.errors import UsageError
 from convcheck.pipeline import compare
 from convcheck.recipe import build_recipe
+from convcheck.targets import Target
+
+T = Target.parse
 
 SMALL = dict(input_shape=(1, 4, 4), num_classes=3, envelope=0, batch_size=8, env_findings=[])
 
@@ -165,7 +168,7 @@ def test_clip_grad_norm_clips_and_says_so():
     free = compare(mlp, "cpu,cpu:float64", steps=3, optimizer="sgd", lr=0.1, **SMALL)
     assert not free.training.arm_curve("cpu")["clipped"].any()
     # clipped steps move the weights far less
-    assert r.training.outcomes["cpu"].final_loss > free.training.outcomes["cpu"].final_loss - 1e-9
+    assert r.training.outcomes[T("cpu")].final_loss > free.training.outcomes[T("cpu")].final_loss - 1e-9
     assert math.isfinite(float(c["grad_norm"].iloc[-1]))
 
 

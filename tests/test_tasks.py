@@ -7,7 +7,11 @@ import torch
 
 from convcheck.datasets import open_data
 from convcheck.pipeline import compare
+from convcheck.table_schema import named
+from convcheck.targets import Target
 from reference_models import get_model, get_spec
+
+T = Target.parse
 
 
 def test_zoo_declares_tasks():
@@ -42,7 +46,7 @@ def test_unet_compare_runs_per_pixel_cross_entropy():
     assert r.model.task == "segmentation"
     layers = set(r.parity.layers["layer"])
     assert {"down1.conv1", "up2", "head"} <= layers
-    assert r.parity.first_flagged == {"cpu": None, "cpu:bf16": None}
+    assert named(r.parity.first_flagged) == {"cpu": None, "cpu:bf16": None}
 
 
 def test_mlp_regression_trains_with_mse_on_both_arms():
@@ -50,7 +54,7 @@ def test_mlp_regression_trains_with_mse_on_both_arms():
     assert r.recipe.loss_name == "mean squared error"
     assert r.verdict.category == "ok", r.verdict.headline
     for arm in ("cpu", "cpu:bf16", "cpu:float64"):
-        o = r.training.outcomes[arm]
+        o = r.training.outcomes[T(arm)]
         assert o.final_loss < 0.7 * o.first_loss, (arm, o)
 
 

@@ -23,6 +23,7 @@ from convcheck.train import (
     perturb_,
     run_training,
 )
+from convcheck.table_schema import named
 
 T = Target.parse
 
@@ -75,7 +76,7 @@ def test_loss_falls_on_every_arm(lenet_run):
         loss = list(r.arm_curve(arm.name)["loss"])
         assert all(math.isfinite(v) for v in loss)
         assert sum(loss[-3:]) / 3 < 0.9 * loss[0], (arm.name, loss)
-    assert set(r.outcomes) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}  # envelope runs are not targets
+    assert set(named(r.outcomes)) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}  # envelope runs are not targets
     for name, info in r.outcomes.items():
         assert info.converged is True, name
         assert info.first_nonfinite_step is None
@@ -98,7 +99,7 @@ def test_distance_to_the_judge(lenet_run):
     assert cpu.max() < 1e-5 and cpu.iloc[-1] > 0
     assert tf32.min() > 1e-4
     assert (tf32.values > 100 * cpu.values).all()
-    assert r.outcomes["cpu"].final_dist_judge == pytest.approx(cpu.iloc[-1])
+    assert r.outcomes[T("cpu")].final_dist_judge == pytest.approx(cpu.iloc[-1])
 
 
 def test_envelope_run_measures_distance_to_its_reference(lenet_run):
@@ -155,11 +156,11 @@ def test_absurd_learning_rate_gives_a_first_nonfinite_step_not_an_exception():
     assert [a.name for a in arms] == ["cpu", "cpu:float64"]
     r = run_training(build, batches, arms, TrainConfig(steps=3, recipe=_recipe(optimizer="sgd", lr=1e8)))
     assert len(r.curves) == 3 * 2  # every step is still recorded
-    info = r.outcomes["cpu"]
+    info = r.outcomes[T("cpu")]
     step = info.first_nonfinite_step
     assert isinstance(step, int) and 0 <= step < 3, info
     assert info.converged is False
-    for name, info in r.outcomes.items():
+    for name, info in named(r.outcomes).items():
         c = r.arm_curve(name)
         bad = c["nonfinite_loss"] | c["nonfinite_grad"]
         step = info.first_nonfinite_step

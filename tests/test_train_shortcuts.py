@@ -293,7 +293,7 @@ def test_outcomes_from_rows_are_arm_outcome_of_the_curves(targets, lr):
     recipe = build_recipe(CompareConfig(optimizer="sgd", lr=lr))
     r = run_training(lambda t: t.place(_copy(template, torch.float64)), batches, arms,
                      TrainConfig(steps=4, seed=0, recipe=recipe))
-    long = {a.name: arm_outcome(a, r.arm_curve(a.name), DEFAULT_TOLERANCES) for a in arms if a.role != "envelope"}
+    long = {a.target: arm_outcome(a, r.arm_curve(a.name), DEFAULT_TOLERANCES) for a in arms if a.role != "envelope"}
     assert repr(r.outcomes) == repr(long) and len(long) >= 2  # repr: NaN fields compare equal, floats exactly
     if lr > 1:
         assert any(o.first_nonfinite_step is not None for o in long.values())

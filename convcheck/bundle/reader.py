@@ -27,6 +27,7 @@ from convcheck.bundle.schema import (
     ARRAY_GROUPS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK, SCHEMA, STORAGE,
 )
 from convcheck.errors import UsageError
+from convcheck.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
 from convcheck.stream import HASHES_LISTED
 
 _NUM = (int, float)
@@ -174,21 +175,10 @@ def _check_rows(rows, where: str, columns: dict) -> list[dict]:
     return rows
 
 
-_F = (int, float)
-PARITY_COLUMNS = {
-    "target": str, "order": int, "kind": str, "layer": str, "module": str, "param": (str, type(None)),
-    "shape": (str, type(None)), "K": (int, type(None)), "u": _F, "floor": _F, "bound": _F, "propagated": _F,
-    "local": _F, "intrinsic": _F, "over_floor": _F, "needed": _F, "nan": int, "inf": int,
-    "input_nonfinite": int, "grad_out_nonfinite": int, "grad_in_nonfinite": (int, type(None)), "ref_absmax": _F,
-    "flagged": bool,
-}
-CURVE_COLUMNS = {
-    "arm": str, "role": str, "target": str, "step": int, "loss": _F, "grad_norm": _F, "dist_judge": _F,
-    "dist_ref": _F, "dist_other": _F, "nonfinite_loss": bool, "nonfinite_grad": bool, "loss_scale": _F,
-    "skipped": bool, "update_ratio": _F, "lr": _F, "clipped": bool,
-}
-LAYER_GRAD_COLUMNS = {"arm": str, "step": int, "layer": str, "grad_norm": _F, "zero_frac": _F}
-ACTIVATION_COLUMNS = {"arm": str, "step": int, "layer": str, "kind": str, "dead_frac": _F, "saturated_frac": _F}
+PARITY_COLUMNS = json_kinds(ParityRow)
+CURVE_COLUMNS = json_kinds(CurveRow)
+LAYER_GRAD_COLUMNS = json_kinds(LayerGradRow)
+ACTIVATION_COLUMNS = json_kinds(ActivationRow)
 
 
 def check_manifest(m) -> dict:

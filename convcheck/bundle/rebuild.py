@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import pandas as pd
 import torch
 
 from convcheck.bundle.common import JudgeRecord, config_of
@@ -121,39 +120,26 @@ def _curves(a: Bundle, b: Bundle, ra: dict, rb: dict, arms, steps: int):
 def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, labels=("A", "B")):
     from convcheck.env import audit
     from convcheck.env.fingerprint import Fingerprint
-    from convcheck.parity import COLUMNS, ParityResult
-    from convcheck.parity.result import first_flagged
+    from convcheck.parity import ParityResult
     from convcheck.pipeline import CompareResult
-    from convcheck.train import CURVE_COLUMNS, TrainConfig, TrainResult, make_arms
-    from convcheck.train.result import arm_outcome, envelope_summary
-    from convcheck.train.arms import lower_precision
+    from convcheck.train import TrainConfig, TrainResult, make_arms
 
     ta, tb = _targets(a, b, labels)
     ra, rb = _rename(a, ta), _rename(b, tb)
-    na, nb = str(ta), str(tb)
     cfg = config_of(a, (ta, tb), Target.parse(a["judge"]))  # the judge arm the curves were trained with
-    rows_a, rows_b = _rows(a, ra, judge), _rows(b, rb, judge)
-    parity = ParityResult(
-        pd.DataFrame(rows_a + rows_b, columns=COLUMNS),
-        {na: first_flagged(rows_a), nb: first_flagged(rows_b)}, cfg.tolerances,
-        a["parity"]["judge_loss"], {na: a["parity"]["loss"], nb: b["parity"]["loss"]},
-        list(a["parity"]["stochastic_layers"]),
-        {na: a["parity"]["self_difference"], nb: b["parity"]["self_difference"]},
-        judge=judge.name)
+    parity = ParityResult.from_rows(
+        _rows(a, ra, judge) + _rows(b, rb, judge), [ta, tb], cfg.tolerances, a["parity"]["judge_loss"],
+        losses={ta: a["parity"]["loss"], tb: b["parity"]["loss"]},
+        stochastic_layers=a["parity"]["stochastic_layers"],
+        self_difference={ta: a["parity"]["self_difference"], tb: b["parity"]["self_difference"]}, judge=judge.name)
     # The recorded judge arm: the one trained on A's machine, named as recorded.
     arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]))
     curves, grads, acts, source = _curves(a, b, ra, rb, arms, cfg.steps)
-    training = TrainResult(
-        curves=pd.DataFrame(curves, columns=CURVE_COLUMNS),
-        layer_grads=pd.DataFrame(grads, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
-        activations=pd.DataFrame(acts, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
-        arms=arms, config=TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), judge=a["judge"],
-        nonfinite_producer={n: tuple(side["producer"].get(n) or ()) or None for n, side in source.items()},
-        nonfinite_weights={n: bool(side["weights"].get(n, False)) for n, side in source.items()})
-    training.outcomes = {arm.name: arm_outcome(arm, training.arm_curve(arm.name), cfg.tolerances)
-                         for arm in arms if arm.role != "envelope"}
-    training.envelope = envelope_summary(training, cfg.tolerances)
-    training.lower_precision = str(lower_precision([ta, tb]))
+    side = {arm: source[arm.name] for arm in arms}
+    training = TrainResult.from_rows(
+        curves, grads, acts, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), cfg.tolerances,
+        nonfinite_producer={arm: tuple(s["producer"].get(arm.name) or ()) or None for arm, s in side.items()},
+        nonfinite_weights={arm: bool(s["weights"].get(arm.name, False)) for arm, s in side.items()})
     fps = [Fingerprint.from_dict(x["fingerprint"]) for x in (a, b)]
     findings, seen = [], set()
     for fp in fps:
@@ -169,7 +155,7 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
     result = CompareResult(
         model=resolved, config=cfg, parity=parity, training=training, data_source=a["data_source"],
         batch_hashes=tuple(a["batch_sha256"]), init_hash=a["init_sha256"], data_stats=a["data_stats"],
-        notes=notes, findings=findings, fingerprint=fps[1 if training.lower_precision == nb else 0],
+        notes=notes, findings=findings, fingerprint=fps[1 if training.lower_precision == tb else 0],
         judge_reason=judge.reason, recipe=recipe, batches_hash=a["batches_sha256"],
         loss_batch_ratio=judge.loss_batch_ratio)
     from convcheck.diagnose import diagnose

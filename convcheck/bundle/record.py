@@ -193,14 +193,14 @@ def _manifest(model_spec, layers, fingerprint, *, resolved, target, judge, judge
         "init_sha256": hash_state_dict(state), "batch_sha256": list(stream.hashes),
         "batches_sha256": stream.all_hash, "data_source": stream.source, "data_stats": _plain(stream.stats()),
         "notes": notes,
-        "parity": {"judge_loss": parity.judge_loss, "loss": parity.losses.get(str(target), math.nan),
-                   "self_difference": parity.self_difference.get(str(target), 0.0),
+        "parity": {"judge_loss": parity.judge_loss, "loss": parity.losses.get(target, math.nan),
+                   "self_difference": parity.self_difference.get(target, 0.0),
                    "stochastic_layers": list(parity.stochastic_layers), "rows": _records(parity.layers)},
         "training": {"curves": _records(training.curves), "layer_grads": _records(training.layer_grads),
                      "activations": _records(training.activations),
-                     "nonfinite_producer": {a: list(v) if v else None
+                     "nonfinite_producer": {a.name: list(v) if v else None
                                             for a, v in training.nonfinite_producer.items()},
-                     "nonfinite_weights": {a: bool(v) for a, v in training.nonfinite_weights.items()}},
+                     "nonfinite_weights": {a.name: bool(v) for a, v in training.nonfinite_weights.items()}},
     }
 
 

@@ -7,7 +7,8 @@ facts) into one frozen record. It never runs a model and never calls into
 ``convcheck.train``: training has already summarised itself in
 ``training.outcomes``, ``training.envelope`` and ``training.lower_precision``.
 The rules (``rules.py``) read nothing else, so a test can build an ``Evidence``
-by hand.
+by hand. The results key their facts by ``Target`` (and ``Arm``); the evidence
+keys them by the target's name, the one its messages print.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Mapping
 from convcheck import symptoms as S
 from convcheck.producers import nonfinite_producer
 from convcheck.recipe_symptoms import recipe_problems
+from convcheck.table_schema import named
 from convcheck.config import CompareConfig
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
 from convcheck.tolerances import Tolerances
@@ -135,16 +137,16 @@ def gather(result) -> Evidence:
         targets=tuple(names), judge=judge, steps=cfg.steps, lr=cfg.lr, optimizer=cfg.optimizer,
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
         target_facts={str(t): _facts(t.runner) for t in cfg.targets},
-        outcomes=dict(training.outcomes), envelope=training.envelope,
-        still_falling={a: S.still_falling(training.curves, a) for a in training.outcomes},
+        outcomes=named(training.outcomes), envelope=training.envelope,
+        still_falling={str(t): S.still_falling(training.curves, str(t)) for t in training.outcomes},
         target_symptoms=symptoms, layer_notes=_layer_notes(result, symptoms),
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
                                                  judge, result.model.num_classes, cfg.lr))
         + tuple(recipe_problems(result)),
-        stochastic_layers=tuple(parity.stochastic_layers), self_difference=dict(parity.self_difference),
-        flagged_layers=dict(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
+        stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
+        flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), ddp_findings=_ddp_findings(training),
     )
 
@@ -168,7 +170,8 @@ def _drift(result) -> S.Symptom | None:
     (a target arm, the other): the judge has no distance of its own to the other side."""
     judge = str(result.config.judge)
     pair = sorted((str(t) for t in result.config.targets), key=lambda n: n == judge)
-    return S.envelope_drift(result.training.curves, pair, result.training.lower_precision)
+    lower = result.training.lower_precision
+    return S.envelope_drift(result.training.curves, pair, str(lower) if lower is not None else None)
 
 
 def _closest_layers(layers) -> tuple[LayerMargin, ...]:
@@ -205,16 +208,16 @@ def _symptoms_of(result, t) -> list[S.Symptom]:
     second symptom; a target with a symptom gets no extra one for not converging."""
     parity, training, cfg = result.parity, result.training, result.config
     name, judge = str(t), str(cfg.judge)
-    out = _nonfinite_symptoms(result, name)
+    out = _nonfinite_symptoms(result, t)
     out.append(S.grad_scaler_problems(training.curves, name))
     out.append(S.underflow(training.layer_grads, name, judge) if t.runner.half_compute else None)
     # lr*|g|/|W| is the step size of SGD only (Adam's steps are ~lr per element)
     lost = (S.lost_updates(training.curves, name, t.unit_roundoff, t.runner.half_storage)
             if cfg.optimizer == "sgd" else None)
-    info = training.outcomes.get(name)
+    info = training.outcomes.get(t)
     out.append(lost if info is not None and not info.converged else None)
     out = [s for s in out if s]
-    layer = _flagged_layer(result, name)
+    layer = _flagged_layer(result, t)
     if layer is not None and any(s.layer == layer.layer for s in out):
         layer = None  # another symptom names it already
     small = layer is not None and not _matters(result, layer)
@@ -224,15 +227,15 @@ def _symptoms_of(result, t) -> list[S.Symptom]:
     if ill is not None and layer is None:
         out.append(ill)
     if not out:
-        out += _outcome_symptoms(result, name)
+        out += _outcome_symptoms(result, t)
     if small and out:  # a small flagged layer on a target in trouble: the first suspect
         out.append(layer)
     return out
 
 
-def _flagged_layer(result, name: str) -> S.Symptom | None:
-    flagged = result.parity.first_flagged.get(name)
-    return _layer_error(result.parity, name, flagged) if flagged else None
+def _flagged_layer(result, t) -> S.Symptom | None:
+    flagged = result.parity.first_flagged.get(t)
+    return _layer_error(result.parity, str(t), flagged) if flagged else None
 
 
 def _matters(result, layer: S.Symptom) -> bool:
@@ -247,23 +250,24 @@ def _layer_notes(result, symptoms: tuple[S.Symptom, ...]) -> tuple[S.Symptom, ..
     cfg = result.config
     notes = []
     for t in cfg.targets:
-        layer = _flagged_layer(result, str(t)) if t != cfg.judge else None
+        layer = _flagged_layer(result, t) if t != cfg.judge else None
         if layer is not None and not any(s.arm == layer.arm and s.layer == layer.layer for s in symptoms):
             notes.append(layer)
     return tuple(notes)
 
 
-def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
+def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
     """The one-step producer of NaN/Inf (parity), else the first producer during training when
     the judge's training had none."""
-    training, judge = result.training, str(result.config.judge)
+    training, name = result.training, str(t)
     nf = nonfinite_producer(result.parity.layers, name)
     if nf is not None:
         return [nf]
-    producer = training.nonfinite_producer.get(name)
+    arm, judge = training.arm_of(t), training.arm_of(result.config.judge)
+    producer = training.nonfinite_producer.get(arm)
     if producer is not None and training.nonfinite_producer.get(judge) is None:
         step, layer = producer
-        if training.nonfinite_weights.get(name):
+        if training.nonfinite_weights.get(arm):
             curve = training.arm_curve(name)
             before = curve[curve["step"] == step - 1]
             finite = bool(len(before)) and not bool(before["nonfinite_grad"].any())
@@ -293,13 +297,13 @@ def _layer_error(parity, name: str, flagged: str) -> S.Symptom:
                      layer=flagged, value=float(own), extra={"kind": r["kind"], "module": str(r["module"])})
 
 
-def _outcome_symptoms(result, name: str) -> list[S.Symptom]:
+def _outcome_symptoms(result, t) -> list[S.Symptom]:
     """A target that did not converge while the judge did, and with no other symptom.
 
     Borderline runs that only just miss the rule are not a finding: the outcome must be worse
     than the envelope runs', or (without an envelope) clearly worse than the judge's."""
-    cfg, curves, per = result.config, result.training.curves, result.training.outcomes
-    info, judge_info = per.get(name), per.get(str(cfg.judge))
+    cfg, curves, per, name = result.config, result.training.curves, result.training.outcomes, str(t)
+    info, judge_info = per.get(t), per.get(cfg.judge)
     judge_ok = judge_info.converged if judge_info else True
     if cfg.steps < CONVERGENCE_MIN_STEPS or not info or info.converged or not judge_ok:
         return []

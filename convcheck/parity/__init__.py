@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import pandas as pd
 import torch
 import torch.nn as nn
 
@@ -39,7 +38,7 @@ from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import run_judge, stochastic_layers
 from convcheck.parity.kernels import rerun_needed
 from convcheck.parity.known import RandomDraws, probe_needed
-from convcheck.parity.result import COLUMNS, ParityResult, first_flagged
+from convcheck.parity.result import COLUMNS, ParityResult
 from convcheck.parity.target_pass import TargetPass
 from convcheck.runners import cross_entropy
 from convcheck.seeding import seed_all
@@ -81,54 +80,52 @@ def run_parity(
     tick(1)
     stochastic = stochastic_layers(build(judge), batch[0], calls, judge.runner, seed) if probe else []
     tick(2)
-    rows: list[dict] = []
-    first: dict[str, str | None] = {}
-    losses: dict[str, float] = {}
-    selfdiff: dict[str, float] = {}
+    rows: list[dict] = []  # ``ParityRow``s
+    losses: dict[Target, float] = {}
+    selfdiff: dict[Target, float] = {}
     reruns: list[tuple[int, Target, list]] = []
     last = max((i for i, t in enumerate(targets) if t != judge and t.world is None), default=-1)
     for i, target in enumerate(targets):
         if target == judge:
             continue
         if target.world is not None:  # data-parallel: its ranks' DDP-averaged gradient vs the judge's
-            losses[str(target)], first[str(target)] = _ddp_rows(target, build, batch, judge_grads, loss_fn, seed, rows)
+            losses[target] = _ddp_rows(target, build, batch, judge_grads, loss_fn, seed, rows)
             continue
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
         seed_all(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
         tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device), i == last
-        losses[str(target)], first_run = tp.run(build(target), batch, loss_fn)
+        losses[target], first_run = tp.run(build(target), batch, loss_fn)
         tick(3 + others.index(target))
         rows.extend(tp.rows)
-        first[str(target)] = first_flagged(tp.rows)
         if tp.rerun_needed:
             reruns.append((i, target, first_run))
         else:  # a CPU pass of documented-deterministic kernels (``kernels``): bitwise the same again
-            selfdiff[str(target)] = 0.0
+            selfdiff[target] = 0.0
     del calls, judge_grads  # every target has used the judge's record: the reruns run without it
     selfdiff = _self_differences(reruns, selfdiff, others, build, batch, seed, loss_fn, tick)
     tick(total)
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    return ParityResult(table, first, tolerances, judge_loss, losses, stochastic, selfdiff, judge=str(judge))
+    return ParityResult.from_rows(rows, others, tolerances, judge_loss, losses=losses, stochastic_layers=stochastic,
+                                  self_difference=selfdiff, judge=str(judge))
 
 
 def _self_differences(reruns: list, selfdiff: dict, others: list, build, batch, seed: int, loss_fn, tick) -> dict:
     """Each rerun target's ``self_difference``, with ``selfdiff`` (those not rerun), in the targets' order."""
     for i, target, first_run in reruns:
         seed_all(seed + 1 + i)  # as before the parity run
-        selfdiff[str(target)] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
+        selfdiff[target] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
         tick(3 + len(others) + others.index(target))
-    return {str(t): selfdiff[str(t)] for t in others if str(t) in selfdiff}
+    return {t: selfdiff[t] for t in others if t in selfdiff}
 
 
-def _ddp_rows(target: Target, build, batch, judge_grads, loss_fn, seed: int, rows: list) -> tuple[float, str | None]:
-    """A data-parallel target's gradient rows (appended to ``rows``): ``(loss, first flagged layer)``."""
+def _ddp_rows(target: Target, build, batch, judge_grads, loss_fn, seed: int, rows: list) -> float:
+    """A data-parallel target's gradient rows (appended to ``rows``); returns its loss."""
     from convcheck.ddp.parity import ddp_parity
 
     loss, ddp_rows, _ = ddp_parity(target, build, batch, judge_grads, loss_fn, seed)
     rows.extend(ddp_rows)
-    return loss, first_flagged(ddp_rows)
+    return loss
 
 
 def self_difference(model: nn.Module, target: Target, batch, mask_seed: int, first_run: list, loss_fn) -> float:

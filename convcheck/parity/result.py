@@ -3,47 +3,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
 
 import pandas as pd
 
+from convcheck.table_schema import ParityRow, columns, frame
 from convcheck.tolerances import Tolerances
 
-# Per row: ``local`` (the judge's input through the target's layer, vs the judge), ``intrinsic``
-# (the layer's own arithmetic: vs its float64 copy on the same cast input), ``floor`` (the best
-# any implementation at the target's precision does: ``parity.floor``), ``bound`` (the largest
-# intrinsic error that passes: bound_factor x floor + the absolute term), ``over_floor``
-# (intrinsic / floor: how far above its precision the layer is), ``needed`` (the bound_factor
-# that would let the row pass; inf when none would). ``u`` is the op's operand unit roundoff.
-COLUMNS = [
-    "target", "order", "kind", "layer", "module", "param", "shape", "K", "u", "floor", "bound",
-    "propagated", "local", "intrinsic", "over_floor", "needed", "nan", "inf", "input_nonfinite",
-    "grad_out_nonfinite", "grad_in_nonfinite", "ref_absmax", "flagged",
-]
+if TYPE_CHECKING:
+    from convcheck.targets import Target
+
+COLUMNS = columns(ParityRow)  # the table's columns: ``ParityRow``'s fields (what each means is there)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParityResult:
-    """Per-layer parity of every target against the judge. Truthy when nothing is flagged."""
+    """Per-layer parity of every target against the judge. Truthy when nothing is flagged.
 
-    layers: pd.DataFrame
-    first_flagged: dict[str, str | None]
+    Built complete, never changed. The per-target facts are keyed by the ``Target`` (in the
+    targets' order); the table's ``target`` column holds ``str(target)``."""
+
+    layers: pd.DataFrame  # ``ParityRow``s (``COLUMNS``)
+    first_flagged: Mapping[Target, str | None]
     tolerances: Tolerances
     judge_loss: float
-    losses: dict[str, float] = field(default_factory=dict)
+    losses: Mapping[Target, float] = field(default_factory=dict)
     # Leaf modules whose output changes with the random seed although their
     # input does not: stochastic layers that masks are not shared for.
-    stochastic_layers: list[str] = field(default_factory=list)
+    stochastic_layers: tuple[str, ...] = ()
     # Per target: largest relative difference between two identical runs
     # (same seed, same input) of its forward/backward - nondeterministic kernels.
-    self_difference: dict[str, float] = field(default_factory=dict)
+    self_difference: Mapping[Target, float] = field(default_factory=dict)
     judge: str = "cpu:float64"
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], targets: list[Target], tolerances: Tolerances, judge_loss: float, *,
+                  losses: Mapping[Target, float], stochastic_layers=(), self_difference: Mapping[Target, float],
+                  judge: str) -> ParityResult:
+        """The result of ``rows`` (``ParityRow`` dicts, every target's, in order): the table and each
+        target's first flagged layer are made here, for the live run and the rebuilt one alike."""
+        mine = {t: [r for r in rows if r["target"] == str(t)] for t in targets}
+        return cls(frame(ParityRow, rows), {t: first_flagged(mine[t]) for t in targets}, tolerances, judge_loss,
+                   dict(losses), tuple(stochastic_layers), dict(self_difference), judge)
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """The targets measured (the judge excluded), in order."""
+        return tuple(self.first_flagged)
 
     def __bool__(self) -> bool:
         return not bool(self.layers["flagged"].any()) if len(self.layers) else True
 
-    def flagged(self, target: str | None = None) -> pd.DataFrame:
+    def flagged(self, target: Target | str | None = None) -> pd.DataFrame:
+        """The flagged rows (of one target: a ``Target`` or its name in the table)."""
         t = self.layers[self.layers["flagged"]]
-        return t if target is None else t[t["target"] == target]
+        return t if target is None else t[t["target"] == str(target)]
 
     def worst(self, per_target: int, kind: str | None = None) -> pd.DataFrame:
         """Each target's own worst rows (``per_target`` each, in the targets' order): flagged first,

@@ -12,6 +12,7 @@ from pathlib import Path
 from convcheck.files import atomic_write_bytes, atomic_write_text, write_error
 from convcheck.report.folder import REPORT_FILES
 from convcheck.report.shared import training_rule
+from convcheck.table_schema import CurveRow, frame, named
 
 SUMMARY_SCHEMA = "convcheck.summary/1"
 
@@ -76,8 +77,8 @@ def summary_dict(result) -> dict:
         "notes": result.notes,
         "parity": {
             "judge_loss": parity.judge_loss,
-            "loss": parity.losses,
-            "first_flagged_layer": parity.first_flagged,
+            "loss": named(parity.losses),
+            "first_flagged_layer": named(parity.first_flagged),
             "needed_bound_factor": parity.needed_bound_factor(),
             "layers": parity.layers.to_dict(orient="records"),
         },
@@ -85,9 +86,9 @@ def summary_dict(result) -> dict:
             "converged_rule": training_rule(cfg),
             "steps": cfg.steps,
             "arms": [a.name for a in training.arms],
-            "per_target": {name: dataclasses.asdict(o) for name, o in training.outcomes.items()},
+            "per_target": {str(t): dataclasses.asdict(o) for t, o in training.outcomes.items()},
             "envelope": training.envelope,
-            "lower_precision": training.lower_precision,
+            "lower_precision": str(training.lower_precision) if training.lower_precision is not None else None,
             "loss": {a.name: [float(v) for v in training.arm_curve(a.name)["loss"]] for a in training.arms},
         },
         "env": {
@@ -141,12 +142,8 @@ def write_partial(out: str | os.PathLike, info: dict, parity=None, curves: list 
     ``curves`` (the training rows of the steps completed) ``curves.csv`` and each arm's last loss."""
     path = Path(out) / "summary.json"
     if curves:
-        from convcheck.train import CURVE_COLUMNS
-
-        import pandas as pd
-
         rows = list(curves)  # the steps completed so far
-        atomic_write_text(Path(out) / "curves.csv", pd.DataFrame(rows, columns=CURVE_COLUMNS).to_csv(index=False))
+        atomic_write_text(Path(out) / "curves.csv", frame(CurveRow, rows).to_csv(index=False))
         last = {r["arm"]: r["loss"] for r in rows}
         info = {**info, "training": {"steps_done": max(r["step"] for r in rows) + 1, "last_loss": last,
                                      "file": "curves.csv"}}
@@ -154,7 +151,7 @@ def write_partial(out: str | os.PathLike, info: dict, parity=None, curves: list 
         atomic_write_text(Path(out) / "layers.csv", parity.layers.to_csv(index=False))
         flagged = parity.flagged()
         info = {**info, "parity": {
-            "judge_loss": parity.judge_loss, "losses": parity.losses, "first_flagged": parity.first_flagged,
+            "judge_loss": parity.judge_loss, "losses": named(parity.losses), "first_flagged": named(parity.first_flagged),
             "flagged": [{"target": r.target, "layer": r.layer, "module": r.module, "kind": r.kind}
                         for r in flagged.itertuples()],
             "rows": len(parity.layers), "file": "layers.csv"}}

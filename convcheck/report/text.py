@@ -17,6 +17,7 @@ from rich.table import Table
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
+from convcheck.table_schema import named
 
 WORST_LAYERS = 8
 CURVE_ROWS = 10
@@ -125,7 +126,7 @@ def _layers(c: Console, result) -> None:
                   *((f"{r.nan}/{r.inf}",) if nonfinite else ()), flag)
     c.print(t)
     firsts = ", ".join(f"{escape(tgt)}: [bold]{escape(layer or 'none')}[/bold]"
-                       for tgt, layer in p.first_flagged.items())
+                       for tgt, layer in named(p.first_flagged).items())
     c.print(f"First flagged layer  {firsts}")
 
 
@@ -183,7 +184,7 @@ def _training(c: Console, result) -> None:
     tr = result.training
     parts = []
     judged = result.config.steps >= CONVERGENCE_MIN_STEPS
-    for name, info in tr.outcomes.items():
+    for name, info in named(tr.outcomes).items():
         state = "[green]converged[/green]" if info.converged else "[red]did not converge[/red]"
         if not judged and math.isfinite(info.final_loss):
             state = f"trained, convergence not judged from {result.config.steps} step(s)"

@@ -15,25 +15,20 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import pandas as pd
-
 from convcheck.errors import UsageError
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
+from convcheck.table_schema import CurveRow, columns
 from convcheck.train.arms import PERTURB_SLOT, Arm, lower_precision, make_arms, perturb_
 from convcheck.train.distances import Distances
 from convcheck.train.stats import Scratch
 from convcheck.train.result import (
-    CONVERGED_RULE, ArmOutcome, EnvelopeSummary, TrainConfig, TrainResult, arm_outcome, converged, envelope_summary,
-    outcomes_from_rows,
+    CONVERGED_RULE, ArmOutcome, EnvelopeSummary, TrainConfig, TrainResult, converged,
 )
 
 Progress = Callable[[int, int], None]
 
-CURVE_COLUMNS = [
-    "arm", "role", "target", "step", "loss", "grad_norm", "dist_judge", "dist_ref", "dist_other",
-    "nonfinite_loss", "nonfinite_grad", "loss_scale", "skipped", "update_ratio", "lr", "clipped",
-]
+CURVE_COLUMNS = columns(CurveRow)
 
 __all__ = [
     "Arm", "ArmOutcome", "CONVERGED_RULE", "CURVE_COLUMNS", "EnvelopeSummary", "TrainConfig",
@@ -51,7 +46,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     ``keep(curves=rows)`` receives the curve rows as they grow (a run stopped part-way keeps them)."""
     recipe = cfg.recipe if cfg.recipe is not None else _default_recipe()
     states = []
-    rows, grad_rows, act_rows = [], [], []
+    rows, grad_rows, act_rows = [], [], []  # ``CurveRow``s, ``LayerGradRow``s, ``ActivationRow``s
     if keep is not None:
         keep(curves=rows)
     stream = iter(batches)
@@ -78,23 +73,13 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
     finally:
         for s in states:
             s.close()
-    judge = next((a.name for a in arms if a.role == "judge"), "")
-    result = TrainResult(
-        curves=pd.DataFrame(rows, columns=CURVE_COLUMNS),
-        layer_grads=pd.DataFrame(grad_rows, columns=["arm", "step", "layer", "grad_norm", "zero_frac"]),
-        activations=pd.DataFrame(act_rows, columns=["arm", "step", "layer", "kind", "dead_frac", "saturated_frac"]),
-        arms=arms, config=cfg, judge=judge, nonfinite_producer={s.arm.name: s.producer for s in states},
-        nonfinite_weights={s.arm.name: bool(getattr(s, "producer_weights", False)) for s in states},
+    return TrainResult.from_rows(
+        rows, grad_rows, act_rows, arms, cfg, tolerances,
+        nonfinite_producer={s.arm: s.producer for s in states},
+        nonfinite_weights={s.arm: bool(getattr(s, "producer_weights", False)) for s in states},
         ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
         ddp_ranks={s.arm.name: s.ranks for s in states if hasattr(s, "ranks")},
     )
-    result.outcomes = outcomes_from_rows(arms, rows, tolerances)  # arm_outcome's values, from the rows
-    result.envelope = envelope_summary(result, tolerances)
-    targets = [a.target for a in arms if a.role == "target"]
-    if len(targets) == 1:  # the other target is the judge itself (cpu,cpu:float64)
-        targets.append(next(a.target for a in arms if a.role == "judge"))
-    result.lower_precision = str(lower_precision(targets)) if len(targets) == 2 else None
-    return result
 
 
 def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe, scratch: Scratch):

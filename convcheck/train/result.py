@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import pandas as pd
 
+from convcheck.table_schema import ActivationRow, CurveRow, LayerGradRow, frame
+from convcheck.targets import Target
 from convcheck.thresholds import CONVERGED_TAIL, FRAGILE_MARGIN
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.train.arms import Arm, lower_precision
 
 CONVERGED_RULE = "converged = every loss finite and mean(last 3 losses) < {ratio:g} x first loss"
 
@@ -54,22 +58,29 @@ class TrainConfig:
     recipe: object = None  # a convcheck.recipe.Recipe; None: the default (Adam, lr 1e-3, cross-entropy)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
-    curves: pd.DataFrame  # one row per (arm, step)
-    layer_grads: pd.DataFrame  # arm, step, layer, grad_norm, zero_frac
-    activations: pd.DataFrame  # arm, step, layer, kind, dead_frac, saturated_frac
-    arms: list
+    """Every arm's training: the three tables (``table_schema``), each target's and the judge's
+    outcome, the envelope's summary. Built complete by ``from_rows`` (the live run and the one
+    rebuilt from bundles alike), never changed.
+
+    Per-target facts are keyed by the ``Target`` (the judge's included); per-arm facts, which the
+    envelope runs have too, by the ``Arm``. ``arm_of`` finds a target's arm."""
+
+    curves: pd.DataFrame  # ``CurveRow``s: one per (arm, step)
+    layer_grads: pd.DataFrame  # ``LayerGradRow``s
+    activations: pd.DataFrame  # ``ActivationRow``s
+    arms: tuple[Arm, ...]
     config: TrainConfig
     judge: str = "cpu:float64"
-    outcomes: dict[str, ArmOutcome] = field(default_factory=dict)
+    outcomes: Mapping[Target, ArmOutcome] = field(default_factory=dict)
     envelope: EnvelopeSummary | None = None
-    lower_precision: str | None = None  # the target with the larger unit roundoff
+    lower_precision: Target | None = None  # the target with the larger unit roundoff
     # Per arm: (step, layer) where a leaf module first turned finite inputs into a
     # non-finite output during training, or None.
-    nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
+    nonfinite_producer: Mapping[Arm, tuple[int, str] | None] = field(default_factory=dict)
     # Per arm: whether that producer's own weights were already NaN/Inf (the optimizer step before made them so)
-    nonfinite_weights: dict[str, bool] = field(default_factory=dict)
+    nonfinite_weights: Mapping[Arm, bool] = field(default_factory=dict)
     # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
     # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
     ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
@@ -77,8 +88,40 @@ class TrainResult:
     # spread across ranks at the forward's start}; "draws": {"layers", "same_on_every_rank"} from step 1}.
     ddp_ranks: dict[str, dict] = field(default_factory=dict)
 
-    def arm_curve(self, name: str) -> pd.DataFrame:
+    @classmethod
+    def from_rows(cls, curves: list[dict], layer_grads: list[dict], activations: list[dict], arms, config: TrainConfig,
+                  tolerances: Tolerances, *, nonfinite_producer: Mapping[Arm, tuple[int, str] | None],
+                  nonfinite_weights: Mapping[Arm, bool], ddp_batchnorm=None, ddp_ranks=None) -> TrainResult:
+        """The result of the three tables' rows (each arm's curve rows in step order): the tables, the
+        outcomes, the envelope summary and the lower-precision target are all made here."""
+        arms = tuple(arms)
+        table = frame(CurveRow, curves)
+        judge = next((a for a in arms if a.role == "judge"), None)
+        return cls(
+            curves=table, layer_grads=frame(LayerGradRow, layer_grads), activations=frame(ActivationRow, activations),
+            arms=arms, config=config, judge=judge.name if judge else "",
+            outcomes=outcomes_from_rows(arms, curves, tolerances), envelope=envelope_summary(arms, table, tolerances),
+            lower_precision=_lower_precision(arms), nonfinite_producer=dict(nonfinite_producer),
+            nonfinite_weights=dict(nonfinite_weights), ddp_batchnorm=dict(ddp_batchnorm or {}),
+            ddp_ranks=dict(ddp_ranks or {}))
+
+    def arm_of(self, target: Target) -> Arm:
+        """The arm that trained ``target`` (a target's or the judge's; not an envelope run)."""
+        return next(a for a in self.arms if a.target == target and a.role != "envelope")
+
+    def arm_curve(self, arm: Arm | str) -> pd.DataFrame:
+        """One arm's curve rows (the arm, or its name in the table)."""
+        name = arm.name if isinstance(arm, Arm) else arm
         return self.curves[self.curves["arm"] == name]
+
+
+def _lower_precision(arms) -> Target | None:
+    """The lower-precision target of the two (``arms.lower_precision``); where one target is the judge
+    itself (``cpu,cpu:float64``), the other against the judge."""
+    targets = [a.target for a in arms if a.role == "target"]
+    if len(targets) == 1:
+        targets.append(next(a.target for a in arms if a.role == "judge"))
+    return lower_precision(targets) if len(targets) == 2 else None
 
 
 def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
@@ -86,14 +129,14 @@ def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
     return _outcome(arm, curve.to_dict("records"), tol)
 
 
-def outcomes_from_rows(arms, rows: list[dict], tol: Tolerances) -> dict[str, ArmOutcome]:
-    """``{arm: arm_outcome(arm, its curve, tol)}`` for the targets and the judge, read from the curve
+def outcomes_from_rows(arms, rows: list[dict], tol: Tolerances) -> dict[Target, ArmOutcome]:
+    """``{arm.target: arm_outcome(arm, its curve, tol)}`` for the targets and the judge, read from the curve
     rows as ``run_training`` made them (in step order) instead of one DataFrame filter per arm: the
     same values (a row's float is the one its DataFrame cell holds), a millisecond less."""
     by_arm: dict[str, list[dict]] = {}
     for r in rows:
         by_arm.setdefault(r["arm"], []).append(r)
-    return {arm.name: _outcome(arm, by_arm.get(arm.name, []), tol) for arm in arms if arm.role != "envelope"}
+    return {arm.target: _outcome(arm, by_arm.get(arm.name, []), tol) for arm in arms if arm.role != "envelope"}
 
 
 def _outcome(arm, mine: list[dict], tol: Tolerances) -> ArmOutcome:
@@ -110,15 +153,15 @@ def _outcome(arm, mine: list[dict], tol: Tolerances) -> ArmOutcome:
     )
 
 
-def envelope_summary(result: TrainResult, tol: Tolerances) -> EnvelopeSummary | None:
+def envelope_summary(arms, curves: pd.DataFrame, tol: Tolerances) -> EnvelopeSummary | None:
     """Envelope runs that converge, and those that fail *clearly*: non-finite, or not converged and
     ending more than ``FRAGILE_MARGIN`` above the run they perturb (a run that only just misses the
     convergence rule next to a target that only just meets it is the same outcome)."""
-    runs = [a for a in result.arms if a.role == "envelope"]
+    runs = [a for a in arms if a.role == "envelope"]
     if not runs:
         return None
     by_arm: dict[str, list[float]] = {}  # every arm's losses in step order, read once (not a filter per arm)
-    for name, loss in zip(result.curves["arm"].tolist(), result.curves["loss"].tolist()):
+    for name, loss in zip(curves["arm"].tolist(), curves["loss"].tolist()):
         by_arm.setdefault(name, []).append(float(loss))
     ok = failed = 0
     for a in runs:

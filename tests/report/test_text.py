@@ -11,6 +11,9 @@ import torch.nn as nn
 
 from convcheck.pipeline import compare
 from convcheck.report.text import fmt, make_console, render_compare
+from convcheck.targets import Target
+
+T = Target.parse
 
 
 class NaiveNorm(nn.Module):
@@ -42,7 +45,7 @@ def _render(result) -> str:
 
 
 def test_layer_names_and_flags_are_shown_whole(culprit):
-    assert culprit.parity.first_flagged["cpu:bf16"] == "encoder.naive_variance_norm"
+    assert culprit.parity.first_flagged[T("cpu:bf16")] == "encoder.naive_variance_norm"
     text = _render(culprit)
     table = text.split("One-step parity")[1].split("First flagged layer")[0]
     assert "encoder.naive_variance_norm" in table  # not "encoder.na…"

@@ -19,6 +19,8 @@ from convcheck.parity import checks, run_parity
 from convcheck.targets import Target
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 
+T = Target.parse
+
 # Eighth decades (x1.33) from 1e-8 to 1 (and 2, 4: the old rule could miss even EPS = 1 in bf16).
 EPS_GRID = tuple([10 ** (k / 8) for k in range(-64, 1)] + [2.0, 4.0])
 
@@ -72,7 +74,7 @@ def conv_row(target: str, channels: int, eps: float, tolerances: Tolerances = DE
     r = run_parity(build, (x, y), [Target.parse(target)], tolerances=tolerances, seed=seed)
     t = r.layers
     row = t[(t["kind"] == "forward") & (t["layer"] == "0")].iloc[0]
-    return row, bool(row["flagged"]) and r.first_flagged[target] == "0"
+    return row, bool(row["flagged"]) and r.first_flagged[T(target)] == "0"
 
 
 @dataclass

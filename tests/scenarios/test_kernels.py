@@ -10,8 +10,12 @@ import convcheck.parity as parity
 from convcheck.parity.kernels import rerun_needed
 from convcheck.parity.snapshots import Snapshots
 from convcheck.pipeline import compare
+from convcheck.table_schema import named
+from convcheck.targets import Target
 
 from .models import racy_scatter_net
+
+T = Target.parse
 
 MNIST_SHAPE = dict(input_shape=(1, 28, 28), num_classes=10)
 
@@ -62,12 +66,12 @@ def test_lenet_on_the_cpu_is_not_rerun(monkeypatch):
 
     monkeypatch.setattr(parity, "self_difference", no_rerun)
     r = compare("lenet", "cpu,cpu:bf16", steps=2, envelope=0, env_findings=[])
-    assert r.parity.self_difference == {"cpu": 0.0, "cpu:bf16": 0.0}
+    assert named(r.parity.self_difference) == {"cpu": 0.0, "cpu:bf16": 0.0}
 
 
 def test_racy_scatter_is_rerun_and_named_nondeterministic():
     r = compare(racy_scatter_net, "cpu,cpu:float64", steps=3, envelope=0, env_findings=[], **MNIST_SHAPE)
-    assert r.parity.self_difference["cpu"] > 1e-3
+    assert r.parity.self_difference[T("cpu")] > 1e-3
     v = r.verdict
     assert v.category == "nondeterminism", v.headline
     assert v.sub_cause == "nondeterministic kernels"
@@ -76,7 +80,7 @@ def test_racy_scatter_is_rerun_and_named_nondeterministic():
 
 def test_every_target_with_a_listed_kernel_is_rerun():
     r = compare(racy_scatter_net, "cpu,cpu:bf16", steps=2, envelope=0, env_findings=[], **MNIST_SHAPE)
-    assert set(r.parity.self_difference) == {"cpu", "cpu:bf16"}
+    assert set(named(r.parity.self_difference)) == {"cpu", "cpu:bf16"}
     assert all(d > 1e-3 for d in r.parity.self_difference.values())
 
 
@@ -103,4 +107,4 @@ def test_a_python_autograd_function_is_rerun(monkeypatch):
     monkeypatch.setattr(parity, "self_difference", lambda *a, **k: calls.append(1) or real(*a, **k))
     net = lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 32), _DoubledLayer(), nn.Linear(32, 10))  # noqa: E731
     r = compare(net, "cpu,cpu:float64", steps=2, envelope=0, env_findings=[], **MNIST_SHAPE)
-    assert calls and r.parity.self_difference["cpu"] == 0.0  # rerun, and the same
+    assert calls and r.parity.self_difference[T("cpu")] == 0.0  # rerun, and the same

@@ -9,6 +9,8 @@ import torch.nn as nn
 
 import convcheck.env as env
 from convcheck.pipeline import compare
+from convcheck.table_schema import named
+from convcheck.targets import Target
 
 from .models import (
     cancelling_net,
@@ -20,6 +22,8 @@ from .models import (
     offset_center_net,
     overflow_net,
 )
+
+T = Target.parse
 
 MNIST_SHAPE = dict(input_shape=(1, 28, 28), num_classes=10)
 ENV_DATA = Path(__file__).resolve().parents[1] / "data" / "env"
@@ -91,13 +95,13 @@ def test_dropout_without_shared_masks_is_not_blamed_on_numerics(clean_env):
     assert v.category not in ("layer", "numerics")
     assert v.category == "nondeterminism", v.headline
     assert v.layer == "3"
-    assert r.parity.stochastic_layers == ["3"]
+    assert r.parity.stochastic_layers == ("3",)
 
 
 def test_dropout_modules_get_shared_masks(clean_env):
     r = compare(module_dropout_net, "cpu,cpu:float64", steps=20, envelope=2, env_findings=clean_env,
                 **MNIST_SHAPE)
-    assert r.parity.stochastic_layers == []
+    assert r.parity.stochastic_layers == ()
     assert r.verdict.category == "ok", r.verdict.headline
 
 
@@ -134,7 +138,7 @@ def test_healthy_resnets_are_ok(model, targets, clean_env):
     # batch 8: BatchNorm over 2 samples makes a 4-step run too erratic to judge convergence
     r = compare(model, targets, steps=4, batch_size=8, envelope=2, env_findings=clean_env)
     assert r.verdict.category == "ok", (r.verdict.headline, r.verdict.evidence)
-    assert r.parity.first_flagged == {t: None for t in targets.split(",") if t != "cpu:float64"}
+    assert named(r.parity.first_flagged) == {t: None for t in targets.split(",") if t != "cpu:float64"}
 
 
 class _TwiceNet(nn.Module):
@@ -156,7 +160,7 @@ class _TwiceNet(nn.Module):
 
 def test_a_module_called_twice_is_not_blamed(clean_env):
     r = compare(_TwiceNet, "cpu,cpu:float64", steps=2, envelope=0, env_findings=clean_env, **MNIST_SHAPE)
-    assert r.parity.first_flagged == {"cpu": None}
+    assert named(r.parity.first_flagged) == {"cpu": None}
     assert r.verdict.category not in ("layer", "numerics")
 
 
@@ -186,7 +190,7 @@ def test_a_pooling_layer_that_cancels_to_zeros_is_the_culprit_not_its_consequenc
     assert v.remedies[0].startswith("keep '2' in float32 in the bfloat16 model")
     assert not any(w in r for r in v.remedies for w in ("GradScaler", "autocast", "65504", "bfloat16 instead"))
     # float32 loses 2e-4 there: far above its floor, so flagged; below min_error, so a note
-    assert r.parity.first_flagged["cpu"] == "2"
+    assert r.parity.first_flagged[T("cpu")] == "2"
     assert any(e.startswith("note (cpu): '2' (CancellingPool)") for e in v.evidence)
 
 
@@ -199,7 +203,7 @@ def test_a_nan_first_produced_at_a_later_step_is_named_by_layer(clean_env):
     assert "'3' produces the first NaN/Inf on cpu:fp16" in v.headline
     assert any("at training step 5" in e for e in v.evidence)
     assert not any("learning rate" in rem for rem in v.remedies)
-    assert r.parity.first_flagged == {"cpu": None, "cpu:fp16": None}  # its one parity step is fine
+    assert named(r.parity.first_flagged) == {"cpu": None, "cpu:fp16": None}  # its one parity step is fine
 
 
 def test_an_ill_conditioned_layer_is_a_numerics_finding_not_a_culprit(clean_env):
@@ -209,7 +213,7 @@ def test_an_ill_conditioned_layer_is_a_numerics_finding_not_a_culprit(clean_env)
     assert v.category == "numerics", v.headline
     assert v.sub_cause == "ill-conditioned layer" and v.layer == "2" and v.target == "cpu:bf16"
     assert "'2' (Center) is ill-conditioned at cpu:bf16's precision" in v.headline
-    assert r.parity.first_flagged == {"cpu": None, "cpu:bf16": None}
+    assert named(r.parity.first_flagged) == {"cpu": None, "cpu:bf16": None}
     assert any("float32" in rem for rem in v.remedies)
 
 
@@ -224,4 +228,4 @@ def test_adam_eps_that_is_zero_in_float16_is_named_not_the_first_layer(clean_env
     assert v.sub_cause == "non-finite weights"
     assert any("eps >= 1e-4" in rem for rem in v.remedies), v.remedies
     fixed = compare("lenet", "cpu,cpu:fp16", steps=8, envelope=0, batch_size=16, env_findings=clean_env, eps=1e-4)
-    assert fixed.training.nonfinite_producer["cpu:fp16"] is None, fixed.verdict.headline
+    assert fixed.training.nonfinite_producer[fixed.training.arm_of(T("cpu:fp16"))] is None, fixed.verdict.headline
