@@ -26,6 +26,7 @@ from convcheck.data import load_batches
 from convcheck.models import resolve_model
 from convcheck.parity import run_parity
 from convcheck.pipeline import initial_state, model_builder
+from convcheck.table_schema import named
 from convcheck.targets import Target
 
 MODELS = {"lenet": 32, "cifar_cnn": 16, "resnet18": 2}
@@ -47,8 +48,9 @@ def _run(name: str, batch: int, targets: list[str]) -> dict:
     x, y = next(iter(load_batches(None, input_shape=resolved.input_shape, num_classes=resolved.num_classes,
                                   batch_size=batch, num_batches=1, seed=0).batches))
     r = run_parity(build, (x, y), [Target.parse(t) for t in targets], seed=0)
-    return dict(layers=r.layers, first=r.first_flagged, losses=r.losses, selfdiff=r.self_difference,
-                stochastic=r.stochastic_layers, judge_loss=r.judge_loss)
+    # keyed by name and in lists, as the result held them before it keyed them by Target (saved tables compare)
+    return dict(layers=r.layers, first=named(r.first_flagged), losses=named(r.losses),
+                selfdiff=named(r.self_difference), stochastic=list(r.stochastic_layers), judge_loss=r.judge_loss)
 
 
 def _same(a, b, rtol: float) -> bool:

@@ -55,7 +55,9 @@ def _run(name, batch, steps, pair, judge, recipe) -> dict:
     arms = make_arms([Target.parse(s) for s in pair], envelope=3, seed=0, judge=judge)
     r = run_training(build, batches, arms, TrainConfig(steps=steps, seed=0, recipe=recipe))
     return dict(curves=r.curves, layer_grads=r.layer_grads, activations=r.activations,
-                producer=r.nonfinite_producer, weights=r.nonfinite_weights)
+                # keyed by arm name, as the result held them before it keyed them by Arm (saved figures compare)
+                producer={a.name: v for a, v in r.nonfinite_producer.items()},
+                weights={a.name: v for a, v in r.nonfinite_weights.items()})
 
 
 def _same_value(a, b) -> bool:
