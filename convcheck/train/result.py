@@ -1,4 +1,4 @@
-"""What training hands to the verdict: per-step curves, typed per-arm outcomes, the envelope summary."""
+"""What training hands to the verdict: per-step tables, typed per-target outcomes, the envelope summary."""
 
 from __future__ import annotations
 
@@ -125,14 +125,17 @@ def _lower_precision(arms) -> Target | None:
 
 
 def arm_outcome(arm, curve: pd.DataFrame, tol: Tolerances) -> ArmOutcome:
-    """An arm's outcome from its curve (a ``TrainResult.arm_curve``, or one read back from a bundle)."""
+    """An arm's outcome from its curve as a DataFrame (a ``TrainResult.arm_curve``): the rule
+    ``outcomes_from_rows`` applies to the rows, in the form a reader of the table has (the tests hold
+    the two equal)."""
     return _outcome(arm, curve.to_dict("records"), tol)
 
 
 def outcomes_from_rows(arms, rows: list[dict], tol: Tolerances) -> dict[Target, ArmOutcome]:
     """``{arm.target: arm_outcome(arm, its curve, tol)}`` for the targets and the judge, read from the curve
-    rows as ``run_training`` made them (in step order) instead of one DataFrame filter per arm: the
-    same values (a row's float is the one its DataFrame cell holds), a millisecond less."""
+    rows (each arm's in step order: as ``run_training`` made them, or as ``bundle.rebuild`` read them back)
+    instead of one DataFrame filter per arm: the same values (a row's float is the one its DataFrame
+    cell holds), a millisecond less."""
     by_arm: dict[str, list[dict]] = {}
     for r in rows:
         by_arm.setdefault(r["arm"], []).append(r)
