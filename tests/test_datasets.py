@@ -14,6 +14,9 @@ import torch
 from convcheck.cli import main
 from convcheck.errors import UsageError
 from convcheck.pipeline import compare
+from convcheck.targets import Target
+
+T = Target.parse
 
 USER = Path(__file__).parent / "data" / "user"
 DATA, MODELS = f"{USER}/datasets.py", f"{USER}/models.py"
@@ -103,9 +106,6 @@ import resource, sys, torch
 import torch.nn as nn
 torch.set_num_threads(1)
 from convcheck.pipeline import compare
-from convcheck.targets import Target
-
-T = Target.parse
 def tiny():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 2))
 compare(tiny, "cpu,cpu:float64", steps=int(sys.argv[1]), batch_size=256, envelope=0, input_shape=(1, 28, 28),

@@ -24,6 +24,8 @@ from convcheck.pipeline import initial_state, model_builder
 from convcheck.recipe import build_recipe
 from convcheck.targets import Target
 
+T = Target.parse
+
 pytestmark = pytest.mark.usefixtures("no_orphans")  # conftest: no rank process is left behind
 
 HAS_CUDA = torch.cuda.is_available()
@@ -31,8 +33,6 @@ HAS_CUDA = torch.cuda.is_available()
 MODEL_FILE = """
 import torch.nn as nn
 import torch.nn.functional as F
-
-T = Target.parse
 
 def net():
     return nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Dropout(0.2), nn.Linear(12, 3))

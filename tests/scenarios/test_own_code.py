@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convcheck.pipeline import compare
+from convcheck.targets import Target
 
 from .models import attention_net, attention_overflow_net, lossy_residual_net
 
