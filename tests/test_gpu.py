@@ -28,8 +28,8 @@ import os
 import pytest
 import torch
 
-from convcheck.targets import Target, snapshot_global_flags
 from convcheck.table_schema import named
+from convcheck.targets import Target, snapshot_global_flags
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -17,8 +17,8 @@ from convcheck.cli import main
 from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.pipeline import compare
 from convcheck.runners.judge import Float64Runner
-from convcheck.targets import Target, default_judge, parse_judge
 from convcheck.table_schema import named
+from convcheck.targets import Target, default_judge, parse_judge
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 FAST = dict(steps=2, batch_size=4, envelope=1)

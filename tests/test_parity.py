@@ -13,9 +13,9 @@ from convcheck.pipeline import initial_state, model_builder
 from convcheck.metrics import Tolerances
 from convcheck.models import ResolvedModel, resolve_model
 from convcheck.parity import COLUMNS, ParityResult, run_parity
+from convcheck.table_schema import named
 from convcheck.targets import Target, snapshot_global_flags
 from convcheck.thresholds import FLOOR_ABSOLUTE
-from convcheck.table_schema import named
 
 T = Target.parse
 

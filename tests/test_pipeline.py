@@ -15,9 +15,9 @@ from convcheck.pipeline import CompareConfig, CompareResult, compare
 from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.parity import ParityResult
 from convcheck.report.export import SUMMARY_SCHEMA, summary_dict
+from convcheck.table_schema import named
 from convcheck.targets import Target, snapshot_global_flags
 from convcheck.train import TrainResult
-from convcheck.table_schema import named
 
 T = Target.parse
 

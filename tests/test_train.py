@@ -12,6 +12,7 @@ from convcheck.pipeline import initial_state, model_builder
 from convcheck.data import load_batches
 from convcheck.metrics import Tolerances
 from convcheck.models import resolve_model
+from convcheck.table_schema import named
 from convcheck.targets import CPU_JUDGE as JUDGE, Target, snapshot_global_flags
 from convcheck.config import CompareConfig
 from convcheck.recipe import build_recipe
@@ -23,7 +24,6 @@ from convcheck.train import (
     perturb_,
     run_training,
 )
-from convcheck.table_schema import named
 
 T = Target.parse
 
