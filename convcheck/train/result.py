@@ -70,12 +70,9 @@ class TrainResult:
     nonfinite_producer: dict[str, tuple[int, str] | None] = field(default_factory=dict)
     # Per arm: whether that producer's own weights were already NaN/Inf (the optimizer step before made them so)
     nonfinite_weights: dict[str, bool] = field(default_factory=dict)
-    # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
-    # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
-    ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
-    # Per data-parallel arm: {"slices": per step, each rank's slice hash; "buffers": per step, {buffer: relative
-    # spread across ranks at the forward's start}; "draws": {"layers", "same_on_every_rank"} from step 1}.
-    ddp_ranks: dict[str, dict] = field(default_factory=dict)
+    # Per arm whose executor gathers evidence of its own (a ``ddp:`` target's ranks): that evidence, opaque
+    # here, read by the executor's ``findings`` (``convcheck.executors``).
+    arm_evidence: dict[str, object] = field(default_factory=dict)
 
     def arm_curve(self, name: str) -> pd.DataFrame:
         return self.curves[self.curves["arm"] == name]
