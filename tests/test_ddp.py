@@ -15,10 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from convcheck.config import CompareConfig
-from convcheck.ddp.diagnostics import batchnorm_per_rank, ddp_findings, loss_scale
+from convcheck.ddp.diagnostics import batchnorm_per_rank, loss_scale
 from convcheck.ddp.evidence import RankEvidence
 from convcheck.ddp.rules import ddp_setup
 from convcheck.diagnose import Evidence
+from convcheck.executors import executor_for
 from convcheck.errors import ConvcheckError, RunFailed, TargetUnavailable, UsageError
 from convcheck.recipe import build_recipe
 from convcheck.targets import CPU_JUDGE, Target, parse_targets
@@ -27,6 +28,11 @@ from convcheck.train.arms import Arm
 from convcheck.train.result import TrainResult
 
 T = Target.parse
+
+
+def ddp_findings(training, arm: str = "ddp:cpu:2") -> list:
+    """The findings the arm's executor (the rank pool) hands the diagnosis."""
+    return list(executor_for(T(arm)).findings(training, arm))
 
 
 pytestmark = pytest.mark.usefixtures("no_orphans")  # conftest: no rank process is left behind
@@ -248,9 +254,9 @@ def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
     assert abs(p.losses["ddp:cpu:2"] - p.losses["cpu"]) < 1e-6
 
 
-def _ddp_verdict(training):
-    """Rule V009 on the findings of ``training`` alone (no envelope: every finding counts)."""
-    return ddp_setup(Evidence(executor_findings=tuple(ddp_findings(training))))
+def _ddp_verdict(training, arm: str = "ddp:cpu:2"):
+    """Rule V009 on the findings of ``arm`` alone (no envelope: every finding counts)."""
+    return ddp_setup(Evidence(executor_findings=tuple(ddp_findings(training, arm))))
 
 
 def test_ddp_verdict_is_setup_ddp_naming_the_layer():
@@ -279,7 +285,7 @@ def test_scenario_batchnorm_at_per_rank_batch_2_on_4_ranks(sync):
 
     r = convcheck.compare(_conv_bn, input_shape=(3, 8, 8), num_classes=4, targets="cpu,ddp:cpu:4", batch_size=8,
                           steps=6, optimizer="sgd", lr=0.05, ddp_sync_bn=sync)
-    v = _ddp_verdict(r.training)
+    v = _ddp_verdict(r.training, "ddp:cpu:4")
     if sync:
         assert r.verdict.category == "ok" and v is None
     else:

@@ -3,7 +3,7 @@
 Pure functions over evidence already gathered (``TrainResult`` curves and the
 arm's ``RankEvidence`` in ``TrainResult.arm_evidence``); no model is run here.
 Each detector returns a ``DDPFinding`` (summary, evidence lines, remedy, the
-layers named) or None; ``ddp_findings`` runs them in priority order (the
+layers named) or None; ``arm_findings`` runs them in priority order (the
 rank-pool executor's ``findings`` hook, one arm at a time). The verdict they
 support is category ``setup``, sub-cause ``ddp`` (rule V009, ``rules``).
 
@@ -74,10 +74,6 @@ class DDPFinding:
         """Symptom kinds this finding accounts for: random draws the ranks found explain a stochastic layer
         (rule V001 leaves them to V009, which has the per-rank evidence)."""
         return (STOCHASTIC_LAYER,) if self.kind == "dropout_per_rank" else ()
-
-
-def ddp_arms(training) -> list[str]:
-    return [a.name for a in training.arms if a.role == "target" and getattr(a.target, "world", None)]
 
 
 def single_device_partner(training, arm: str) -> str | None:
@@ -245,11 +241,6 @@ DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, bat
 def arm_findings(training, arm: str) -> list[DDPFinding]:
     """The findings for one data-parallel arm, in priority order (loss scale first: it is exact)."""
     return [f for det in DETECTORS if (f := det(training, arm)) is not None]
-
-
-def ddp_findings(training) -> list[DDPFinding]:
-    """Every finding for every data-parallel arm, arm by arm."""
-    return [f for arm in ddp_arms(training) for f in arm_findings(training, arm)]
 
 
 def drift_line(training, arm: str) -> str | None:
