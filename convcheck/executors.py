@@ -95,7 +95,7 @@ class Executor:
     def training_arm(self, arm, job: ArmJob):
         return job.here(arm)
 
-    def findings(self, training, arm: str) -> tuple:
+    def findings(self, training, arm: str) -> tuple[Finding, ...]:
         """Verdict-ready findings about ``arm`` (a target of this executor) from ``training``."""
         return ()
 
