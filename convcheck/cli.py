@@ -10,7 +10,6 @@ unless ``--debug``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from convcheck.errors import UsageError
@@ -183,17 +182,10 @@ def _with_project(parser, argv, args):
     return args
 
 
-def _passive_openmp(args) -> None:
-    """A data-parallel target runs its ranks and this process on the same cores; OpenMP threads that
-    spin while they wait (libgomp's default) then take the cores the ranks need. Measured on 2 busy cores
-    (load ~3), lenet cpu,ddp:cpu:2, 20 steps: training 10-30 s by default, 3.6-3.9 s with
-    OMP_WAIT_POLICY=PASSIVE. Set before torch loads, for data-parallel targets only; yours wins."""
-    if "ddp:" in str(getattr(args, "targets", "") or "").lower() and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def _run_compare(args) -> int:
-    _passive_openmp(args)
+    from convcheck.executors import before_threads
+
+    before_threads(getattr(args, "targets", None))  # each kind of target sets what torch reads as it loads
     from convcheck.cli_compare import run_compare
 
     if args.against:

@@ -23,13 +23,11 @@ def run_compare(args) -> int:
     from convcheck.report.folder import RunFolder
 
     config = config_from_options(vars(args))  # bad numbers fail here, before any work
-    from convcheck.ddp.launch import launched_world
+    from convcheck.executors import serve
 
-    launched = launched_world()
-    if launched is not None and launched.rank not in (None, 0):  # torchrun's other ranks serve rank 0's DDP arm
-        from convcheck.ddp.launched import serve_rank
-
-        return serve_rank(config)
+    served = serve(config)  # a process that serves another's run (torchrun's other ranks serve rank 0's)
+    if served is not None:
+        return served
     shape = parse_input_shape(args.input_shape) if args.input_shape else None
     fingerprint = findings = None
     if args.env:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from convcheck import executors
 from convcheck.builder import ModelBuilder, model_builder  # noqa: F401 - ModelBuilder re-exported
 from convcheck.config import CompareConfig, with_options
 from convcheck.data import hash_state_dict
@@ -150,20 +151,9 @@ def compare(
     if targets is not None:
         options["targets"] = targets
     cfg = with_options(config or CompareConfig(), **options)
-    with _caller_rng_kept(), _guarded(progress, cfg.steps) as stage, _launched_world_released():
+    with _caller_rng_kept(), _guarded(progress, cfg.steps) as stage, executors.released():
         resolved = _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerprint)
         return _run(resolved, cfg, None, None, env_findings, fingerprint, stage)
-
-
-@contextlib.contextmanager
-def _launched_world_released():
-    """Under torchrun, the other ranks are told to exit when the comparison ends, however it ends."""
-    try:
-        yield
-    finally:
-        from convcheck.ddp.launched import release_world
-
-        release_world()
 
 
 @contextlib.contextmanager
@@ -202,9 +192,7 @@ def _checked_model(model, input_shape, num_classes, cfg, env_findings, fingerpri
 def _resolve_config(cfg: CompareConfig, notes: list[str]) -> tuple[CompareConfig, str]:
     """Targets parsed and checked, the judge chosen (or the one asked for) and why."""
     pair = _parse_pair(cfg.targets, notes)
-    from convcheck.ddp.launch import check_launch
-
-    check_launch(pair)  # under torchrun: a ddp: target of the world's size (convcheck.ddp.launched)
+    executors.check_targets(pair)  # the targets fit the way this process was started (torchrun's world)
     for t in pair:
         t.check_available()
     if cfg.judge is not None:
@@ -266,10 +254,7 @@ def _prepare(resolved: ResolvedModel, cfg: CompareConfig, notes: list[str]):
     user_data = is_user_data(cfg.data)
     state = initial_state(resolved, cfg.seed)
     build = model_builder(resolved, state)
-    if cfg.ddp_sync_bn or cfg.ddp_no_broadcast_buffers:  # data-parallel copies only (convcheck.ddp)
-        from convcheck.ddp import ddp_builder
-
-        build = ddp_builder(build, sync_bn=cfg.ddp_sync_bn, broadcast_buffers=not cfg.ddp_no_broadcast_buffers)
+    build = executors.wrap_builder(build, cfg)  # each executor's settings for its copies (--ddp-sync-bn)
     if not user_data:  # the built-in sources make inputs of the model's declared shape
         check_input_shape(build(cfg.judge), resolved.input_shape, resolved.num_classes, task=resolved.task)
     stream = open_data(cfg.data, input_shape=resolved.input_shape, num_classes=resolved.num_classes,

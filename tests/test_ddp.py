@@ -15,7 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from convcheck.config import CompareConfig
-from convcheck.ddp.diagnostics import batchnorm_per_rank, ddp_findings, loss_scale
+from convcheck.ddp.diagnostics import batchnorm_per_rank, loss_scale
+from convcheck.ddp.evidence import RankEvidence
+from convcheck.ddp.rules import ddp_setup
+from convcheck.diagnose import Evidence
+from convcheck.executors import executor_for
 from convcheck.errors import ConvcheckError, RunFailed, TargetUnavailable, UsageError
 from convcheck.recipe import build_recipe
 from convcheck.targets import CPU_JUDGE, Target, parse_targets
@@ -24,6 +28,11 @@ from convcheck.train.arms import Arm
 from convcheck.train.result import TrainResult
 
 T = Target.parse
+
+
+def ddp_findings(training, arm: str = "ddp:cpu:2") -> list:
+    """The findings the arm's executor (the rank pool) hands the diagnosis."""
+    return list(executor_for(T(arm)).findings(training, arm))
 
 
 pytestmark = pytest.mark.usefixtures("no_orphans")  # conftest: no rank process is left behind
@@ -213,7 +222,8 @@ def _evidence(ddp_grad=1.0, one_grad=1.0, bn=None, world=2):
                  grad_norm=ddp_grad if a.target.world else one_grad, dist_judge=0.0, dist_ref=float("nan"),
                  dist_other=0.1) for a in arms]
     return TrainResult(curves=pd.DataFrame(rows), layer_grads=pd.DataFrame(), activations=pd.DataFrame(),
-                       arms=arms, config=TrainConfig(), ddp_batchnorm={f"ddp:cpu:{world}": bn or []})
+                       arms=arms, config=TrainConfig(),
+                       arm_evidence={arms[1]: RankEvidence(batchnorm=bn or [])})
 
 
 def test_loss_scale_detector_on_hand_built_evidence():
@@ -244,16 +254,20 @@ def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
     assert abs(p.losses[T("ddp:cpu:2")] - p.losses[T("cpu")]) < 1e-6
 
 
-def test_ddp_verdict_is_setup_ddp_naming_the_layer():
-    from convcheck.ddp.diagnostics import ddp_verdict
+def _ddp_verdict(training, arm: str = "ddp:cpu:2"):
+    """Rule V009 on the findings of ``arm`` alone (no envelope: every finding counts)."""
+    return ddp_setup(Evidence(executor_findings=tuple(ddp_findings(training, arm))))
 
-    assert ddp_verdict([]) is None
+
+def test_ddp_verdict_is_setup_ddp_naming_the_layer():
+    assert _ddp_verdict(_evidence()) is None
     loud = [{"features.1": (0.8, 0.3)}]
-    v = ddp_verdict(ddp_findings(_evidence(0.5, 1.0, bn=loud)))
+    v = _ddp_verdict(_evidence(0.5, 1.0, bn=loud))
     assert (v.category, v.sub_cause, v.target) == ("setup", "ddp", "ddp:cpu:2")
-    assert v.symptoms == ["loss_scale"] and any("BatchNorm layers 'features.1'" in e for e in v.evidence)
+    assert v.symptoms == ["loss_scale", "batchnorm_per_rank"]
+    assert any("BatchNorm layers 'features.1'" in e for e in v.evidence)
     assert len(v.remedies) == 2 and "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[1]
-    v = ddp_verdict(ddp_findings(_evidence(bn=loud)))
+    v = _ddp_verdict(_evidence(bn=loud))
     assert v.layer == "features.1" and "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0]
 
 
@@ -268,11 +282,10 @@ def test_scenario_batchnorm_at_per_rank_batch_2_on_4_ranks(sync):
     """Issue 12: a BatchNorm model at global batch 8 on ddp:cpu:4 leaves the single-device envelope and the
     findings name the BatchNorm with the SyncBatchNorm remedy; with --ddp-sync-bn it is ok."""
     import convcheck
-    from convcheck.ddp.diagnostics import ddp_verdict
 
     r = convcheck.compare(_conv_bn, input_shape=(3, 8, 8), num_classes=4, targets="cpu,ddp:cpu:4", batch_size=8,
                           steps=6, optimizer="sgd", lr=0.05, ddp_sync_bn=sync)
-    v = ddp_verdict(ddp_findings(r.training))
+    v = _ddp_verdict(r.training, "ddp:cpu:4")
     if sync:
         assert r.verdict.category == "ok" and v is None
     else:

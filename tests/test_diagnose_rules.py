@@ -19,6 +19,7 @@ from convcheck.diagnose import (
 )
 from convcheck.diagnose import rules as R
 from convcheck.ddp.diagnostics import DDPFinding
+from convcheck.ddp.rules import ddp_setup
 from convcheck.env import Finding
 from convcheck.train.result import ArmOutcome, EnvelopeSummary
 
@@ -81,12 +82,20 @@ DDP_SUM = DDPFinding("loss_scale", "ddp:cpu:2", "the loss scale on ddp:cpu:2 is 
 
 def test_ddp_setup_verdict():
     # a loss off by the world size fires even inside the envelope; BatchNorm per rank only beyond it
-    v = R.ddp_setup(evidence(low="ddp:cpu:2", ddp_findings=(DDP_SUM, DDP_BN), drift=drift(arm="cpu", beyond=False)))
+    v = ddp_setup(evidence(low="ddp:cpu:2", executor_findings=(DDP_SUM, DDP_BN),
+                           drift=drift(arm="cpu", beyond=False)))
     assert (v.category, v.sub_cause, v.target, v.layer) == ("setup", "ddp", "ddp:cpu:2", None)
     assert "off by the world size" in v.headline and v.symptoms == ["loss_scale"]
-    v = R.ddp_setup(evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu")))
+    v = ddp_setup(evidence(low="ddp:cpu:2", executor_findings=(DDP_BN,), drift=drift(arm="cpu")))
     assert "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0]
-    assert R.ddp_setup(evidence()) is None
+    assert ddp_setup(evidence()) is None
+
+
+def test_a_stochastic_layer_the_ranks_found_is_left_to_their_executors_rule():
+    draws = DDPFinding("dropout_per_rank", "ddp:cpu:2", "'3' draws random numbers inside the forward", (), "", ("3",))
+    assert R.stochastic_layer(evidence(stochastic_layers=("3",), executor_findings=(DDP_BN,))) is not None
+    assert R.stochastic_layer(evidence(stochastic_layers=("3",), executor_findings=(draws,))) is None
+    assert ddp_setup(evidence(low="ddp:cpu:2", stochastic_layers=("3",), executor_findings=(draws,))).layer == "3"
 
 
 # rule id -> (evidence it fires on, evidence it stays quiet on, category, target, layer, headline part)
@@ -114,8 +123,8 @@ CASES = {
     "V008": (evidence(low="cpu:fp16", target_symptoms=(nonfinite(),), target_facts={"cpu:fp16": FP16}),
              evidence(low="cpu:fp16", drift=drift(beyond=False)),
              "numerics", "cpu:fp16", "3", "float16 overflow in '3' on cpu:fp16"),
-    "V009": (evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu")),
-             evidence(low="ddp:cpu:2", ddp_findings=(DDP_BN,), drift=drift(arm="cpu", beyond=False)),
+    "V009": (evidence(low="ddp:cpu:2", executor_findings=(DDP_BN,), drift=drift(arm="cpu")),
+             evidence(low="ddp:cpu:2", executor_findings=(DDP_BN,), drift=drift(arm="cpu", beyond=False)),
              "setup", "ddp:cpu:2", "1", "data-parallel setup: BatchNorm layers '1' normalise"),
 }
 

@@ -7,15 +7,18 @@ DDP-wrapped copies on their slices; rank 0's answer (the all-reduced mean
 loss, gradient norms of the averaged gradient) comes back; its parameters
 are written by rank 0 into tensors in shared memory and copied from there into
 ``model``, a mirror in this process that parameter distances to the judge and
-the other arms read (its buffers come with the last step's answer). ``bn`` keeps, per step, the per-rank
-BatchNorm statistics' deviation from the global batch's (evidence for the
-diagnosis).
+the other arms read (its buffers come with the last step's answer). ``evidence``
+(a ``RankEvidence``) keeps, per step, the per-rank BatchNorm statistics' deviation
+from the global batch's, each rank's slice hash, the buffers that differ across
+ranks, and from the first step the modules drawing unshared random numbers
+(``convcheck.ddp.probes``): what ``diagnostics`` reads.
 """
 
 from __future__ import annotations
 
 import torch
 
+from convcheck.ddp.evidence import RankEvidence
 from convcheck.ddp.pool import collective_timeout, threads_per_rank
 from convcheck.ddp.pools import open_pool
 from convcheck.ddp.worker import RankJob
@@ -43,7 +46,7 @@ def slice_hashes(x, y, world: int) -> list[str]:
 class DDPArmState:
     def __init__(self, arm: Arm, build, steps: int, recipe, sync_bn: bool = False):
         """``build(target)`` is called with the data-parallel target in the ranks (a builder may treat
-        it differently: ``sync_batchnorm_builder``), with the per-rank target for the mirror here."""
+        it differently: ``builder.ddp_builder``), with the per-rank target for the mirror here."""
         self.arm = arm
         self.runner = arm.target.runner
         inner = arm.target.per_rank
@@ -52,11 +55,8 @@ class DDPArmState:
             perturb_(self.model, self.runner.ulp, arm.perturb_seed)
         self.step_index = 0
         self.producer: tuple[int, str] | None = None
-        self.bn: list[dict[str, tuple[float, float]]] = []
         self.losses: list[float] = []
-        # evidence per step: each rank's slice hash, the buffers that differ across ranks at the forward's
-        # start; from the first step: the modules drawing unshared random numbers (convcheck.ddp.probes)
-        self.ranks: dict = {"slices": [], "buffers": [], "draws": None}
+        self.evidence = RankEvidence()
         # rank 0 writes its parameters here after every step (shared memory: nothing is pickled per step)
         self.shared = {n: torch.empty(p.shape, dtype=p.dtype).share_memory_() for n, p in self.model.named_parameters()}
         job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
@@ -72,12 +72,12 @@ class DDPArmState:
         producer = r.pop("producer")
         if self.producer is None and producer is not None:
             self.producer = (self.step_index, producer[1])
-        self.bn.append(r.pop("bn"))
-        self.ranks["buffers"].append(r.pop("buffers"))
+        self.evidence.batchnorm.append(r.pop("bn"))
+        self.evidence.buffers.append(r.pop("buffers"))
         draws = r.pop("draws")
         if draws is not None:
-            self.ranks["draws"] = draws
-        self.ranks["slices"].append(slice_hashes(x, y, self.runner.world))
+            self.evidence.draws = draws
+        self.evidence.slices.append(slice_hashes(x, y, self.runner.world))
         self.losses.append(r["loss"])
         return r
 

@@ -1,10 +1,11 @@
 """Diagnosing a data-parallel setup: why a ``ddp:`` arm computes another training than one device.
 
-Pure functions over evidence already gathered (``TrainResult`` curves and its
-``ddp_batchnorm`` record, the parity rows); no model is run here. Each
-detector returns a ``DDPFinding`` (summary, evidence lines, remedy, the
-layers named) or None; ``ddp_findings`` runs them in priority order. The
-verdict they support is category ``setup``, sub-cause ``ddp``.
+Pure functions over evidence already gathered (``TrainResult`` curves and the
+arm's ``RankEvidence`` in ``TrainResult.arm_evidence``); no model is run here.
+Each detector returns a ``DDPFinding`` (summary, evidence lines, remedy, the
+layers named) or None; ``arm_findings`` runs them in priority order (the
+rank-pool executor's ``findings`` hook, one arm at a time). The verdict they
+support is category ``setup``, sub-cause ``ddp`` (rule V009, ``rules``).
 
 - ``batchnorm_per_rank``: BatchNorm layers normalise with each rank's batch
   statistics (no SyncBatchNorm), which differ from the global batch's at a
@@ -32,6 +33,9 @@ import math
 from dataclasses import dataclass, field
 
 import pandas as pd
+
+from convcheck.ddp.evidence import RankEvidence
+from convcheck.symptoms import STOCHASTIC_LAYER
 
 SETUP = "setup"
 SUB_CAUSE = "ddp"
@@ -65,9 +69,11 @@ class DDPFinding:
         """A setup difference whatever the drift (``EXACT``)."""
         return self.kind in EXACT
 
-
-def ddp_arms(training) -> list[str]:
-    return [a.name for a in training.arms if a.role == "target" and getattr(a.target, "world", None)]
+    @property
+    def explains(self) -> tuple[str, ...]:
+        """Symptom kinds this finding accounts for: random draws the ranks found explain a stochastic layer
+        (rule V001 leaves them to V009, which has the per-rank evidence)."""
+        return (STOCHASTIC_LAYER,) if self.kind == "dropout_per_rank" else ()
 
 
 def single_device_partner(training, arm: str) -> str | None:
@@ -78,7 +84,7 @@ def single_device_partner(training, arm: str) -> str | None:
 
 def batchnorm_per_rank(training, arm: str) -> DDPFinding | None:
     """Per-rank BatchNorm statistics off the global batch's, layer by layer (worst over steps)."""
-    steps = getattr(training, "ddp_batchnorm", {}).get(arm) or []
+    steps = _evidence(training, arm).batchnorm
     worst: dict[str, tuple[float, float]] = {}
     for record in steps:
         for layer, (shift, change) in record.items():
@@ -141,13 +147,15 @@ def loss_scale(training, arm: str) -> DDPFinding | None:
     return None
 
 
-def _ranks(training, arm: str) -> dict:
-    return (getattr(training, "ddp_ranks", {}) or {}).get(arm) or {}
+def _evidence(training, arm: str) -> RankEvidence:
+    """What the arm's ranks gathered (empty when nothing was: a result read back from a bundle)."""
+    found = next((v for a, v in training.arm_evidence.items() if a.name == arm), None)
+    return found or RankEvidence()
 
 
 def same_data(training, arm: str) -> DDPFinding | None:
     """Two ranks' slices hash alike in at least half the steps: every rank trains on the same samples."""
-    steps = _ranks(training, arm).get("slices") or []
+    steps = _evidence(training, arm).slices
     repeated = [(i, _equal_ranks(h)) for i, h in enumerate(steps)]
     repeated = [(i, pairs) for i, pairs in repeated if pairs]
     if not steps or len(repeated) * 2 < len(steps):
@@ -180,7 +188,7 @@ def _equal_ranks(hashes: list[str]) -> list[tuple[int, ...]]:
 def buffers_not_broadcast(training, arm: str) -> DDPFinding | None:
     """A buffer differs across ranks when the forward starts (after DDP's broadcast, when it broadcasts)."""
     worst: dict[str, tuple[float, int]] = {}
-    for step, record in enumerate(_ranks(training, arm).get("buffers") or []):
+    for step, record in enumerate(_evidence(training, arm).buffers):
         for name, spread in record.items():
             old = worst.get(name, (0.0, step))
             worst[name] = (max(old[0], spread), old[1])  # the largest spread, the first step it was seen
@@ -205,7 +213,7 @@ def buffers_not_broadcast(training, arm: str) -> DDPFinding | None:
 
 def dropout_per_rank(training, arm: str) -> DDPFinding | None:
     """Modules that draw from torch's global random generators in their forward, found in the ranks."""
-    draws = _ranks(training, arm).get("draws") or {}
+    draws = _evidence(training, arm).draws or {}
     layers = tuple(draws.get("layers") or ())
     if not layers:
         return None
@@ -231,9 +239,9 @@ def dropout_per_rank(training, arm: str) -> DDPFinding | None:
 DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, batchnorm_per_rank)
 
 
-def ddp_findings(training) -> list[DDPFinding]:
-    """Every finding for every data-parallel arm, in priority order (loss scale first: it is exact)."""
-    return [f for arm in ddp_arms(training) for det in DETECTORS if (f := det(training, arm)) is not None]
+def arm_findings(training, arm: str) -> list[DDPFinding]:
+    """The findings for one data-parallel arm, in priority order (loss scale first: it is exact)."""
+    return [f for det in DETECTORS if (f := det(training, arm)) is not None]
 
 
 def drift_line(training, arm: str) -> str | None:
@@ -257,18 +265,3 @@ def _world(training, arm: str) -> int:
     found = next((a for a in training.arms if a.name == arm), None)
     return int(getattr(found.target, "world", None) or 1) if found is not None else 1
 
-
-def ddp_verdict(findings: list[DDPFinding]):
-    """The verdict the first finding supports (category ``setup``, sub-cause ``ddp``), or None.
-
-    Meant for a rule in ``convcheck.diagnose.rules`` (priority between the environment findings and the
-    layer error): ``ddp_verdict(ev.ddp_findings)`` with ``Evidence.ddp_findings = ddp_findings(training)``."""
-    if not findings:
-        return None
-    from convcheck.diagnose.verdict import Verdict
-
-    main = findings[0]
-    evidence = list(main.evidence) + [f"also: {f.summary}" for f in findings[1:]]
-    remedies = [main.remedy] + [f.remedy for f in findings[1:] if f.remedy != main.remedy]
-    return Verdict(SETUP, main.summary, evidence, remedies, target=main.arm,
-                   layer=main.layers[0] if main.layers else None, sub_cause=SUB_CAUSE, symptoms=[main.kind])

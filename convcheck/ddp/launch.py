@@ -8,6 +8,7 @@ its DDP rank runs in a relay process it starts, so the comparison's own
 process (the single-device arms, the judge) never joins the process group and
 a ``SyncBatchNorm`` or a collective in the model cannot reach across ranks
 there; every other rank serves its share of the DDP arm and exits 0.
+The launcher's variables are read by ``convcheck.runners.launcher``.
 ``check_launch`` refuses, in one line (exit 2), what cannot work: a world of
 several without a ``ddp:`` target of that size, targets on two backends,
 launcher variables missing.
@@ -15,40 +16,10 @@ launcher variables missing.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 from convcheck.errors import UsageError
+from convcheck.runners.launcher import TORCHRUN_VARIABLES, LaunchedWorld, launched_world
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class LaunchedWorld:
-    """The rank this process was given by a launcher, and what the launcher set."""
-
-    rank: int | None
-    world: int | None
-    local_rank: int | None
-    endpoint: str  # MASTER_ADDR:MASTER_PORT, "" when unset
-    variables: tuple[str, ...]  # the launcher's variables present in the environment
-
-
-def launched_world(environ=None) -> LaunchedWorld | None:
-    """The launcher's world when ``RANK`` or ``WORLD_SIZE`` is set (torchrun sets all five), else None."""
-    env = os.environ if environ is None else environ
-    present = tuple(v for v in TORCHRUN_VARIABLES if env.get(v, "").strip())
-    if "RANK" not in present and "WORLD_SIZE" not in present:
-        return None
-
-    def number(name):
-        try:
-            return int(env.get(name, "").strip())
-        except ValueError:
-            return None
-    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
-    return LaunchedWorld(number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK"),
-                         f"{addr}:{port}" if addr or port else "", present)
+__all__ = ["TORCHRUN_VARIABLES", "LaunchedWorld", "check_launch", "launched_world"]
 
 
 def check_launch(targets, environ=None) -> LaunchedWorld | None:

@@ -16,7 +16,8 @@ V004 40    self-difference  nondeterminism   a target differs from itself run to
 V005 50    hardware-finding hardware         a target symptom with a hardware finding
 V006 60    version-finding  version          a target symptom with a version finding
 V009 65    ddp-setup        setup            a ddp: target's loss is off by the world size, or its
-                                             per-rank BatchNorm statistics (drift beyond envelope)
+                                             per-rank BatchNorm statistics (drift beyond envelope);
+                                             registered by convcheck.ddp.rules
 V007 70    layer-error      layer            the main target symptom: a layer's local error far
                                              above its bound
 V008 80    precision-effect numerics         any other target symptom (NaN/Inf producer,
@@ -29,7 +30,9 @@ calls into ``convcheck.train``: everything it reads is in the comparison result.
 
 Layout: ``verdict`` (``Verdict``, ``CATEGORIES``), ``evidence`` (``Evidence``,
 ``gather``), ``registry`` (``VerdictRule``, ``@verdict_rule``, ``RULES``,
-``decide``), ``rules`` (the rules and ``ok_verdict``).
+``decide``), ``rules`` (the rules and ``ok_verdict``). A kind of target that
+runs outside this process brings its own rules, registered when its executor
+loads (``convcheck.executors.load_plugins``, called here).
 """
 
 from __future__ import annotations
@@ -39,8 +42,15 @@ from convcheck.diagnose.registry import RULES, VerdictRule, decide, verdict_rule
 from convcheck.diagnose.verdict import CATEGORIES, Verdict
 from convcheck.diagnose import rules  # noqa: E402,I001 - importing the rules registers them
 from convcheck.diagnose.rules import ok_verdict
+from convcheck.executors import load_plugins
 
-RULE_IDS: dict[str, str] = {r.id: r.name for r in RULES}
+load_plugins()  # the executors' own rules (V009, convcheck.ddp.rules)
+
+
+def __getattr__(name: str):
+    if name == "RULE_IDS":  # {id: name} of every rule registered now (a plugin's included)
+        return {r.id: r.name for r in RULES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def diagnose(result) -> Verdict:

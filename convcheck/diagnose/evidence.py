@@ -22,6 +22,7 @@ from convcheck.producers import nonfinite_producer
 from convcheck.recipe_symptoms import recipe_problems
 from convcheck.table_schema import named
 from convcheck.config import CompareConfig
+from convcheck.executors import executor_for
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
 from convcheck.tolerances import Tolerances
 
@@ -94,8 +95,8 @@ class Evidence:
     layer_notes: tuple[S.Symptom, ...] = ()
     # --- environment findings (convcheck.env.Finding)
     findings: tuple = ()
-    # --- data-parallel targets (convcheck.ddp.diagnostics.DDPFinding), in priority order
-    ddp_findings: tuple = ()
+    # --- findings of the targets' executors (``convcheck.executors.Finding``: a ``ddp:`` target's ranks), arm by arm
+    executor_findings: tuple = ()
 
     @property
     def judgeable(self) -> bool:
@@ -147,17 +148,14 @@ def gather(result) -> Evidence:
         + tuple(recipe_problems(result)),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
-        findings=tuple(result.findings or ()), ddp_findings=_ddp_findings(training),
+        findings=tuple(result.findings or ()), executor_findings=_executor_findings(training),
     )
 
 
-def _ddp_findings(training) -> tuple:
-    """Why a ``ddp:`` arm trains differently from one device (none without a data-parallel target)."""
-    if not any(getattr(getattr(a, "target", None), "world", None) for a in getattr(training, "arms", ())):
-        return ()
-    from convcheck.ddp.diagnostics import ddp_findings
-
-    return tuple(ddp_findings(training))
+def _executor_findings(training) -> tuple:
+    """Each target arm's findings from its executor (none from the in-process one), arm by arm."""
+    return tuple(f for a in getattr(training, "arms", ()) if a.role == "target"
+                 for f in executor_for(a.target).findings(training, a.name))
 
 
 def _facts(runner) -> TargetFacts:

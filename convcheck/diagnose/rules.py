@@ -72,9 +72,9 @@ def _where(layer: str | None) -> str:
               "functional or custom random draws",
               "or turn the randomness off for the comparison (model.eval() for that layer, or p=0)"))
 def stochastic_layer(ev: Evidence) -> Verdict | None:
-    """A layer draws random numbers no mask is shared for: no difference is evidence. With a ``ddp:`` target
-    whose ranks found the draws, the data-parallel verdict (V009) says it with the per-rank evidence."""
-    if not ev.stochastic_layers or any(f.kind == "dropout_per_rank" for f in ev.ddp_findings):
+    """A layer draws random numbers no mask is shared for: no difference is evidence. When a target's
+    executor found the draws itself (the ranks of a ``ddp:`` target), its own rule says it with that evidence."""
+    if not ev.stochastic_layers or any(S.STOCHASTIC_LAYER in f.explains for f in ev.executor_findings):
         return None
     layer = ev.stochastic_layers[0]
     return stochastic_layer.verdict(
@@ -204,26 +204,6 @@ def layer_note_lines(ev: Evidence) -> list[str]:
     """Flagged layers too small to matter on a target with no other trouble."""
     return [f"note ({n.arm}): {n.evidence}; below min_error {ev.tolerances.min_error:g}, so not a cause"
             for n in ev.layer_notes]
-
-
-@verdict_rule(
-    "V009", "ddp-setup", priority=65, category="setup",
-    headline="data-parallel setup: {summary}",
-    remedies=("compare the data-parallel setup with the single-device one (convcheck.ddp.diagnostics)",))
-def ddp_setup(ev: Evidence) -> Verdict | None:
-    """A ``ddp:`` target trains another model than one device: a loss off by the world size, ranks that see
-    the same samples, buffers that differ across ranks, random draws the shared masks miss (always: exact
-    evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
-    envelope, or there is no envelope to tell). Sub-cause ``ddp``."""
-    beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
-    found = [f for f in ev.ddp_findings if f.exact or beyond]
-    if not found:
-        return None
-    main = found[0]
-    evidence = list(main.evidence) + [f"also: {f.summary}" for f in found[1:]] + training_lines(ev)
-    return ddp_setup.verdict(
-        evidence, {"summary": main.summary}, remedies=[f.remedy for f in found], target=main.arm,
-        layer=main.layers[0] if main.layers else None, sub_cause="ddp", symptoms=[f.kind for f in found])
 
 
 @verdict_rule(

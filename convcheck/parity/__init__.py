@@ -21,11 +21,14 @@ it can find nothing (``known.probe_needed``); stock layers get light private cop
 rerun is skipped for a CPU pass whose kernels are all documented deterministic (``kernels``).
 
 ``judge_pass`` records the judge; ``target_pass`` compares one target with
-that record; ``local`` holds the one-layer measurements.
+that record; ``local`` holds the one-layer measurements. Each target's step goes
+through its executor (``convcheck.executors``): in this process, the pass above;
+a data-parallel target's ranks give gradient rows of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -34,6 +37,7 @@ import torch.nn as nn
 
 from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
+from convcheck.executors import ParityStep, TargetParity, executor_for
 from convcheck.metrics import rel_l2
 from convcheck.parity.judge_pass import run_judge, stochastic_layers
 from convcheck.parity.kernels import rerun_needed
@@ -84,25 +88,34 @@ def run_parity(
     losses: dict[Target, float] = {}
     selfdiff: dict[Target, float] = {}
     reruns: list[tuple[int, Target, list]] = []
-    last = max((i for i, t in enumerate(targets) if t != judge and t.world is None), default=-1)
-    for i, target in enumerate(targets):
-        if target == judge:
-            continue
-        if target.world is not None:  # data-parallel: its ranks' DDP-averaged gradient vs the judge's
-            losses[target] = _ddp_rows(target, build, batch, judge_grads, loss_fn, seed, rows)
-            continue
+    executors = {t: executor_for(t) for t in others}  # where each target's step runs
+    last = max((i for i, t in enumerate(targets) if t != judge and executors[t].reads_judge_record), default=-1)
+
+    def here(i: int, target: Target) -> TargetParity:
+        """This target's pass in this process against the judge's record."""
         # Each device has its own random stream: a target's unshared random draws differ
         # from the judge's, as they would on another device.
         seed_all(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
         tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device), i == last
-        losses[target], first_run = tp.run(build(target), batch, loss_fn)
+        loss, first_run = tp.run(build(target), batch, loss_fn)
         tick(3 + others.index(target))
-        rows.extend(tp.rows)
         if tp.rerun_needed:
-            reruns.append((i, target, first_run))
-        else:  # a CPU pass of documented-deterministic kernels (``kernels``): bitwise the same again
-            selfdiff[target] = 0.0
+            return TargetParity(loss, tp.rows, rerun_against=first_run)
+        # a CPU pass of documented-deterministic kernels (``kernels``): bitwise the same again
+        return TargetParity(loss, tp.rows, self_difference=0.0)
+
+    for i, target in enumerate(targets):
+        if target == judge:
+            continue
+        measured = executors[target].parity(target, ParityStep(
+            build, batch, judge_grads, loss_fn, seed, here=functools.partial(here, i)))
+        losses[target] = measured.loss
+        rows.extend(measured.rows)
+        if measured.rerun_against is not None:
+            reruns.append((i, target, measured.rerun_against))
+        elif measured.self_difference is not None:
+            selfdiff[target] = measured.self_difference
     del calls, judge_grads  # every target has used the judge's record: the reruns run without it
     selfdiff = _self_differences(reruns, selfdiff, others, build, batch, seed, loss_fn, tick)
     tick(total)
@@ -117,15 +130,6 @@ def _self_differences(reruns: list, selfdiff: dict, others: list, build, batch, 
         selfdiff[target] = self_difference(build(target), target, batch, seed, first_run, loss_fn)
         tick(3 + len(others) + others.index(target))
     return {t: selfdiff[t] for t in others if t in selfdiff}
-
-
-def _ddp_rows(target: Target, build, batch, judge_grads, loss_fn, seed: int, rows: list) -> float:
-    """A data-parallel target's gradient rows (appended to ``rows``); returns its loss."""
-    from convcheck.ddp.parity import ddp_parity
-
-    loss, ddp_rows, _ = ddp_parity(target, build, batch, judge_grads, loss_fn, seed)
-    rows.extend(ddp_rows)
-    return loss
 
 
 def self_difference(model: nn.Module, target: Target, batch, mask_seed: int, first_run: list, loss_fn) -> float:

@@ -61,6 +61,8 @@ class Runner:
     descriptions: ClassVar[dict[str, str]] = {}
     # (parameter dtype, compute dtype) per mode
     dtypes: ClassVar[dict[str, tuple[torch.dtype, torch.dtype]]] = {}
+    # where its work runs: the name of a registered executor (``convcheck.executors``)
+    executor: ClassVar[str] = "in-process"
 
     def __init__(self, target):
         self.target = target  # a convcheck.targets.Target (the spec); runners never import it

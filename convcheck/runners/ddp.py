@@ -4,8 +4,10 @@ A ``DDPRunner`` wraps the runner of the per-rank target (``ddp:cpu:2:bf16`` ->
 the ``cpu:bf16`` runner) and answers everything numeric with it: each rank
 runs exactly that kind of target on its slice of the global batch. What is
 special is where the work runs: in N worker processes driven step by step by
-``convcheck.ddp`` (gloo on the CPU, NCCL on GPUs). It is not registered in the
-mode registry: ``Target.parse`` builds it for the ``ddp:`` prefix.
+its executor, ``rank-pool`` (``convcheck.ddp.executor``, gloo on the CPU, NCCL
+on GPUs), which registers itself; this module knows it by that name only. It
+is not registered in the mode registry: ``Target.parse`` builds it for the
+``ddp:`` prefix.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from convcheck.runners.base import Runner
+from convcheck.runners.launcher import launched_world
 
 
 class DDPRunner(Runner):
@@ -20,6 +23,7 @@ class DDPRunner(Runner):
 
     modes = ()
     devices = ("cpu", "cuda")
+    executor = "rank-pool"
 
     def __init__(self, target, inner: Runner):
         super().__init__(target)
@@ -67,8 +71,6 @@ class DDPRunner(Runner):
         if self.backend == "gloo":
             return None if dist.is_gloo_available() else "this torch build has no gloo backend"
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        from convcheck.ddp.launch import launched_world
-
         launched = launched_world()
         if launched is not None and launched.world == self.world:  # torchrun's ranks: this node's GPU only
             local = launched.local_rank or 0

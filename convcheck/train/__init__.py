@@ -7,15 +7,19 @@ scalars only: the loss, the global and per-layer gradient norms, the relative
 parameter distance to the judge (and, for envelope runs, to the target they
 perturb), non-finite flags, the GradScaler's scale and skipped steps, and the
 activation statistics the training-problem detectors read. Every step goes
-through the arm's runner (``convcheck.runners``).
+through the arm's runner (``convcheck.runners``); each arm is built by its
+target's executor (``convcheck.executors``): in this process, or a proxy for
+rank processes whose extra evidence lands in ``TrainResult.arm_evidence``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
 from convcheck.errors import UsageError
+from convcheck.executors import ArmJob, executor_for
 from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.train.arm_state import ArmState
 from convcheck.table_schema import CurveRow, columns
@@ -77,17 +81,15 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         rows, grad_rows, act_rows, arms, cfg, tolerances,
         nonfinite_producer={s.arm: s.producer for s in states},
         nonfinite_weights={s.arm: bool(getattr(s, "producer_weights", False)) for s in states},
-        ddp_batchnorm={s.arm.name: s.bn for s in states if hasattr(s, "bn")},
-        ddp_ranks={s.arm.name: s.ranks for s in states if hasattr(s, "ranks")},
+        arm_evidence={s.arm: s.evidence for s in states if s.evidence is not None},
     )
 
 
 def _arm_state(arm: Arm, build, cfg: TrainConfig, recipe, scratch: Scratch):
-    if arm.target.world is not None:  # data-parallel: N rank processes behind a proxy
-        from convcheck.ddp.arm import DDPArmState
-
-        return DDPArmState(arm, build, cfg.steps, recipe)
-    return ArmState(arm, build, cfg.steps, recipe, scratch=scratch)
+    """The arm as its target's executor runs it: here an ``ArmState``; a data-parallel target's N rank
+    processes behind a proxy."""
+    here = functools.partial(ArmState, build=build, steps=cfg.steps, recipe=recipe, scratch=scratch)
+    return executor_for(arm.target).training_arm(arm, ArmJob(build, cfg.steps, recipe, here=here))
 
 
 def _default_recipe():

@@ -15,6 +15,8 @@ from convcheck.train.stats import Scratch, fraction_abs_above, fraction_le_zero,
 
 
 class ArmState:
+    evidence = None  # an in-process arm gathers no evidence beyond its curves (``executors.ArmJob``)
+
     def __init__(self, arm: Arm, build, steps: int, recipe, masks=None, scratch: Scratch | None = None):
         self.arm = arm
         self.scratch = scratch if scratch is not None else Scratch()  # run_training shares one between arms

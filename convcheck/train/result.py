@@ -81,17 +81,14 @@ class TrainResult:
     nonfinite_producer: Mapping[Arm, tuple[int, str] | None] = field(default_factory=dict)
     # Per arm: whether that producer's own weights were already NaN/Inf (the optimizer step before made them so)
     nonfinite_weights: Mapping[Arm, bool] = field(default_factory=dict)
-    # Per data-parallel arm (``ddp:cpu:2``): per step, {BatchNorm layer: (largest per-rank mean shift in
-    # global std, largest relative per-rank std change)} - evidence for ``convcheck.ddp.diagnostics``.
-    ddp_batchnorm: dict[str, list[dict[str, tuple[float, float]]]] = field(default_factory=dict)
-    # Per data-parallel arm: {"slices": per step, each rank's slice hash; "buffers": per step, {buffer: relative
-    # spread across ranks at the forward's start}; "draws": {"layers", "same_on_every_rank"} from step 1}.
-    ddp_ranks: dict[str, dict] = field(default_factory=dict)
+    # Per arm whose executor gathers evidence of its own (a ``ddp:`` target's ranks): that evidence, opaque
+    # here, read by the executor's ``findings`` (``convcheck.executors``).
+    arm_evidence: Mapping[Arm, object] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, curves: list[dict], layer_grads: list[dict], activations: list[dict], arms, config: TrainConfig,
                   tolerances: Tolerances, *, nonfinite_producer: Mapping[Arm, tuple[int, str] | None],
-                  nonfinite_weights: Mapping[Arm, bool], ddp_batchnorm=None, ddp_ranks=None) -> TrainResult:
+                  nonfinite_weights: Mapping[Arm, bool], arm_evidence: Mapping[Arm, object] | None = None) -> TrainResult:
         """The result of the three tables' rows (each arm's curve rows in step order): the tables, the
         outcomes, the envelope summary and the lower-precision target are all made here."""
         arms = tuple(arms)
@@ -102,8 +99,7 @@ class TrainResult:
             arms=arms, config=config, judge=judge.name if judge else "",
             outcomes=outcomes_from_rows(arms, curves, tolerances), envelope=envelope_summary(arms, table, tolerances),
             lower_precision=_lower_precision(arms), nonfinite_producer=dict(nonfinite_producer),
-            nonfinite_weights=dict(nonfinite_weights), ddp_batchnorm=dict(ddp_batchnorm or {}),
-            ddp_ranks=dict(ddp_ranks or {}))
+            nonfinite_weights=dict(nonfinite_weights), arm_evidence=dict(arm_evidence or {}))
 
     def arm_of(self, target: Target) -> Arm:
         """The arm that trained ``target`` (a target's or the judge's; not an envelope run)."""

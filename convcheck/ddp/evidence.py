@@ -1,0 +1,18 @@
+"""``RankEvidence``: what a data-parallel arm gathers, step by step, for its diagnostics.
+
+``DDPArmState`` fills it; ``run_training`` keeps it, opaque, in
+``TrainResult.arm_evidence[arm]``; the detectors of ``diagnostics`` read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankEvidence:
+    # per step, {BatchNorm layer: (largest per-rank mean shift in global std, largest relative per-rank std change)}
+    batchnorm: list[dict[str, tuple[float, float]]] = field(default_factory=list)
+    slices: list[list[str]] = field(default_factory=list)  # per step, each rank's slice hash
+    buffers: list[dict[str, float]] = field(default_factory=list)  # per step, {buffer: relative spread across ranks}
+    draws: dict | None = None  # from step 1: {"layers", "same_on_every_rank"} (modules drawing unshared numbers)

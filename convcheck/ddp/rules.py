@@ -1,0 +1,35 @@
+"""Verdict rule V009 ``ddp-setup``: the data-parallel findings (``diagnostics``) as a ``setup`` verdict.
+
+Registered into the diagnosis (``convcheck.diagnose.registry``) when the
+rank-pool executor loads (``executor``); it reads the ``DDPFinding`` among
+``Evidence.executor_findings``.
+"""
+
+from __future__ import annotations
+
+from convcheck import symptoms as S
+from convcheck.ddp.diagnostics import DDPFinding
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.rules import training_lines
+from convcheck.diagnose.verdict import Verdict
+
+
+@verdict_rule(
+    "V009", "ddp-setup", priority=65, category="setup",
+    headline="data-parallel setup: {summary}",
+    remedies=("compare the data-parallel setup with the single-device one (convcheck.ddp.diagnostics)",))
+def ddp_setup(ev: Evidence) -> Verdict | None:
+    """A ``ddp:`` target trains another model than one device: a loss off by the world size, ranks that see
+    the same samples, buffers that differ across ranks, random draws the shared masks miss (always: exact
+    evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
+    envelope, or there is no envelope to tell). Sub-cause ``ddp``."""
+    beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
+    found = [f for f in ev.executor_findings if isinstance(f, DDPFinding) and (f.exact or beyond)]
+    if not found:
+        return None
+    main = found[0]
+    evidence = list(main.evidence) + [f"also: {f.summary}" for f in found[1:]] + training_lines(ev)
+    return ddp_setup.verdict(
+        evidence, {"summary": main.summary}, remedies=[f.remedy for f in found], target=main.arm,
+        layer=main.layers[0] if main.layers else None, sub_cause="ddp", symptoms=[f.kind for f in found])
