@@ -61,6 +61,7 @@ INPUT_OUT_OF_RANGE = "input data out of range"  # about the data, not an arm
 NONFINITE_FORWARD = "non-finite forward"
 NONFINITE_BACKWARD = "non-finite backward"
 NONFINITE_WEIGHTS = "non-finite weights"  # an optimizer step turned finite weights into NaN/Inf
+OUT_OF_RANGE = "values beyond the format's range"  # saturated by a format without Inf (FP8 E4M3)
 GRADSCALER_COLLAPSE = "GradScaler collapse"
 LAYER_ERROR = "layer error"
 ILL_CONDITIONED = "ill-conditioned layer"  # its floor alone loses the result at this precision

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck import symptoms as S
-from convcheck.producers import nonfinite_producer
+from convcheck.producers import nonfinite_producer, saturation
 from convcheck.recipe_symptoms import recipe_problems
 from convcheck.config import CompareConfig
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # types only: importing convcheck.train would import the trai
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
 # A layer that computes something else outranks what it causes downstream (gradient zeros in
 # the next layer, no convergence); among layer errors the largest comes first.
-_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
+_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
 _CONFIG = CompareConfig()  # the defaults of the config facts
@@ -205,7 +205,7 @@ def _symptoms_of(result, t) -> list[S.Symptom]:
     second symptom; a target with a symptom gets no extra one for not converging."""
     parity, training, cfg = result.parity, result.training, result.config
     name, judge = str(t), str(cfg.judge)
-    out = _nonfinite_symptoms(result, name)
+    out = _nonfinite_symptoms(result, t)
     out.append(S.grad_scaler_problems(training.curves, name))
     out.append(S.underflow(training.layer_grads, name, judge) if t.runner.half_compute else None)
     # lr*|g|/|W| is the step size of SGD only (Adam's steps are ~lr per element)
@@ -253,11 +253,13 @@ def _layer_notes(result, symptoms: tuple[S.Symptom, ...]) -> tuple[S.Symptom, ..
     return tuple(notes)
 
 
-def _nonfinite_symptoms(result, name: str) -> list[S.Symptom]:
-    """The one-step producer of NaN/Inf (parity), else the first producer during training when
-    the judge's training had none."""
-    training, judge = result.training, str(result.config.judge)
-    nf = nonfinite_producer(result.parity.layers, name)
+def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
+    """The one-step producer of NaN/Inf (parity), or the first call whose values a saturating format
+    cuts (both against the target's narrowest format), else the first producer during training
+    when the judge's training had none."""
+    training, judge, name = result.training, str(result.config.judge), str(t)
+    fmt = t.runner.precision.narrowest
+    nf = nonfinite_producer(result.parity.layers, name, fmt) or saturation(result.parity.layers, name, fmt)
     if nf is not None:
         return [nf]
     producer = training.nonfinite_producer.get(name)
