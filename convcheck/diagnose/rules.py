@@ -276,8 +276,9 @@ def layer_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     headline="{symptom} on {target}{where}",
     remedies=("rerun in float32 (cpu:float32 vs your target) to confirm the precision effect",))
 def precision_effect(ev: Evidence) -> Verdict | None:
-    """Any other main target symptom: a precision effect. Headline variants: "float16 overflow
-    in '{layer}' on {target}: it produces the first Inf (values reach {v} > 65504)", "'{layer}'
+    """Any other main target symptom: a precision effect. Headline variants: "{format} overflow
+    in '{layer}' on {target}: it produces the first Inf (values reach {v} > {its largest})" (float16,
+    FP8 E5M2; FP8 E4M3 saturates instead: "the matmul/conv reading its values saturates them"), "'{layer}'
     produces the first NaN/Inf on {target} from finite inputs", "{target} drifts from the other
     target {r}x beyond the one-ulp noise envelope from step {step}, while every layer is within
     its bound". Remedies: chosen by the symptom and the target's runner (``numerics_remedies``),
