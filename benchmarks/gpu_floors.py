@@ -23,7 +23,8 @@ from convcheck.parity.judge_pass import run_judge
 from convcheck.parity.local import private_copy
 from convcheck.pipeline import initial_state, model_builder
 from convcheck.runners import cross_entropy
-from convcheck.runners.precision import U_FLOAT32, U_TF32, OpPrecision, PrecisionModel, op_class
+from convcheck.formats import FLOAT32, TF32
+from convcheck.runners.precision import OpPrecision, PrecisionModel, op_class
 from convcheck.targets import Target
 from convcheck.thresholds import GRAD_ACCUMULATION
 from convcheck.tolerances import DEFAULT_TOLERANCES
@@ -36,7 +37,7 @@ def h200_precision(spec: str) -> tuple[PrecisionModel, torch.dtype]:
     """A GPU target's precision model and compute dtype on the H200 of those runs (torch 2.11:
     TF32 on for cuDNN convolutions, off for matmul with plain ``cuda``; FACTS.md)."""
     if spec == "cuda":
-        fp32, tf32 = OpPrecision(U_FLOAT32, U_FLOAT32), OpPrecision(U_TF32, U_FLOAT32)
+        fp32, tf32 = OpPrecision(FLOAT32, FLOAT32), OpPrecision(TF32, FLOAT32)
         return PrecisionModel(matmul=fp32, conv=tf32, elementwise=fp32), torch.float32
     runner = Target.parse(spec).runner  # tf32 / no-tf32 / amp-*: their models do not ask the GPU
     return runner.precision, runner.compute_dtype
@@ -71,9 +72,10 @@ def run_rows(run: Path) -> list[dict]:
     modules = dict(model.named_modules())
     out = []
     for spec in [t for t in s["targets"] if t.startswith("cuda")]:
-        meter = FloorMeter(*h200_precision(spec), judge.runner)
+        precision, compute_dtype = h200_precision(spec)
+        meter = FloorMeter(precision, judge.runner)
         rows = table[table["target"] == spec]
-        half = meter.dtype if meter.dtype.itemsize == 2 else torch.float32
+        half = compute_dtype if compute_dtype.itemsize == 2 else torch.float32
         for r in rows.itertuples():
             jc = calls.get(r.layer)  # a gradient row names the module: its first call's key
             module = modules.get(r.layer.split("#")[0])
@@ -103,7 +105,7 @@ def _grad_floor(meter, module, jc, args, half, r, judge_grads, judge) -> float:
     best = meter.grads(module, ref, args, g, half if matmul else torch.float32, want)
     if pname not in best:
         return math.nan
-    acc = GRAD_ACCUMULATION * meter.precision.for_module(module).accumulate * math.sqrt(max(1, r.K))
+    acc = GRAD_ACCUMULATION * meter.precision.for_module(module).accumulate.unit_roundoff * math.sqrt(max(1, r.K))
     return rel_l2(best[pname], jg) + acc
 
 

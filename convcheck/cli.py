@@ -57,6 +57,33 @@ def _run_models(args) -> int:
     return 0
 
 
+# --- convcheck targets -----------------------------------------------------
+
+def _add_targets_parser(sub) -> None:
+    p = sub.add_parser("targets", help="list every kind of target (the runner registry) and which run here")
+    _add_debug(p)
+    p.set_defaults(func=_run_targets)
+
+
+def _target_kinds() -> list[tuple[str, type]]:
+    """``(mode, runner class)`` for every registered mode, in the registry's order."""
+    from convcheck.runners import known_modes, runner_classes
+
+    return [(mode, next(c for c in runner_classes() if mode in c.modes)) for mode in known_modes()]
+
+
+def _run_targets(args) -> int:
+    from convcheck.runners import runnable_specs
+
+    here = set(runnable_specs())
+    for mode, cls in _target_kinds():
+        for device in cls.devices:
+            spec = device if mode == "float32" else f"{device}:{mode}"
+            mark = "here" if spec in here else ""
+            print(f"{spec:<22} {mark:<5} {cls.descriptions.get(mode, mode)}")
+    return 0
+
+
 # --- convcheck env (section owned by the env work) --------------------------
 
 def _add_env_parser(sub) -> None:
@@ -117,11 +144,9 @@ def _run_env(args) -> int:
 # --- convcheck compare -----------------------------------------------------
 
 def _compare_epilog() -> str:
-    from convcheck.runners import known_modes, runner_classes
-
-    lines = ["targets: DEVICE[:INDEX][:MODE], e.g. cpu, cuda, cuda:1:tf32, cpu:amp-bf16 (MODE defaults to float32)"]
-    for mode in known_modes():
-        cls = next(c for c in runner_classes() if mode in c.modes)
+    lines = ["targets: DEVICE[:INDEX][:MODE], e.g. cpu, cuda, cuda:1:tf32, cpu:amp-bf16 (MODE defaults to float32; "
+             "'convcheck targets' lists which run here)"]
+    for mode, cls in _target_kinds():
         devices = ", ".join(f"{d}:{mode}" for d in cls.devices)
         lines.append(f"  {mode:<13} {cls.descriptions.get(mode, mode)}: {devices}")
     return "\n".join(lines) + "\n\n" + _exit_codes_text()
@@ -213,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.compare_parser = _add_compare_parser(sub)
     _add_env_parser(sub)
     _add_models_parser(sub)
+    _add_targets_parser(sub)
     from convcheck.cli_diff import add_diff_parser, run_diff
     from convcheck.cli_record import add_record_parser, run_record
 

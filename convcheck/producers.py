@@ -1,6 +1,9 @@
 """Where NaN/Inf first appear, read from the parity table (DeepLocalize's scan): the first call that
 turns finite inputs into NaN/Inf in the forward pass, else the call closest to the output whose
-backward turns a finite gradient into NaN/Inf; a module's own code counts as a call."""
+backward turns a finite gradient into NaN/Inf; a module's own code counts as a call. An overflow is
+judged against the target's own format (``convcheck.formats``): float16's 65504, FP8 E5M2's 57344;
+a format that saturates instead (FP8 E4M3 at 448) makes no NaN/Inf, so ``saturation`` finds the
+first call whose values leave its range."""
 
 from __future__ import annotations
 
@@ -9,23 +12,24 @@ import math
 import pandas as pd
 
 from convcheck.layer_names import is_own_code, own_code_op
-from convcheck.symptoms import NONFINITE_BACKWARD, NONFINITE_FORWARD, Symptom
-from convcheck.thresholds import FP16_MAX
+from convcheck.formats import NumberFormat
+from convcheck.symptoms import NONFINITE_BACKWARD, NONFINITE_FORWARD, OUT_OF_RANGE, Symptom
 
 
-def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
+def nonfinite_producer(layers: pd.DataFrame, target: str, fmt: NumberFormat) -> Symptom | None:
     """DeepLocalize's scan: the first layer that turns finite inputs into NaN/Inf, forward
-    (input -> output), then backward (output -> input)."""
+    (input -> output), then backward (output -> input). ``fmt``: the target's format with the
+    smallest range (``PrecisionModel.narrowest``); judge values beyond it there are an overflow."""
     t = layers[layers["target"] == target]
     fwd = t[(t["kind"] == "forward") & ((t["nan"] + t["inf"]) > 0) & (t["input_nonfinite"] == 0)]
     if len(fwd):
         r = fwd.sort_values("order").iloc[0]
-        overflow = r["ref_absmax"] > FP16_MAX if math.isfinite(r["ref_absmax"]) else False
+        overflow = r["ref_absmax"] > fmt.largest if math.isfinite(r["ref_absmax"]) else False
         what = (f"'{r['layer']}' ({r['module']}) turns finite inputs into {int(r['nan'])} NaN / {int(r['inf'])} Inf "
                 f"in the forward pass")
         if overflow:
-            what += f"; the judge's values there reach {r['ref_absmax']:.4g}, above the float16 maximum {FP16_MAX:g}"
-        extra = {"overflow": bool(overflow), "module": str(r["module"])}
+            what += f"; the judge's values there reach {r['ref_absmax']:.4g}, above the {fmt} maximum {fmt.largest:g}"
+        extra = {"overflow": bool(overflow), "module": str(r["module"]), "format": fmt.name}
         if is_own_code(r["module"]):
             extra.update(own_code=True, op=own_code_op(r["module"]))
         return Symptom(NONFINITE_FORWARD, target, what, layer=r["layer"], step=0,
@@ -50,6 +54,28 @@ def nonfinite_producer(layers: pd.DataFrame, target: str) -> Symptom | None:
                        f"the gradient of '{r['param']}' holds {int(r['nan'])} NaN / {int(r['inf'])} Inf while the "
                        f"gradient reaching '{r['layer']}' is finite", layer=r["layer"], step=0)
     return None
+
+
+def saturation(layers: pd.DataFrame, target: str, fmt: NumberFormat) -> Symptom | None:
+    """For a format that saturates (E4M3: no Inf, an overflow becomes +-448): the first call whose
+    judge values leave ``fmt``'s range while a later call reads its operands in ``fmt`` (its ``u``
+    column is ``fmt``'s unit roundoff: a matmul/conv of the target); that call's values are cut to
+    the largest finite value there, silently. None for a format that overflows to Inf."""
+    if not fmt.saturates:
+        return None
+    fwd = layers[(layers["target"] == target) & (layers["kind"] == "forward")].sort_values("order")
+    readers = fwd[fwd["u"] == fmt.unit_roundoff]["order"]
+    if not len(readers):
+        return None
+    beyond = fwd[(fwd["ref_absmax"] > fmt.largest) & (fwd["order"] < readers.max())]
+    if not len(beyond):
+        return None
+    r = beyond.iloc[0]
+    return Symptom(OUT_OF_RANGE, target,
+                   f"'{r['layer']}' ({r['module']}): the judge's values there reach {r['ref_absmax']:.4g}, above the "
+                   f"{fmt} maximum {fmt.largest:g}; a matmul/conv reading them saturates them there",
+                   layer=r["layer"], step=0, value=float(r["ref_absmax"]),
+                   extra={"overflow": True, "module": str(r["module"]), "format": fmt.name})
 
 
 def backward_producer(fwd_rows: pd.DataFrame):

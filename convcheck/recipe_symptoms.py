@@ -28,7 +28,6 @@ LOSS_SUMMED = "loss summed over the batch"
 SCHEDULE_DIVERGENCE = "learning-rate schedule"
 CLIPPING_TOO_TIGHT = "gradient clipping too tight"
 DECAY_ON_NORMS = "weight decay on normalisation parameters"
-RECIPE_PROBLEMS = (LOSS_SUMMED, SCHEDULE_DIVERGENCE, CLIPPING_TOO_TIGHT, DECAY_ON_NORMS)
 
 REMEDIES = {
     LOSS_SUMMED: ["average the loss over the batch (reduction='mean'), or divide the summed loss by the batch "

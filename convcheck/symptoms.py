@@ -61,6 +61,7 @@ INPUT_OUT_OF_RANGE = "input data out of range"  # about the data, not an arm
 NONFINITE_FORWARD = "non-finite forward"
 NONFINITE_BACKWARD = "non-finite backward"
 NONFINITE_WEIGHTS = "non-finite weights"  # an optimizer step turned finite weights into NaN/Inf
+OUT_OF_RANGE = "values beyond the format's range"  # saturated by a format without Inf (FP8 E4M3)
 GRADSCALER_COLLAPSE = "GradScaler collapse"
 LAYER_ERROR = "layer error"
 ILL_CONDITIONED = "ill-conditioned layer"  # its floor alone loses the result at this precision
@@ -76,10 +77,6 @@ ENVELOPE_RUNS_FAIL = "envelope runs fail"
 SELF_DIFFERENCE = "self difference"
 
 NONFINITE_TENSORS = (NONFINITE_FORWARD, NONFINITE_BACKWARD)
-TRAINING_PROBLEMS = (NONFINITE_LOSS, EXPLODING_GRADIENTS, VANISHING_GRADIENTS, SATURATED_ACTIVATIONS,
-                     DEAD_RELUS, LOSS_PLATEAU, OSCILLATING_LOSS, INPUT_OUT_OF_RANGE)
-TARGET_SYMPTOMS = (NONFINITE_FORWARD, NONFINITE_BACKWARD, NONFINITE_WEIGHTS, GRADSCALER_COLLAPSE, LAYER_ERROR,
-                   ILL_CONDITIONED, GRADIENT_UNDERFLOW, SMALL_UPDATES_LOST, DRIFT, OUTCOME_OUTSIDE_ENVELOPE, NO_CONVERGENCE)
 
 
 @dataclass(frozen=True)

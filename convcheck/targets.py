@@ -2,7 +2,8 @@
 
 ``cpu``, ``cpu:float64`` (a judge), ``cuda``, ``cuda:1``, ``cuda:tf32``,
 ``cuda:no-tf32``, ``cuda:amp-fp16``, ``cpu:amp-bf16``, ``cpu:bf16``,
-``cpu:fp16``, ``cpu:emulate-tf32``, ``cuda:float64``; ``Target.parse(str(t)) == t``.
+``cpu:fp16``, ``cpu:emulate-tf32``, ``cpu:emulate-fp8-e4m3``, ``cuda:float64``; ``Target.parse(str(t)) == t``.
+The modes are the registered runner kinds' (``convcheck targets`` lists them).
 Data-parallel targets put ``ddp:`` and the world size in front: ``ddp:cpu:2`` (gloo, 2
 processes), ``ddp:cpu:2:bf16``, ``ddp:cuda:4:amp-bf16`` (NCCL, one process per GPU).
 

@@ -48,8 +48,6 @@ LOSS_RISE_FACTOR = 1.5
 # Un-normalised input: features far outside the usual standardised range (raw 0..255 pixels).
 INPUT_ABS_MAX = 20.0
 INPUT_STD_MAX = 10.0
-# fp16 range (FACTS.md: float16 max 65504).
-FP16_MAX = 65504.0
 # Underflow: a target's gradients hold this many more exact zeros than the judge's (fraction).
 UNDERFLOW_EXTRA_ZEROS = 0.3
 # GradScaler: skipping more than a quarter of the steps, or a scale below 1 (>= 16 net

@@ -244,6 +244,9 @@ def test_abs_max_and_finite_flag_give_the_long_ways_values():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype):
+    from dataclasses import replace
+
+    from convcheck.formats import BFLOAT16, TF32
     from convcheck.runners.precision import round_to
 
     g = torch.Generator().manual_seed(2)
@@ -252,11 +255,11 @@ def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype):
     ties = (torch.arange(1024, 2048, dtype=dtype) + 0.5) * 2.0 ** -7
     special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -3e-42], dtype=dtype)
     for t in (x, torch.cat([ties, -ties, special])):
-        for u in (2.0 ** -11, 2.0 ** -8):
-            bits = round(-math.log2(u))
+        for fmt in (TF32, replace(BFLOAT16, dtype=None)):  # no dtype: the significand cut in t's own dtype
+            bits = fmt.significand_bits
             m, e = torch.frexp(t)
             want = torch.where(torch.isfinite(t), torch.round(m * 2.0 ** bits) * torch.exp2((e - bits).to(dtype)), t)
-            got = round_to(t, u)
+            got = round_to(t, fmt)
             assert torch.equal(torch.isnan(got), torch.isnan(want))
             ok = ~torch.isnan(want)
             assert torch.equal(got[ok], want[ok]) and torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))

@@ -18,6 +18,8 @@ import pytest
 
 import convcheck.symptoms as S
 from convcheck.diagnose import Evidence, diagnose, gather
+from convcheck.formats import FLOAT32
+from convcheck.runners.precision import PrecisionModel
 from convcheck.train.result import ArmOutcome
 
 PACKAGE = Path(__file__).resolve().parents[1] / "convcheck"
@@ -42,7 +44,8 @@ class FakeTarget:
 
 def runner(**flags) -> SimpleNamespace:
     return SimpleNamespace(**{"half_compute": False, "half_storage": False, "mixed_precision": False,
-                              "tf32_like": False, "compute_dtype": "torch.float32", **flags})
+                              "tf32_like": False, "compute_dtype": "torch.float32",
+                              "precision": PrecisionModel.uniform(FLOAT32), **flags})
 
 
 def parity_row(target, order, layer, local, floor=1e-3) -> dict:

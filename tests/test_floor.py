@@ -17,11 +17,8 @@ import torch.nn as nn
 from convcheck.parity import run_parity
 from convcheck.parity.floor import FloorMeter
 from convcheck.runners.emulation import round_to_tf32
+from convcheck.formats import BFLOAT16, FLOAT16, FLOAT32, TF32
 from convcheck.runners.precision import (
-    U_BFLOAT16,
-    U_FLOAT16,
-    U_FLOAT32,
-    U_TF32,
     OpPrecision,
     PrecisionModel,
     dtype_unit_roundoff,
@@ -41,27 +38,28 @@ F64 = torch.float64
 
 def test_round_to_matches_the_formats():
     x = torch.randn(20000, dtype=F64, generator=torch.Generator().manual_seed(0)) * 100
-    assert torch.equal(round_to(x, U_BFLOAT16, torch.bfloat16), x.to(torch.bfloat16).to(F64))
-    assert torch.equal(round_to(x, U_FLOAT16, torch.float16), x.to(torch.float16).to(F64))
-    assert torch.equal(round_to(x, U_FLOAT32), x.float().to(F64))
-    tf32 = round_to(x, U_TF32)  # 11 significant bits, float32's range
-    assert ((tf32 - x).abs() <= U_TF32 * x.abs()).all()
+    assert torch.equal(round_to(x, BFLOAT16), x.to(torch.bfloat16).to(F64))
+    assert torch.equal(round_to(x, FLOAT16), x.to(torch.float16).to(F64))
+    assert torch.equal(round_to(x, FLOAT32), x.float().to(F64))
+    tf32 = round_to(x, TF32)  # 11 significant bits, float32's range
+    assert ((tf32 - x).abs() <= TF32.unit_roundoff * x.abs()).all()
     # the same as the emulation's rounding of float32 values, but for a few double roundings
     assert (tf32 != round_to_tf32(x.float()).to(F64)).sum() < 10
 
 
 def test_round_to_ties_to_even_range_and_non_finite():
     one = torch.tensor([1 + 2**-12, 1 + 3 * 2**-12, -(1 + 2**-12)], dtype=F64)  # ties at 11 bits
-    assert round_to(one, U_TF32).tolist() == [1.0, 1 + 2**-10, -1.0]
+    assert round_to(one, TF32).tolist() == [1.0, 1 + 2**-10, -1.0]
     special = torch.tensor([math.inf, -math.inf, math.nan, 0.0, 1e-40, 1e300], dtype=F64)
-    r = round_to(special, U_TF32)
+    r = round_to(special, TF32)
     assert r[0] == math.inf and r[1] == -math.inf and math.isnan(r[2]) and r[3] == 0
-    assert r[4] == pytest.approx(1e-40, rel=U_TF32) and r[5] == pytest.approx(1e300, rel=U_TF32)
-    assert round_to(torch.tensor([1e5], dtype=F64), U_FLOAT16, torch.float16).item() == math.inf  # float16's range
-    assert round_to(torch.tensor([2.0**17], dtype=F64), U_FLOAT16).item() == 2.0**17  # TF32-like: float32's range
+    u = TF32.unit_roundoff
+    assert r[4] == pytest.approx(1e-40, rel=u) and r[5] == pytest.approx(1e300, rel=u)
+    assert round_to(torch.tensor([1e5], dtype=F64), FLOAT16).item() == math.inf  # float16's range
+    assert round_to(torch.tensor([2.0**17], dtype=F64), TF32).item() == 2.0**17  # no dtype: the tensor's range
     f32 = torch.tensor([1.5], dtype=torch.float32)
-    assert round_to(f32, U_FLOAT32) is f32  # already that coarse: unchanged
-    assert dtype_unit_roundoff(torch.bfloat16) == U_BFLOAT16 and dtype_unit_roundoff(torch.int64) == 2.0**-53
+    assert round_to(f32, FLOAT32) is f32  # already that coarse: unchanged
+    assert dtype_unit_roundoff(torch.bfloat16) == BFLOAT16.unit_roundoff and dtype_unit_roundoff(torch.int64) == 2.0**-53
 
 
 # --- the rule (tolerances.py) ------------------------------------------------------------------------
@@ -159,9 +157,9 @@ def test_a_healthy_layer_passes_against_its_floor(healthy_rows, name, target):
     assert row["local"] <= row["bound"] and row["needed"] <= DEFAULT_TOLERANCES.bound_factor
     # the floor is at least the rounding of the judge's result to the target's output dtype:
     # float32 ~3e-8, float16 ~2e-4, bfloat16 ~1.6e-3 (relative, root mean square)
-    u_out = {"cpu": U_FLOAT32, "cpu:emulate-tf32": U_FLOAT32, "cpu:fp16": U_FLOAT16}.get(target, U_BFLOAT16)
+    u_out = {"cpu": FLOAT32.unit_roundoff, "cpu:emulate-tf32": FLOAT32.unit_roundoff, "cpu:fp16": FLOAT16.unit_roundoff}.get(target, BFLOAT16.unit_roundoff)
     if name in ("batchnorm", "layernorm", "softmax", "user") and target == "cpu:amp-bf16":
-        u_out = U_FLOAT32  # autocast runs these in float32
+        u_out = FLOAT32.unit_roundoff  # autocast runs these in float32
     assert row["floor"] > 0.2 * u_out
 
 
@@ -178,8 +176,8 @@ def test_a_layer_wrong_by_ten_times_its_noise_is_flagged_first(healthy_rows, nam
 def test_a_float32_conv_under_tf32_emulation_has_a_tf32_floor(healthy_rows):
     conv, _ = healthy_rows[("conv", "cpu:emulate-tf32")]
     norm, _ = healthy_rows[("layernorm", "cpu:emulate-tf32")]
-    assert conv["u"] == U_TF32 and 5e-5 < conv["floor"] < 2e-3  # operands rounded to TF32
-    assert norm["u"] == U_FLOAT32 and norm["floor"] < 1e-6      # element-wise: float32
+    assert conv["u"] == TF32.unit_roundoff and 5e-5 < conv["floor"] < 2e-3  # operands rounded to TF32
+    assert norm["u"] == FLOAT32.unit_roundoff and norm["floor"] < 1e-6      # element-wise: float32
 
 
 def test_a_measured_floor_is_float64_on_rounded_operands_against_the_judge():
@@ -190,14 +188,14 @@ def test_a_measured_floor_is_float64_on_rounded_operands_against_the_judge():
     x = torch.randn(16, 32, dtype=F64)
     judge = Target.parse("cpu:float64").runner
     exact = lin.double()(x).detach()
-    tf32 = OpPrecision(U_TF32, U_FLOAT32)
-    meter = FloorMeter(PrecisionModel(tf32, tf32, OpPrecision(U_FLOAT32, U_FLOAT32)), torch.float32, judge)
+    tf32 = OpPrecision(TF32, FLOAT32)
+    meter = FloorMeter(PrecisionModel(tf32, tf32, OpPrecision(FLOAT32, FLOAT32)), judge)
     lin32 = nn.Linear(32, 8)
     lin32.load_state_dict(lin.state_dict())
     ref = judge.reference_module(lin32)
     floor = meter.forward(lin32, ref, (x.float(),), exact, None, torch.float32)
-    w, b = (round_to(t.detach().float().to(F64), U_TF32) for t in (lin.weight, lin.bias))
-    by_hand = (round_to(x.float().to(F64), U_TF32) @ w.T + b).float().to(F64)
+    w, b = (round_to(t.detach().float().to(F64), TF32) for t in (lin.weight, lin.bias))
+    by_hand = (round_to(x.float().to(F64), TF32) @ w.T + b).float().to(F64)
     want = float((by_hand - exact).norm() / exact.norm())
     assert floor == pytest.approx(want, rel=1e-12)
     assert 1e-4 < floor < 1e-3

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.errors import UsageError
+from convcheck.formats import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, TF32
 from convcheck.runners import PARITY_LOSS_SCALE, cross_entropy, op_class, runner_class, runner_classes
 from convcheck.runners.half import AmpBFloat16Runner, AmpFloat16Runner, CastRunner
 from convcheck.runners.judge import Float64Runner
@@ -16,7 +17,7 @@ from convcheck.runners.plain import EmulatedTF32Runner, FloatRunner, TF32Runner
 from convcheck.targets import Target, snapshot_global_flags
 
 T = Target.parse
-U32, U64, UTF32, UF16, UBF16 = 2.0**-24, 2.0**-53, 2.0**-11, 2.0**-11, 2.0**-8
+U32, U64, UTF32, UF16, UBF16 = FLOAT32, FLOAT64, TF32, FLOAT16, BFLOAT16
 
 
 def _mlp():
@@ -38,7 +39,7 @@ def test_every_mode_has_exactly_one_class_per_device():
             for device in cls.devices:
                 assert (device, mode) not in seen, (cls, seen.get((device, mode)))
                 seen[(device, mode)] = cls
-    assert len(runner_classes()) == 7
+    assert len(runner_classes()) == 8
 
 
 @pytest.mark.parametrize("spec, cls", [
@@ -77,7 +78,7 @@ def test_precision_model(spec, matmul, conv, elementwise, working):
     assert (p.matmul.operand, p.matmul.accumulate) == matmul
     assert (p.conv.operand, p.conv.accumulate) == conv
     assert (p.elementwise.operand, p.elementwise.accumulate) == elementwise
-    assert p.working == working == T(spec).unit_roundoff
+    assert p.working == working and working.unit_roundoff == T(spec).unit_roundoff
 
 
 def test_plain_cuda_follows_the_tf32_flags_on_a_tf32_gpu(monkeypatch):

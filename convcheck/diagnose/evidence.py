@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck import symptoms as S
-from convcheck.producers import nonfinite_producer
+from convcheck.producers import nonfinite_producer, saturation
 from convcheck.recipe_symptoms import recipe_problems
 from convcheck.table_schema import named
 from convcheck.config import CompareConfig
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # types only: importing convcheck.train would import the trai
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
 # A layer that computes something else outranks what it causes downstream (gradient zeros in
 # the next layer, no convergence); among layer errors the largest comes first.
-_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
+_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
 _CONFIG = CompareConfig()  # the defaults of the config facts
@@ -255,10 +255,12 @@ def _layer_notes(result, symptoms: tuple[S.Symptom, ...]) -> tuple[S.Symptom, ..
 
 
 def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
-    """The one-step producer of NaN/Inf (parity), else the first producer during training when
-    the judge's training had none."""
+    """The one-step producer of NaN/Inf (parity), or the first call whose values a saturating format
+    cuts (both against the target's narrowest format), else the first producer during training
+    when the judge's training had none."""
     training, name = result.training, str(t)
-    nf = nonfinite_producer(result.parity.layers, name)
+    fmt = t.runner.precision.narrowest
+    nf = nonfinite_producer(result.parity.layers, name, fmt) or saturation(result.parity.layers, name, fmt)
     if nf is not None:
         return [nf]
     arm, judge = training.arm_of(t), training.arm_of(result.config.judge)

@@ -14,6 +14,7 @@ from convcheck import symptoms as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.verdict import Verdict
+from convcheck.formats import FLOAT32, NumberFormat, format_named
 from convcheck.thresholds import CONVERGENCE_MIN_STEPS
 
 # --- training setup: the main symptom (first in this order) and its remedies ----------------
@@ -255,8 +256,9 @@ def layer_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     headline="{symptom} on {target}{where}",
     remedies=("rerun in float32 (cpu:float32 vs your target) to confirm the precision effect",))
 def precision_effect(ev: Evidence) -> Verdict | None:
-    """Any other main target symptom: a precision effect. Headline variants: "float16 overflow
-    in '{layer}' on {target}: it produces the first Inf (values reach {v} > 65504)", "'{layer}'
+    """Any other main target symptom: a precision effect. Headline variants: "{format} overflow
+    in '{layer}' on {target}: it produces the first Inf (values reach {v} > {its largest})" (float16,
+    FP8 E5M2; FP8 E4M3 saturates instead: "the matmul/conv reading its values saturates them"), "'{layer}'
     produces the first NaN/Inf on {target} from finite inputs", "{target} drifts from the other
     target {r}x beyond the one-ulp noise envelope from step {step}, while every layer is within
     its bound". Remedies: chosen by the symptom and the target's runner (``numerics_remedies``),
@@ -268,10 +270,13 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     headline = None
     facts = ev.target_facts.get(main.arm) or TargetFacts()
     op = main.extra.get("op")
-    if main.name == S.NONFINITE_FORWARD and main.extra.get("overflow") and facts.compute_format == "float16":
+    narrow = _narrow_format(facts, main)
+    if main.name in (S.NONFINITE_FORWARD, S.OUT_OF_RANGE) and main.extra.get("overflow") and narrow:
         where = f"{op} in '{layer}' (its own code)" if op else f"'{layer}'"
-        headline = (f"float16 overflow in {where} on {main.arm}: it produces the first Inf "
-                    f"(values reach {main.value:.4g} > 65504)")
+        effect = ("it produces the first Inf" if main.name == S.NONFINITE_FORWARD
+                  else f"the matmul/conv reading its values saturates them at {narrow.largest:g}")
+        headline = (f"{narrow} overflow in {where} on {main.arm}: {effect} "
+                    f"(values reach {main.value:.4g} > {narrow.largest:g})")
     elif main.name in S.NONFINITE_TENSORS and op:
         headline = f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.NONFINITE_WEIGHTS:
@@ -301,15 +306,23 @@ def _weights_remedies(t: TargetFacts | None, layer: str) -> list[str]:
             "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
 
 
+def _narrow_format(facts: TargetFacts, main: S.Symptom) -> NumberFormat | None:
+    """The format whose range the symptom's values left (the detector's, else the target's compute
+    format) when its range is float32's no longer (fewer exponent bits: float16, FP8); else None."""
+    fmt = format_named(main.extra.get("format") or facts.compute_format)
+    return fmt if fmt.exponent_bits < FLOAT32.exponent_bits else None
+
+
 def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     """Remedies for a precision effect: by the symptom, and by what the target's runner does."""
     t = ev.target_facts.get(main.arm)
     layer = main.layer
     out = []
     float16 = t is not None and t.half_compute and t.compute_format == "float16"
+    narrow = _narrow_format(t or TargetFacts(), main)
     op = main.extra.get("op")
-    if main.name in S.NONFINITE_TENSORS and op and float16 and main.extra.get("overflow"):
-        out.append(f"{op} in '{layer}' overflows float16: scale its operands down before it (attention "
+    if main.name in S.NONFINITE_TENSORS and op and narrow and main.extra.get("overflow"):
+        out.append(f"{op} in '{layer}' overflows {narrow}: scale its operands down before it (attention "
                    f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
                    + (" (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else ""))
     elif main.name in S.NONFINITE_TENSORS and op:
@@ -319,12 +332,15 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         if t is not None and t.mixed_precision and float16:
             out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
                        "around it), or use bfloat16 autocast, which has float32's range")
-        elif layer and float16:  # float16's range ends at 65504; bfloat16's and float32's do not
-            out.append(f"keep '{layer}' in float32, or normalise its input so values stay below 65504")
+        elif layer and narrow:  # float16's range ends at 65504, FP8's at 448/57344; bfloat16's and float32's do not
+            out.append(f"keep '{layer}' in float32, or normalise its input so values stay below {narrow.largest:g}")
         elif layer:
             out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
                        "log or sqrt of a non-positive value")
         out.append("scale activations down (add normalisation before the layer)")
+    if main.name == S.OUT_OF_RANGE and narrow:
+        out.append(f"scale what '{layer}' produces into {narrow}'s range (below {narrow.largest:g}) before the "
+                   "matmul/conv that reads it: normalise it, or give that operand a per-tensor scale as FP8 recipes do")
     if main.name == S.NONFINITE_WEIGHTS:
         out.extend(_weights_remedies(t, layer))
     if main.name == S.GRADIENT_UNDERFLOW and float16:

@@ -13,40 +13,27 @@ also gets the accumulation term ``u_accumulate * sqrt(K) * |terms| / |result|``.
 
 Every float64 tensor here is built by the judge's runner (``reference``,
 ``reference_module``), on the judge's device; rounding uses
-``runners.precision.round_to``.
+``runners.precision.round_to`` to the op class's format (``convcheck.formats``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
 from convcheck.capture import tensors_in
 from convcheck.metrics import rel_l2, rounding_error
 from convcheck.runners import Runner
+from convcheck.formats import FLOAT32
 from convcheck.runners.precision import (
-    U_FLOAT32,
     OpPrecision,
     PrecisionModel,
+    dtype_format,
     dtype_unit_roundoff,
     op_class,
     round_to,
 )
-
-
-@dataclass(frozen=True)
-class Floor:
-    """The floor of one layer for one target: ``measured + accumulation``."""
-
-    measured: float  # float64 on operand-rounded input and parameters, result rounded, vs the judge
-    accumulation: float = 0.0  # u_accumulate * sqrt(K) * |terms| / |result|, low-precision sums only
-
-    @property
-    def total(self) -> float:
-        return self.measured + self.accumulation
 
 
 def reference_call(ref: nn.Module, args: tuple, judge: Runner) -> torch.Tensor | None:
@@ -77,12 +64,11 @@ def reference_forward_backward(ref: nn.Module, args: tuple, grad_output: torch.T
 
 
 class FloorMeter:
-    """Measures floors for one target: its precision model and compute dtype, on the judge."""
+    """Measures floors for one target: its precision model (operands rounded to each op class's
+    format, range included where the format has a dtype: float16's, FP8's), on the judge."""
 
-    def __init__(self, precision: PrecisionModel, compute_dtype: torch.dtype, judge: Runner):
+    def __init__(self, precision: PrecisionModel, judge: Runner):
         self.precision, self.judge = precision, judge
-        # 16-bit operands are rounded through the dtype itself (float16's range included)
-        self.dtype = compute_dtype
         # (target's layer, op precision, its float64 copy with rounded parameters): a matmul/conv's
         # parameters do not change within a pass, and its two floors come one after the other
         self._last_rounded: tuple | None = None
@@ -92,7 +78,7 @@ class FloorMeter:
 
     @classmethod
     def of(cls, runner: Runner, judge: Runner) -> "FloorMeter":
-        return cls(runner.precision, runner.compute_dtype, judge)
+        return cls(runner.precision, judge)
 
     def output_rounding(self, judge_out: torch.Tensor, out_dtype: torch.dtype, judged=None) -> float:
         """The judge's result rounded to ``out_dtype``, vs itself: a lower bound of any floor with that
@@ -101,7 +87,7 @@ class FloorMeter:
         if judge_out.is_floating_point() and dtype_unit_roundoff(out_dtype) > dtype_unit_roundoff(judge_out.dtype):
             # round_to's values (cast back to float64)
             return judged.rounding(out_dtype) if judged is not None else rounding_error(judge_out, out_dtype)
-        return rel_l2(round_to(judge_out, dtype_unit_roundoff(out_dtype), out_dtype), judge_out)
+        return rel_l2(round_to(judge_out, dtype_format(out_dtype)), judge_out)
 
     def rounds(self, module: nn.Module, args: tuple) -> bool:
         """Whether the floor rounds any operand beyond what the target's call received. Only a
@@ -112,7 +98,8 @@ class FloorMeter:
             return False
         op = self.precision.for_module(module)
         tensors = [a for a in args if isinstance(a, torch.Tensor)] + list(module.parameters()) + list(module.buffers())
-        return any(t.is_floating_point() and op.operand > dtype_unit_roundoff(t.dtype) for t in tensors)
+        u = op.operand.unit_roundoff
+        return any(t.is_floating_point() and u > dtype_unit_roundoff(t.dtype) for t in tensors)
 
     def forward(self, module: nn.Module, ref: nn.Module, args: tuple, judge_out: torch.Tensor,
                 reference_out: torch.Tensor | None, out_dtype: torch.dtype) -> float:
@@ -125,13 +112,13 @@ class FloorMeter:
             out = reference_call(*self._rounded(module, ref, args), self.judge)
         if out is None:
             return math.nan
-        return rel_l2(round_to(out, dtype_unit_roundoff(out_dtype), out_dtype), judge_out)
+        return rel_l2(round_to(out, dtype_format(out_dtype)), judge_out)
 
     def rounds_grads(self, module: nn.Module, args: tuple, grad_output: torch.Tensor) -> bool:
         """Whether a gradient's floor rounds any operand (the output gradient too) beyond the target's."""
         op = self.precision.for_module(module)
         return self.rounds(module, args) or (op_class(module) != "elementwise"
-                                             and op.operand > dtype_unit_roundoff(grad_output.dtype))
+                                             and op.operand.unit_roundoff > dtype_unit_roundoff(grad_output.dtype))
 
     def grads(self, module: nn.Module, ref: nn.Module, args: tuple, grad_output: torch.Tensor,
               grad_dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None,
@@ -143,20 +130,20 @@ class FloorMeter:
         floor of this call comes next (its forward row): the float64 output is kept for it."""
         if self.rounds_grads(module, args, grad_output):
             op = self.precision.for_module(module)
-            g = round_to(self.judge.reference(grad_output), op.operand, self.dtype)
+            g = round_to(self.judge.reference(grad_output), op.operand)
             out, reference = reference_forward_backward(*self._rounded(module, ref, args), g, self.judge)
             # the forward's floor of the same call is this output, rounded (``forward``): kept for it
             self._last_out = (module, op, args, out) if keep_output and self.rounds(module, args) else None
-        u = dtype_unit_roundoff(grad_dtype)
-        return {n: round_to(t, u, grad_dtype) for n, t in reference.items()}
+        fmt = dtype_format(grad_dtype)
+        return {n: round_to(t, fmt) for n, t in reference.items()}
 
     def accumulation(self, module: nn.Module, judge_inputs: tuple, judge_out: torch.Tensor, k: int) -> float:
         """``u_accumulate * sqrt(K) * |terms| / |result|`` for a matmul/conv that sums in a format
         coarser than float32; 0 otherwise (float32 sums are inside the absolute term)."""
         op = self.precision.for_module(module)
-        if op_class(module) == "elementwise" or op.accumulate <= U_FLOAT32:
+        if op_class(module) == "elementwise" or op.accumulate.unit_roundoff <= FLOAT32.unit_roundoff:
             return 0.0
-        return op.accumulate * math.sqrt(max(1, k)) * magnitude_ratio(module, judge_inputs, judge_out, self.judge)
+        return op.accumulate.unit_roundoff * math.sqrt(max(1, k)) * magnitude_ratio(module, judge_inputs, judge_out, self.judge)
 
     # -- rounding -----------------------------------------------------------------------------
 
@@ -187,7 +174,7 @@ class FloorMeter:
         out = []
         for a in args:
             if isinstance(a, torch.Tensor) and a.is_floating_point():
-                a = round_to(self.judge.reference(a), op.operand, self.dtype)
+                a = round_to(self.judge.reference(a), op.operand)
             out.append(a)
         return tuple(out)
 
@@ -197,7 +184,7 @@ class FloorMeter:
         with torch.no_grad():
             for t in (*copy.parameters(), *copy.buffers()):
                 if t.is_floating_point():
-                    t.copy_(round_to(t, op.operand, self.dtype))
+                    t.copy_(round_to(t, op.operand))
         return copy
 
 

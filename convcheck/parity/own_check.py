@@ -30,7 +30,7 @@ from convcheck.parity.own_code import (
     rounds_operands,
     run_own_code,
 )
-from convcheck.runners.precision import dtype_unit_roundoff, round_to
+from convcheck.runners.precision import dtype_format, dtype_unit_roundoff, round_to
 from convcheck.tolerances import Tolerances
 
 
@@ -90,13 +90,13 @@ class OwnCodeCheck:
     def _measured(self, tol: Tolerances, meter: FloorMeter, points) -> list:
         """Each point against its measured floor, with the intrinsic error (float64 on the same values)."""
         judge = meter.judge
-        best = self._reference(judge, RoundOperands(meter.precision, meter.dtype)
+        best = self._reference(judge, RoundOperands(meter.precision)
                                if rounds_operands(meter.precision, _dtype(points)) else None)
         exact = best if not rounds_operands(meter.precision, _dtype(points)) else self._reference(judge, None)
         out = []
         for i, g, w in points:
             local = rel_l2(g, w)
-            floor = rel_l2(round_to(best[i], dtype_unit_roundoff(g.dtype), g.dtype), w) if best[i] is not None \
+            floor = rel_l2(round_to(best[i], dtype_format(g.dtype)), w) if best[i] is not None \
                 else math.nan
             intrinsic = rel_l2(g, exact[i]) if exact[i] is not None else math.nan
             out.append((i, dict(local=local, intrinsic=intrinsic, **row_verdict(tol, local, intrinsic, floor))))

@@ -216,15 +216,15 @@ class RoundOperands(TorchDispatchMode):
     """Round the operands of every matmul and convolution to the target's operand precision for
     that op class (in their own float64 dtype): the floor's "exact arithmetic on rounded operands"."""
 
-    def __init__(self, precision: PrecisionModel, dtype: torch.dtype):
+    def __init__(self, precision: PrecisionModel):
         super().__init__()
-        self.precision, self.dtype = precision, dtype
+        self.precision = precision
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         matmul, conv = _op_classes()
         if func in matmul or func in conv:
-            u = self.precision.of("matmul" if func in matmul else "conv").operand
-            args = tuple(round_to(a, u, self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+            fmt = self.precision.of("matmul" if func in matmul else "conv").operand
+            args = tuple(round_to(a, fmt) if isinstance(a, torch.Tensor) and a.is_floating_point()
                          else a for a in args)
         return func(*args, **(kwargs or {}))
 
@@ -232,7 +232,7 @@ class RoundOperands(TorchDispatchMode):
 def rounds_operands(precision: PrecisionModel, dtype: torch.dtype) -> bool:
     """Whether a matmul/conv at this precision reads its operands coarser than ``dtype`` holds them."""
     u = dtype_unit_roundoff(dtype)
-    return precision.matmul.operand > u or precision.conv.operand > u
+    return precision.matmul.operand.unit_roundoff > u or precision.conv.operand.unit_roundoff > u
 
 
 class FirstNonfinite(TorchFunctionMode):

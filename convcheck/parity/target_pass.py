@@ -219,7 +219,7 @@ class TargetPass:
 
     def _forward_errors(self, module, jc, args, got, judged: Judged, propagated: float, out_dtype) -> dict:
         k = reduction_length(module, jc.inputs, jc.output)
-        row = dict(K=k, u=self.runner.precision.for_module(module).operand, propagated=propagated)
+        row = dict(K=k, u=self.runner.precision.for_module(module).operand.unit_roundoff, propagated=propagated)
         if args is None:  # a selection layer
             lower = self.floors.output_rounding(jc.output, out_dtype, judged)
             return dict(row, local=lower, **row_verdict(self.tol, lower, math.nan, lower))
@@ -258,8 +258,8 @@ class TargetPass:
             k = grad_reduction_length(p, self.batch_size, local.jc.output)
             # Summing K = batch x positions terms: float32 kernels add up to ~0.4 u sqrt(K) beyond the
             # rounding of the operands (thresholds.GRAD_ACCUMULATION), part of the floor.
-            accumulation = GRAD_ACCUMULATION * op.accumulate * math.sqrt(k)
-            checks[pname] = dict(K=k, u=op.operand, **local.check(self.tol, pname, jg, accumulation))
+            accumulation = GRAD_ACCUMULATION * op.accumulate.unit_roundoff * math.sqrt(k)
+            checks[pname] = dict(K=k, u=op.operand.unit_roundoff, **local.check(self.tol, pname, jg, accumulation))
         return checks
 
     # -- gradient rows ------------------------------------------------------------------

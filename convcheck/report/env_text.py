@@ -24,7 +24,6 @@ _LABEL = {"critical": "CRITICAL", "warn": "WARN", "info": "INFO"}
 _CLOCK_REASONS = {0x1: "idle", 0x2: "application clocks setting", 0x4: "SW power cap", 0x8: "HW slowdown",
                   0x10: "sync boost", 0x20: "SW thermal slowdown", 0x40: "HW thermal slowdown",
                   0x80: "HW power brake", 0x100: "display clocks setting"}
-_CPU_TARGETS = "cpu, cpu:float64, cpu:bf16, cpu:fp16, cpu:amp-bf16, cpu:emulate-tf32"
 
 
 def render_env(
@@ -91,7 +90,9 @@ def _headline(fp: Fingerprint) -> list[str]:
         backend = f"CUDA {fp.torch.cuda}" if fp.torch.cuda else f"ROCm {fp.torch.hip}"
         out.append(f"torch {fp.torch.version} is built with {backend}.")
     if not fp.gpus and (fp.torch.cpu_only or fp.torch.version is None):
-        out.append(f"Only CPU targets can run here ({_CPU_TARGETS}).")
+        from convcheck.runners import specs_on  # the registry: every kind of target convcheck has
+
+        out.append(f"Only CPU targets can run here ({', '.join(specs_on('cpu'))}).")
     return out
 
 

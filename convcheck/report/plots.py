@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-from pathlib import Path
-
-from convcheck.files import atomic_write_bytes
 
 WORST = 25
 
@@ -90,10 +87,3 @@ def render_plots(result) -> dict[str, bytes]:
     """``loss.png`` and ``layers.png`` as PNG bytes, by file name."""
     return {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
 
-
-def write_plots(result, out: Path) -> dict[str, bytes]:
-    """``loss.png`` and ``layers.png`` in ``out`` (temporary name, then rename); returns their bytes."""
-    images = render_plots(result)
-    for name, data in images.items():
-        atomic_write_bytes(Path(out) / name, data)
-    return images

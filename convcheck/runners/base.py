@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from convcheck.batch import call_model, map_tensors
 from convcheck.capture import tensors_in
 from convcheck.errors import TargetUnavailable, UsageError
+from convcheck.formats import TF32, coarsest
 from convcheck.runners.flags import preserved_global_flags
 from convcheck.runners.precision import PrecisionModel
 from convcheck.runners.registry import runnable_specs
@@ -100,7 +101,8 @@ class Runner:
 
     @property
     def unit_roundoff(self) -> float:
-        return self.precision.working
+        """The unit roundoff of the precision the run works in (``PrecisionModel.working``)."""
+        return self.precision.working.unit_roundoff
 
     @property
     def ulp(self) -> float:
@@ -131,7 +133,7 @@ class Runner:
     def tf32_like(self) -> bool:
         """Matmul/conv operands rounded to TF32 (the remedy is to turn TF32 off)."""
         p = self.precision
-        return max(p.matmul.operand, p.conv.operand) == 2.0**-11 and not self.half_compute
+        return coarsest((p.matmul.operand, p.conv.operand)) == TF32 and not self.half_compute
 
     # -- availability -------------------------------------------------------------------
 

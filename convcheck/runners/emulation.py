@@ -1,9 +1,17 @@
-"""TF32 emulated on the CPU: matmul and convolution operands rounded to TF32's 10-bit mantissa."""
+"""Formats emulated on the CPU: matmul and convolution operands rounded to a coarser format.
+
+TF32 (``EmulateTF32``: its 10-bit mantissa, on the bit pattern) and any format of the table
+with a torch dtype (``EmulateFormat``: FP8 E4M3/E5M2, through torch's cast, which saturates
+E4M3FN at 448 and overflows E5M2 to Inf). The sums stay float32, as tensor cores accumulate.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from convcheck.formats import NumberFormat
+from convcheck.runners.precision import round_to
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -21,7 +29,7 @@ def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, rounded.view(torch.float32), t)
 
 
-_TF32_OPS = None
+_TF32_OPS = None  # the matmul and convolution ops tensor cores run (forward and backward)
 
 
 def _tf32_ops():
@@ -35,15 +43,36 @@ def _tf32_ops():
     return _TF32_OPS
 
 
-class EmulateTF32(TorchDispatchMode):
-    """Round the float32 operands of every matmul and convolution to TF32, forward and backward.
+class EmulatedOperands(TorchDispatchMode):
+    """Round the float32 operands of every matmul and convolution, forward and backward (``round``
+    says how). A dispatch mode sees the aten ops autograd runs for the backward pass too, so
+    weight and input gradients are emulated like the forward."""
 
-    A dispatch mode sees the aten ops autograd runs for the backward pass too,
-    so weight and input gradients are emulated like the forward.
-    """
+    def round(self, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _tf32_ops():
-            args = tuple(round_to_tf32(a) if isinstance(a, torch.Tensor) else a for a in args)
+            args = tuple(self.round(a) if isinstance(a, torch.Tensor) else a for a in args)
         return func(*args, **kwargs)
+
+
+class EmulateTF32(EmulatedOperands):
+    """TF32 tensor cores: float32 operands with their mantissa cut to 10 bits (``round_to_tf32``)."""
+
+    def round(self, t: torch.Tensor) -> torch.Tensor:
+        return round_to_tf32(t)
+
+
+class EmulateFormat(EmulatedOperands):
+    """Float32 operands rounded to ``fmt`` through its torch dtype, range included (FP8)."""
+
+    def __init__(self, fmt: NumberFormat):
+        super().__init__()
+        if fmt.dtype is None:
+            raise ValueError(f"{fmt} has no torch dtype to round through")
+        self.format = fmt
+
+    def round(self, t: torch.Tensor) -> torch.Tensor:
+        return round_to(t, self.format) if t.dtype == torch.float32 else t

@@ -5,18 +5,16 @@ from __future__ import annotations
 import torch
 
 from convcheck.runners.base import PARITY_LOSS_SCALE, Runner
-from convcheck.runners.precision import U_BFLOAT16, U_FLOAT16, U_FLOAT32, OpPrecision, PrecisionModel
+from convcheck.formats import FLOAT32
+from convcheck.runners.precision import OpPrecision, PrecisionModel, dtype_format
 from convcheck.runners.registry import register
-
-_U = {torch.float16: U_FLOAT16, torch.bfloat16: U_BFLOAT16}
-
 
 def _half_precision(dtype: torch.dtype) -> PrecisionModel:
     """16-bit operands everywhere; matmul/conv accumulate in float32 (cuBLAS/cuDNN and oneDNN
     defaults), elementwise results are rounded to the 16-bit format."""
-    u = _U[dtype]
-    wide = OpPrecision(u, U_FLOAT32)
-    return PrecisionModel(matmul=wide, conv=wide, elementwise=OpPrecision(u, u))
+    half = dtype_format(dtype)
+    wide = OpPrecision(half, FLOAT32)
+    return PrecisionModel(matmul=wide, conv=wide, elementwise=OpPrecision(half, half))
 
 
 def _cuda_here() -> bool:

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from convcheck.env.tables import has_fast_float64
 from convcheck.runners.base import Runner
-from convcheck.runners.precision import U_FLOAT64, PrecisionModel
+from convcheck.formats import FLOAT64
+from convcheck.runners.precision import PrecisionModel
 from convcheck.runners.registry import register
 
 
@@ -31,7 +32,7 @@ class Float64Runner(Runner):
 
     @property
     def precision(self) -> PrecisionModel:
-        return PrecisionModel.uniform(U_FLOAT64)
+        return PrecisionModel.uniform(FLOAT64)
 
     @property
     def is_float64(self) -> bool:

@@ -7,7 +7,8 @@ import torch
 from convcheck.runners.base import Runner
 from convcheck.runners.emulation import EmulateTF32
 from convcheck.runners.flags import set_tf32
-from convcheck.runners.precision import U_FLOAT32, U_TF32, OpPrecision, PrecisionModel
+from convcheck.formats import FLOAT32, TF32
+from convcheck.runners.precision import OpPrecision, PrecisionModel
 from convcheck.runners.registry import register
 
 _F32 = (torch.float32, torch.float32)
@@ -40,11 +41,11 @@ class FloatRunner(Runner):
 
     @property
     def precision(self) -> PrecisionModel:
-        exact = OpPrecision(U_FLOAT32, U_FLOAT32)
+        exact = OpPrecision(FLOAT32, FLOAT32)
         if self.target.device != "cuda" or not tensor_cores_have_tf32(self.torch_device):
-            return PrecisionModel.uniform(U_FLOAT32)
+            return PrecisionModel.uniform(FLOAT32)
         # FACTS.md, TF32 defaults: cudnn.allow_tf32 defaults to True, matmul's to False.
-        tf32 = OpPrecision(U_TF32, U_FLOAT32)
+        tf32 = OpPrecision(TF32, FLOAT32)
         conv = tf32 if torch.backends.cudnn.allow_tf32 else exact
         matmul = tf32 if torch.backends.cuda.matmul.allow_tf32 else exact
         return PrecisionModel(matmul=matmul, conv=conv, elementwise=exact)
@@ -72,9 +73,9 @@ class TF32Runner(Runner):
     @property
     def precision(self) -> PrecisionModel:
         if self.target.mode == "no-tf32":
-            return PrecisionModel.uniform(U_FLOAT32)
-        tf32 = OpPrecision(U_TF32, U_FLOAT32)
-        return PrecisionModel(matmul=tf32, conv=tf32, elementwise=OpPrecision(U_FLOAT32, U_FLOAT32))
+            return PrecisionModel.uniform(FLOAT32)
+        tf32 = OpPrecision(TF32, FLOAT32)
+        return PrecisionModel(matmul=tf32, conv=tf32, elementwise=OpPrecision(FLOAT32, FLOAT32))
 
     def _enter(self, stack) -> None:
         set_tf32(self.target.mode == "tf32")
@@ -99,8 +100,8 @@ class EmulatedTF32Runner(Runner):
 
     @property
     def precision(self) -> PrecisionModel:
-        tf32 = OpPrecision(U_TF32, U_FLOAT32)
-        return PrecisionModel(matmul=tf32, conv=tf32, elementwise=OpPrecision(U_FLOAT32, U_FLOAT32))
+        tf32 = OpPrecision(TF32, FLOAT32)
+        return PrecisionModel(matmul=tf32, conv=tf32, elementwise=OpPrecision(FLOAT32, FLOAT32))
 
     def _enter(self, stack) -> None:
         stack.enter_context(EmulateTF32())

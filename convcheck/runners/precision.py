@@ -1,32 +1,26 @@
-"""A runner's precision model: unit roundoff of operands and of accumulation, per op class.
+"""A runner's precision model: the number format of operands and of accumulation, per op class.
 
-Unit roundoffs (FACTS.md): float64 2^-53, float32 2^-24, TF32 2^-11,
-float16 2^-11, bfloat16 2^-8. Op classes: ``matmul`` (Linear, mm/bmm),
-``conv`` (convolutions), ``elementwise`` (everything else: activations,
-normalisation, pooling, additions).
+Formats (unit roundoff, range, dtype, rounding) come from the one table, ``convcheck.formats``.
+Op classes: ``matmul`` (Linear, mm/bmm), ``conv`` (convolutions), ``elementwise`` (everything
+else: activations, normalisation, pooling, additions).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-U_FLOAT64 = 2.0**-53
-U_FLOAT32 = 2.0**-24
-U_TF32 = 2.0**-11
-U_FLOAT16 = 2.0**-11
-U_BFLOAT16 = 2.0**-8
+from convcheck.formats import FLOAT64, FORMATS, RNE, NumberFormat, coarsest, narrowest_range
 
 OP_CLASSES = ("matmul", "conv", "elementwise")
 
 
 @dataclass(frozen=True)
 class OpPrecision:
-    operand: float  # unit roundoff of the values an op reads (its inputs after any rounding)
-    accumulate: float  # unit roundoff of the sums it forms
+    operand: NumberFormat  # the format of the values an op reads (its inputs after any rounding)
+    accumulate: NumberFormat  # the format of the sums it forms
 
 
 @dataclass(frozen=True)
@@ -36,17 +30,27 @@ class PrecisionModel:
     elementwise: OpPrecision
 
     @classmethod
-    def uniform(cls, u: float) -> "PrecisionModel":
-        p = OpPrecision(u, u)
+    def uniform(cls, fmt: NumberFormat) -> "PrecisionModel":
+        p = OpPrecision(fmt, fmt)
         return cls(p, p, p)
 
     def of(self, op_class: str) -> OpPrecision:
         return getattr(self, op_class)
 
     @property
-    def working(self) -> float:
-        """The coarsest operand roundoff of any op class: the precision the run works in."""
-        return max(self.matmul.operand, self.conv.operand, self.elementwise.operand)
+    def operands(self) -> tuple[NumberFormat, NumberFormat, NumberFormat]:
+        """The operand formats of ``matmul``, ``conv`` and ``elementwise``, in that order."""
+        return self.matmul.operand, self.conv.operand, self.elementwise.operand
+
+    @property
+    def working(self) -> NumberFormat:
+        """The coarsest operand format of any op class: the precision the run works in."""
+        return coarsest(self.operands)
+
+    @property
+    def narrowest(self) -> NumberFormat:
+        """The operand format with the smallest range: where the run overflows first."""
+        return narrowest_range(self.operands)
 
     def for_module(self, module: nn.Module) -> OpPrecision:
         return self.of(op_class(module))
@@ -62,27 +66,33 @@ def op_class(module: nn.Module) -> str:
 
 # --- rounding to a format (the layer floors of parity) -------------------------------------
 
-_DTYPE_U = {torch.float64: U_FLOAT64, torch.float32: U_FLOAT32, torch.float16: U_FLOAT16,
-            torch.bfloat16: U_BFLOAT16}
+_DTYPE_FORMAT = {f.torch_dtype: f for f in FORMATS if f.dtype is not None}  # read on every row: keyed by dtype
+
+
+def dtype_format(dtype: torch.dtype) -> NumberFormat:
+    """The format a floating dtype holds (float64's for anything wider or unknown)."""
+    return _DTYPE_FORMAT.get(dtype, FLOAT64)
 
 
 def dtype_unit_roundoff(dtype: torch.dtype) -> float:
     """The unit roundoff of a floating dtype (float64's for anything wider or unknown)."""
-    return _DTYPE_U.get(dtype, U_FLOAT64)
+    return dtype_format(dtype).unit_roundoff
 
 
-def round_to(t: torch.Tensor, unit_roundoff: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` rounded to a format with this unit roundoff (to nearest, ties to even), same dtype.
+def round_to(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """``t`` rounded to ``fmt`` (to nearest, ties to even), in ``t``'s own dtype.
 
-    When ``dtype`` is a floating dtype with that unit roundoff the values go through it, range
-    included (float16 overflows past 65504); otherwise (TF32: 2^-11 with float32's range) the
-    significand is cut to -log2(u) bits in ``t``'s own dtype. A finer format than ``t``'s is a no-op.
+    A format with a torch dtype is gone through, range included (float16 overflows past 65504 to
+    Inf, E4M3FN saturates at 448); one without (TF32) has its significand cut to its bits in
+    ``t``'s own dtype, ``t``'s range kept. A finer format than ``t``'s is a no-op.
     """
-    if not t.is_floating_point() or unit_roundoff <= dtype_unit_roundoff(t.dtype):
+    if fmt.rounding != RNE:
+        raise ValueError(f"round_to rounds to nearest, ties to even; {fmt} rounds {fmt.rounding}")
+    if not t.is_floating_point() or fmt.unit_roundoff <= dtype_unit_roundoff(t.dtype):
         return t
-    if dtype is not None and dtype_unit_roundoff(dtype) == unit_roundoff:
-        return t.to(dtype).to(t.dtype)
-    bits = round(-math.log2(unit_roundoff))
+    if fmt.dtype is not None:
+        return t.to(fmt.torch_dtype).to(t.dtype)
+    bits = fmt.significand_bits
     if t.dtype in _BIT_LAYOUT and not _has_subnormal(t):
         return _round_bits(t, bits)
     mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= |mantissa| < 1

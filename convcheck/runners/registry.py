@@ -8,6 +8,9 @@ they may run is what the registered classes say.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from convcheck.errors import UsageError
 
 _REGISTRY: list[type] = []
@@ -24,6 +27,13 @@ def register(cls: type) -> type:
     """Class decorator: make a runner kind known to target parsing."""
     _REGISTRY.append(cls)
     return cls
+
+
+def import_kinds(package: str, path) -> None:
+    """Import every module of ``package`` (found on ``path``), by name: a module that defines a
+    ``@register``-ed class makes its kind known, with no list of modules to edit."""
+    for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+        importlib.import_module(f"{package}.{info.name}")
 
 
 def runner_classes() -> list[type]:
@@ -46,6 +56,12 @@ def runner_class(device: str, mode: str, spec: str) -> type:
         if device in cls.devices:
             return cls
     raise UsageError(f"target {spec!r}: {claimants[0].wrong_device_message(mode, device)}")
+
+
+def specs_on(device: str) -> list[str]:
+    """Every spec of a registered kind on ``device``, whether or not this machine has it (``cpu``, ``cpu:bf16``...)."""
+    return [device if mode == "float32" else f"{device}:{mode}"
+            for cls in _REGISTRY for mode in cls.modes if device in cls.devices]
 
 
 def runnable_specs() -> list[str]:

@@ -1,0 +1,88 @@
+"""Number formats as data: the one table of every floating-point format convcheck reasons about.
+
+A ``NumberFormat`` says what a value in that format can be: its precision (significand bits,
+so its unit roundoff), its range (largest finite, smallest normal and subnormal), what an
+overflow becomes (Inf, or the largest finite value for a format that saturates), how it rounds,
+and the torch dtype that holds exactly it, if any (TF32 has none: it is float32 with its
+significand cut). Runners describe their precision per op class with these formats
+(``runners.precision``), the layer floors round to them, and the overflow rules read their
+range. A new format is one entry here.
+
+Values: IEEE 754 binary64/binary32/binary16, bfloat16 and TF32 (NVIDIA A100 whitepaper: 10
+explicit significand bits, 8 exponent bits), FP8 E4M3FN and E5M2 (OCP 8-bit floating point
+spec 1.0, as torch's ``float8_e4m3fn``/``float8_e5m2``). No torch import: the rules and the
+CLI's light paths read this table too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RNE = "RNE"  # round to nearest, ties to even (IEEE 754's default)
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """One floating-point format. ``significand_bits`` counts the implicit bit (float32: 24)."""
+
+    name: str
+    significand_bits: int
+    exponent_bits: int
+    largest: float  # the largest finite value
+    smallest_normal: float
+    smallest_subnormal: float
+    dtype: str | None  # the torch dtype holding exactly this format (its name), None where none does
+    saturates: bool = False  # an overflow becomes +-largest (E4M3FN has no Inf) instead of +-Inf
+    rounding: str = RNE
+
+    @property
+    def unit_roundoff(self) -> float:
+        """``u = 2^-p``: the largest relative error of rounding a value in range to nearest."""
+        return 2.0**-self.significand_bits
+
+    @property
+    def torch_dtype(self):
+        """The torch dtype of this format, or None (imports torch)."""
+        if self.dtype is None:
+            return None
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FLOAT64 = NumberFormat("float64", 53, 11, 1.7976931348623157e308, 2.0**-1022, 2.0**-1074, "float64")
+FLOAT32 = NumberFormat("float32", 24, 8, (2 - 2.0**-23) * 2.0**127, 2.0**-126, 2.0**-149, "float32")
+TF32 = NumberFormat("tf32", 11, 8, (2 - 2.0**-10) * 2.0**127, 2.0**-126, 2.0**-136, None)
+BFLOAT16 = NumberFormat("bfloat16", 8, 8, (2 - 2.0**-7) * 2.0**127, 2.0**-126, 2.0**-133, "bfloat16")
+FLOAT16 = NumberFormat("float16", 11, 5, 65504.0, 2.0**-14, 2.0**-24, "float16")
+# E4M3FN: exponent 15 with mantissa 111 is NaN, so the largest finite is 1.75 x 2^8; no Inf
+FP8_E4M3 = NumberFormat("float8_e4m3fn", 4, 4, 448.0, 2.0**-6, 2.0**-9, "float8_e4m3fn", saturates=True)
+FP8_E5M2 = NumberFormat("float8_e5m2", 3, 5, 57344.0, 2.0**-14, 2.0**-16, "float8_e5m2")
+
+FORMATS: tuple[NumberFormat, ...] = (FLOAT64, FLOAT32, TF32, BFLOAT16, FLOAT16, FP8_E4M3, FP8_E5M2)
+_BY_NAME = {f.name: f for f in FORMATS}
+_BY_DTYPE = {f.dtype: f for f in FORMATS if f.dtype is not None}
+
+
+def format_named(name: str) -> NumberFormat:
+    """The registered format of this name (``KeyError`` for an unknown one)."""
+    return _BY_NAME[name]
+
+
+def format_of_dtype(dtype) -> NumberFormat:
+    """The format a floating torch dtype holds (given as the dtype or its name); float64's for
+    anything else (an integer tensor is never rounded)."""
+    return _BY_DTYPE.get(str(dtype).removeprefix("torch."), FLOAT64)
+
+
+def coarsest(formats) -> NumberFormat:
+    """The format with the largest unit roundoff (the first of equals)."""
+    return max(formats, key=lambda f: f.unit_roundoff)
+
+
+def narrowest_range(formats) -> NumberFormat:
+    """The format with the smallest largest-finite value (the first of equals): the one that overflows first."""
+    return min(formats, key=lambda f: f.largest)
