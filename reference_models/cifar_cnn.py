@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from reference_models.spec import ModelSpec
+
 
 class ConvBNReLU(nn.Sequential):
     """conv3x3 (no bias: BatchNorm supplies it) -> BatchNorm2d -> ReLU."""
@@ -54,3 +56,7 @@ class CifarCNN(nn.Module):
 
 def cifar_cnn(num_classes: int = 10) -> CifarCNN:
     return CifarCNN(num_classes=num_classes)
+
+
+SPECS = (ModelSpec("cifar_cnn", cifar_cnn, (3, 32, 32), 10,
+                   "small VGG-style CNN (CIFAR-10): 6 conv with BatchNorm, widths 32/64/128"),)

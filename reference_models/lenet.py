@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from reference_models.spec import ModelSpec
+
 
 class LeNet5(nn.Module):
     input_shape = (1, 28, 28)
@@ -44,3 +46,6 @@ class LeNet5(nn.Module):
 
 def lenet(num_classes: int = 10) -> LeNet5:
     return LeNet5(num_classes=num_classes)
+
+
+SPECS = (ModelSpec("lenet", lenet, (1, 28, 28), 10, "LeNet-5 (MNIST): 2 conv, 3 fc, ReLU, max pooling"),)

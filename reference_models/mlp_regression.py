@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from reference_models.spec import ModelSpec
+
 
 class MLPRegression(nn.Module):
     input_shape = (16,)
@@ -24,3 +26,7 @@ class MLPRegression(nn.Module):
 
 def mlp_regression(num_classes: int = 1) -> MLPRegression:
     return MLPRegression(num_classes=num_classes)
+
+
+SPECS = (ModelSpec("mlp_regression", mlp_regression, (16,), 1,
+                   "tabular regression MLP: 16 features -> 64 -> 64 -> 1, mean squared error", "regression"),)

@@ -17,6 +17,8 @@ from typing import Type, Union
 import torch
 from torch import nn
 
+from reference_models.spec import ModelSpec
+
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     """3x3 convolution with padding 1; no bias, BatchNorm follows."""
@@ -150,3 +152,11 @@ def resnet34(num_classes: int = 1000) -> ResNet:
 
 def resnet50(num_classes: int = 1000) -> ResNet:
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes)
+
+
+SPECS = (
+    ModelSpec("resnet18", resnet18, (3, 224, 224), 1000, "ResNet-18 (ImageNet), torchvision-compatible parameter names"),
+    ModelSpec("resnet34", resnet34, (3, 224, 224), 1000, "ResNet-34 (ImageNet), torchvision-compatible parameter names"),
+    ModelSpec("resnet50", resnet50, (3, 224, 224), 1000,
+              "ResNet-50 (ImageNet, bottleneck blocks), torchvision-compatible parameter names"),
+)

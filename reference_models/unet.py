@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from reference_models.spec import ModelSpec
+
 
 class DoubleConv(nn.Module):
     def __init__(self, cin: int, cout: int) -> None:
@@ -55,3 +57,7 @@ class UNet(nn.Module):
 
 def unet(num_classes: int = 3) -> UNet:
     return UNet(num_classes=num_classes)
+
+
+SPECS = (ModelSpec("unet", unet, (1, 64, 64), 3,
+                   "small U-Net (1x64x64 segmentation, 3 classes per pixel), widths 8/16/32", "segmentation"),)

@@ -11,7 +11,7 @@ from convcheck import symptoms as S
 from convcheck.ddp.diagnostics import DDPFinding
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
-from convcheck.diagnose.rules import training_lines
+from convcheck.diagnose.rules.lines import training_lines
 from convcheck.diagnose.verdict import Verdict
 
 

@@ -12,15 +12,32 @@ Layout: ``base`` (Finding, the ``@rule`` registry, ``audit``, ``RULE_IDS``) and
 one module per rule family: ``driver`` (DRV, ARCH, CUDA), ``libraries`` (DNN,
 BLAS), ``mathmode`` (MATH, DET; ``tf32_state``), ``hardware`` (ECC, MEM, THR,
 PCI, PROBE). Importing the families registers their rules; the order below is
-the order ``audit`` runs them in (and lists findings of one severity in).
+the order ``audit`` runs them in (and lists findings of one severity in); every
+other module of this package is imported after them, by name, so a new family
+is one new module with ``@rule`` functions (``import_rule_families``).
 """
+
+import importlib
+import pkgutil
 
 from convcheck.env.rules.base import RULE_IDS, RULES, SEVERITIES, Finding, Rule, audit, rule
 from convcheck.env.rules import driver, libraries, mathmode, hardware  # noqa: E402,I001 - registration order
 from convcheck.env.rules.hardware import NVML_DOC, THROTTLE_BITS
 from convcheck.env.rules.mathmode import tf32_state
 
+
+def import_rule_families() -> list[str]:
+    """Import every module of this package (a family added beside the four registers its rules);
+    returns their names."""
+    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}")
+    return names
+
+
+import_rule_families()
+
 __all__ = [
     "NVML_DOC", "RULES", "RULE_IDS", "SEVERITIES", "THROTTLE_BITS", "Finding", "Rule", "audit", "driver",
-    "hardware", "libraries", "mathmode", "rule", "tf32_state",
+    "hardware", "import_rule_families", "libraries", "mathmode", "rule", "tf32_state",
 ]

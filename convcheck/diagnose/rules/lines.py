@@ -1,0 +1,39 @@
+"""Evidence lines more than one verdict rule writes: the training outcomes, the symptoms, the layer notes."""
+
+from __future__ import annotations
+
+import math
+
+from convcheck.diagnose.evidence import Evidence
+
+
+def training_lines(ev: Evidence) -> list[str]:
+    out = []
+    for name, info in ev.outcomes.items():
+        state = "converged" if info.converged else "did not converge"
+        if not ev.judgeable and math.isfinite(info.final_loss):
+            state = "trained (convergence not judged)"
+        out.append(f"{name}: {state}, loss {info.first_loss:.4g} -> {info.final_loss:.4g}"
+                   + (f", first non-finite at step {info.first_nonfinite_step}"
+                      if info.first_nonfinite_step is not None else ""))
+    return out
+
+
+def symptom_lines(syms, n: int) -> list[str]:
+    return [f"{s.name} ({s.arm}): {s.evidence}" for s in syms[:n]]
+
+
+def where_in(layer: str | None) -> str:
+    return f" in '{layer}'" if layer else ""
+
+
+def layer_note_lines(ev: Evidence) -> list[str]:
+    """Flagged layers too small to matter on a target with no other trouble."""
+    return [f"note ({n.arm}): {n.evidence}; below min_error {ev.tolerances.min_error:g}, so not a cause"
+            for n in ev.layer_notes]
+
+
+def symptom_evidence(ev: Evidence) -> list[str]:
+    math_notes = [f for f in ev.findings if getattr(f, "kind", None) == "numerics"]
+    return (symptom_lines(ev.symptoms, 4) + training_lines(ev) + layer_note_lines(ev)
+            + [f"{f.id}: {f.message}" for f in math_notes[:2]])

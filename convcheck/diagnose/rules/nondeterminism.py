@@ -1,0 +1,47 @@
+"""Rules of the ``nondeterminism`` category: randomness no mask is shared for, a target that differs from itself."""
+
+from __future__ import annotations
+
+from convcheck import symptoms as S
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.rules.lines import training_lines
+from convcheck.diagnose.verdict import Verdict
+
+
+@verdict_rule(
+    "V001", "stochastic-layer", priority=10, category="nondeterminism",
+    headline="layer '{layer}' draws its own random numbers, so every arm sees different randomness: "
+             "differences between the targets are not evidence of numerics",
+    remedies=("use nn.Dropout/Dropout2d modules (convcheck gives them the same masks on every arm) instead of "
+              "functional or custom random draws",
+              "or turn the randomness off for the comparison (model.eval() for that layer, or p=0)"))
+def stochastic_layer(ev: Evidence) -> Verdict | None:
+    """A layer draws random numbers no mask is shared for: no difference is evidence. When a target's
+    executor found the draws itself (the ranks of a ``ddp:`` target), its own rule says it with that evidence."""
+    if not ev.stochastic_layers or any(S.STOCHASTIC_LAYER in f.explains for f in ev.executor_findings):
+        return None
+    layer = ev.stochastic_layers[0]
+    return stochastic_layer.verdict(
+        [f"re-running the judge's forward under another seed changes the output of "
+         f"{', '.join(repr(s) for s in ev.stochastic_layers)} while its input stays the same",
+         *training_lines(ev)],
+        {"layer": layer}, layer=layer, sub_cause="stochastic layer without shared masks",
+        symptoms=[S.STOCHASTIC_LAYER])
+
+
+@verdict_rule(
+    "V004", "self-difference", priority=40, category="nondeterminism",
+    headline="{target} gives different results for the same input and seed (relative difference {diff:.2e})",
+    remedies=("torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False",
+              "set CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA starts"))
+def self_difference(ev: Evidence) -> Verdict | None:
+    """A target differs from itself run to run by more than ``min_error`` (differences below
+    it are reported with the ``ok`` verdict, not as one)."""
+    for name, diff in ev.self_difference.items():
+        if diff > ev.tolerances.min_error:
+            return self_difference.verdict(
+                [f"two identical forward/backward runs of {name} differ by {diff:.2e} (relative L2)"],
+                {"target": name, "diff": diff},
+                target=name, sub_cause="nondeterministic kernels", symptoms=[S.SELF_DIFFERENCE])
+    return None

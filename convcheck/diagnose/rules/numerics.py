@@ -1,0 +1,125 @@
+"""The rule of the ``numerics`` category: any other target symptom is a precision effect (overflow,
+a NaN/Inf producer, underflow, lost updates, drift beyond the envelope), with remedies fitted to the target."""
+
+from __future__ import annotations
+
+from convcheck import symptoms as S
+from convcheck.diagnose.evidence import Evidence, TargetFacts
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.rules.lines import symptom_evidence, where_in
+from convcheck.diagnose.verdict import Verdict
+from convcheck.formats import FLOAT32, NumberFormat, format_named
+
+
+@verdict_rule(
+    "V008", "precision-effect", priority=80, category="numerics",
+    headline="{symptom} on {target}{where}",
+    remedies=("rerun in float32 (cpu:float32 vs your target) to confirm the precision effect",))
+def precision_effect(ev: Evidence) -> Verdict | None:
+    """Any other main target symptom: a precision effect. Headline variants: "{format} overflow
+    in '{layer}' on {target}: it produces the first Inf (values reach {v} > {its largest})" (float16,
+    FP8 E5M2; FP8 E4M3 saturates instead: "the matmul/conv reading its values saturates them"), "'{layer}'
+    produces the first NaN/Inf on {target} from finite inputs", "{target} drifts from the other
+    target {r}x beyond the one-ulp noise envelope from step {step}, while every layer is within
+    its bound". Remedies: chosen by the symptom and the target's runner (``numerics_remedies``),
+    else the registered one."""
+    if not ev.symptoms or ev.symptoms[0].name == S.LAYER_ERROR:
+        return None
+    main = ev.symptoms[0]
+    layer = main.layer
+    headline = None
+    facts = ev.target_facts.get(main.arm) or TargetFacts()
+    op = main.extra.get("op")
+    narrow = _narrow_format(facts, main)
+    if main.name in (S.NONFINITE_FORWARD, S.OUT_OF_RANGE) and main.extra.get("overflow") and narrow:
+        where = f"{op} in '{layer}' (its own code)" if op else f"'{layer}'"
+        effect = ("it produces the first Inf" if main.name == S.NONFINITE_FORWARD
+                  else f"the matmul/conv reading its values saturates them at {narrow.largest:g}")
+        headline = (f"{narrow} overflow in {where} on {main.arm}: {effect} "
+                    f"(values reach {main.value:.4g} > {narrow.largest:g})")
+    elif main.name in S.NONFINITE_TENSORS and op:
+        headline = f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm} from finite inputs"
+    elif main.name == S.NONFINITE_WEIGHTS:
+        headline = (f"the optimizer step makes the weights of '{layer}' NaN/Inf on {main.arm} after training step "
+                    f"{main.step - 1}" + (" (its gradients were finite)" if main.extra.get("finite_gradients") else ""))
+    elif main.name in S.NONFINITE_TENSORS:
+        headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
+    elif main.name == S.DRIFT:
+        headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the one-ulp noise envelope "
+                    f"from step {main.step}, while every layer is within its floor's bound")
+    elif main.name == S.ILL_CONDITIONED:
+        headline = (f"'{layer}' ({main.extra.get('module')}) is ill-conditioned at {main.arm}'s precision: rounding "
+                    f"its input to that precision already loses its result (floor {main.value:.2g})")
+    return precision_effect.verdict(
+        symptom_evidence(ev), {"symptom": main.name, "target": main.arm, "where": where_in(layer)},
+        headline=headline, remedies=numerics_remedies(ev, main) or None, target=main.arm, layer=layer,
+        sub_cause=main.name, symptoms=[s.name for s in ev.symptoms])
+
+
+def _weights_remedies(t: TargetFacts | None, layer: str) -> list[str]:
+    """An optimizer step that makes weights NaN/Inf: in float16 weights, Adam's eps is the usual cause."""
+    if t is not None and t.half_storage and t.compute_format == "float16":
+        return ["the optimizer computes in the weights' float16: Adam/AdamW's eps (1e-8 by default) is 0 in float16, "
+                "so every zero gradient entry divides 0 by 0; use eps >= 1e-4 (--eps 1e-4), or keep float32 weights "
+                "and compute in float16 under autocast (amp-fp16) with a GradScaler"]
+    return [f"find what makes the update of '{layer}' NaN/Inf: the learning rate, the optimizer's eps at this "
+            "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
+
+
+def _narrow_format(facts: TargetFacts, main: S.Symptom) -> NumberFormat | None:
+    """The format whose range the symptom's values left (the detector's, else the target's compute
+    format) when its range is float32's no longer (fewer exponent bits: float16, FP8); else None."""
+    fmt = format_named(main.extra.get("format") or facts.compute_format)
+    return fmt if fmt.exponent_bits < FLOAT32.exponent_bits else None
+
+
+def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
+    """Remedies for a precision effect: by the symptom, and by what the target's runner does."""
+    t = ev.target_facts.get(main.arm)
+    layer = main.layer
+    out = []
+    float16 = t is not None and t.half_compute and t.compute_format == "float16"
+    narrow = _narrow_format(t or TargetFacts(), main)
+    op = main.extra.get("op")
+    if main.name in S.NONFINITE_TENSORS and op and narrow and main.extra.get("overflow"):
+        out.append(f"{op} in '{layer}' overflows {narrow}: scale its operands down before it (attention "
+                   f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
+                   + (" (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else ""))
+    elif main.name in S.NONFINITE_TENSORS and op:
+        out.append(f"find what makes {op} in '{layer}' (its own code) produce NaN/Inf: its input range, a "
+                   "division by zero, log or sqrt of a non-positive value")
+    if main.name in S.NONFINITE_TENSORS or main.name == S.GRADSCALER_COLLAPSE:
+        if t is not None and t.mixed_precision and float16:
+            out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
+                       "around it), or use bfloat16 autocast, which has float32's range")
+        elif layer and narrow:  # float16's range ends at 65504, FP8's at 448/57344; bfloat16's and float32's do not
+            out.append(f"keep '{layer}' in float32, or normalise its input so values stay below {narrow.largest:g}")
+        elif layer:
+            out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
+                       "log or sqrt of a non-positive value")
+        out.append("scale activations down (add normalisation before the layer)")
+    if main.name == S.OUT_OF_RANGE and narrow:
+        out.append(f"scale what '{layer}' produces into {narrow}'s range (below {narrow.largest:g}) before the "
+                   "matmul/conv that reads it: normalise it, or give that operand a per-tensor scale as FP8 recipes do")
+    if main.name == S.NONFINITE_WEIGHTS:
+        out.extend(_weights_remedies(t, layer))
+    if main.name == S.GRADIENT_UNDERFLOW and float16:
+        out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
+    elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits
+        out.append(f"{t.compute_format if t else 'this format'} keeps float32's range, so these zeros are lost "
+                   "digits, not underflow: find the layer before it whose result cancels (the parity table's "
+                   "worst rows) and compute it in float32")
+    if main.name == S.ILL_CONDITIONED:
+        out.append(f"keep '{layer}' and the tensors feeding it in float32 (its input cannot be represented "
+                   "precisely enough at this precision)")
+        out.append("remove large offsets or scales before it (normalise its input), so fewer digits are needed")
+    if main.name == S.SMALL_UPDATES_LOST:
+        out.append("keep float32 master weights (autocast instead of casting the model to bf16/fp16)")
+    if main.name in (S.DRIFT, S.OUTCOME_OUTSIDE_ENVELOPE, S.NO_CONVERGENCE):
+        if t is not None and t.tf32_like:
+            out.append("disable TF32: torch.backends.cuda.matmul.allow_tf32 = False; "
+                       "torch.backends.cudnn.allow_tf32 = False")
+        if t is not None and t.half_compute:
+            out.append("run the sensitive layers in float32 under autocast, or train in float32")
+        out.append("compare with --targets using the higher precision on both sides to confirm")
+    return out

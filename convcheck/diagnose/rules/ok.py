@@ -1,0 +1,34 @@
+"""The ``ok`` verdict, when no rule fires: both targets train alike, and how close they came to a finding."""
+
+from __future__ import annotations
+
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.rules.lines import layer_note_lines, training_lines
+from convcheck.diagnose.verdict import Verdict
+from convcheck.thresholds import CONVERGENCE_MIN_STEPS
+
+
+def ok_verdict(ev: Evidence) -> Verdict:
+    """Both targets train alike; the evidence says how close they came to a finding."""
+    evidence = training_lines(ev)
+    for m in ev.closest_layers:
+        if m.measured:
+            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above its floor is "
+                            f"'{m.layer}' ({m.module}) with its own error {m.error:.2e}, {m.ratio:.2g}x its floor "
+                            f"{m.floor:.2e}")
+        else:
+            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above is '{m.layer}' "
+                            f"({m.module}) with local error {m.error:.2e}, {m.ratio:.2g}x the rounding of its "
+                            f"result {m.floor:.2e} (a lower bound of its floor)")
+    evidence += layer_note_lines(ev)
+    if ev.drift is not None:
+        evidence.append(ev.drift.evidence)
+    evidence += [f"{f.id}: {f.message}" for f in ev.findings if getattr(f, "severity", "") in ("critical", "warn")]
+    min_error = ev.tolerances.min_error
+    evidence += [f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)"
+                 for n, d in ev.self_difference.items() if d > 0]
+    if not ev.judgeable:
+        evidence.append(f"convergence is not judged from {ev.steps} step; run --steps {CONVERGENCE_MIN_STEPS} "
+                        "or more for that")
+    return Verdict("ok", f"both targets train alike: {' and '.join(ev.targets)} agree with the float64 judge "
+                   "within the expected rounding", evidence, [], symptoms=[])

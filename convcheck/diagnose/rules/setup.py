@@ -1,0 +1,94 @@
+"""Rules of the ``setup`` category: the float64 judge fails too; the envelope runs fail. Both mean the
+training setup, not the device. ``SETUP_PRIORITY`` orders the judge's symptoms; ``SETUP_REMEDIES`` fits each."""
+
+from __future__ import annotations
+
+from convcheck import recipe_symptoms as R
+from convcheck import symptoms as S
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.rules.lines import symptom_lines, training_lines, where_in
+from convcheck.diagnose.verdict import Verdict
+
+_LOWER_LR = "lower the learning rate (try 10x smaller)"
+_CLIP = "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+SETUP_REMEDIES = {
+    S.NONFINITE_LOSS: [_LOWER_LR, _CLIP],
+    S.EXPLODING_GRADIENTS: [_LOWER_LR, _CLIP],
+    S.VANISHING_GRADIENTS: [
+        "replace saturating activations (sigmoid/tanh) with ReLU, or add BatchNorm between layers",
+        "use residual connections or fewer layers; use Kaiming initialisation"],
+    S.SATURATED_ACTIVATIONS: ["normalise the inputs of saturating activations (BatchNorm) or use ReLU"],
+    S.DEAD_RELUS: ["lower the learning rate", "use LeakyReLU, or check the initialisation and the biases"],
+    S.LOSS_PLATEAU: ["check that labels match inputs", "raise the learning rate or train longer",
+                     "check the input normalisation"],
+    S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
+    S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
+}
+SETUP_PRIORITY = [R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
+                  S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
+                  S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
+SETUP_REMEDIES.update(R.REMEDIES)
+_UNLISTED = 99
+
+
+@verdict_rule(
+    "V002", "judge-fails", priority=20, category="setup",
+    headline="training setup: {symptom}{where} ({why})",
+    remedies=("train longer or raise the learning rate", "check data, labels and loss"))
+def judge_fails(ev: Evidence) -> Verdict | None:
+    """The float64 judge does not converge either (and one-step parity names no target-only
+    cause): the setup. The main symptom is the judge's first training problem in
+    ``SETUP_PRIORITY``; exploding gradients say "learning rate {lr} is too high, gradients
+    explode ({why})"; without any, "no arm converges in {steps} steps ({why})", or, when the judge's
+    loss is still falling, "..., but the loss is still falling (a -> b): run more steps" with more
+    steps as the remedy. Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
+    judge = ev.judge_outcome
+    if not ev.judgeable or judge is None or judge.converged or ev.step0_symptoms:
+        return None
+    targets_ok = all(info.converged for n, info in _target_outcomes(ev) if n != ev.judge)
+    why = ("the float64 judge fails too, so the setup, not the device" if targets_ok
+           else "every arm fails, the float64 judge included")
+    syms = sorted(ev.judge_problems + ev.data_symptoms,
+                  key=lambda s: SETUP_PRIORITY.index(s.name) if s.name in SETUP_PRIORITY else _UNLISTED)
+    lines = symptom_lines(syms, 4) + training_lines(ev)
+    names = [s.name for s in syms]
+    if not syms and ev.still_falling.get(ev.judge):
+        return judge_fails.verdict(
+            lines, headline=f"training setup: no arm converges in {ev.steps} steps, but the loss is still falling "
+                            f"({judge.first_loss:.4g} -> {judge.final_loss:.4g}): run more steps ({why})",
+            remedies=[f"run more steps (--steps {2 * ev.steps})", "or raise the learning rate"],
+            sub_cause=S.NO_CONVERGENCE, symptoms=names)
+    if not syms:
+        return judge_fails.verdict(
+            lines, headline=f"training setup: no arm converges in {ev.steps} steps ({why})",
+            sub_cause=S.NO_CONVERGENCE, symptoms=names)
+    main = syms[0]
+    headline = None
+    if main.name == S.EXPLODING_GRADIENTS:
+        headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
+    return judge_fails.verdict(
+        lines, {"symptom": main.name, "where": where_in(main.layer), "why": why}, headline=headline,
+        remedies=SETUP_REMEDIES.get(main.name, []), layer=main.layer, sub_cause=main.name, symptoms=names)
+
+
+def _target_outcomes(ev: Evidence):
+    """(name, outcome) of the targets that have one, in the order asked for."""
+    return [(n, ev.outcomes[n]) for n in ev.targets if n in ev.outcomes]
+
+
+@verdict_rule(
+    "V003", "fragile-envelope", priority=30, category="setup",
+    headline="{failed} of {runs} envelope runs of the lower-precision target fail from one-ulp "
+             "changes of the initial weights: the setup is fragile, not the device",
+    remedies=("lower the learning rate or add warm-up", "add normalisation layers; check the initialisation"))
+def fragile_envelope(ev: Evidence) -> Verdict | None:
+    """Every target converges, but envelope runs (one-ulp perturbations) fail: a fragile setup."""
+    failed = ev.envelope_failed
+    if (not ev.judgeable or not failed or ev.step0_symptoms
+            or not all(info.converged for _, info in _target_outcomes(ev))):
+        return None
+    return fragile_envelope.verdict(
+        [f"{failed}/{ev.envelope_runs} perturbed runs did not converge", *training_lines(ev)],
+        {"failed": failed, "runs": ev.envelope_runs},
+        sub_cause="fragile setup", symptoms=[S.ENVELOPE_RUNS_FAIL])

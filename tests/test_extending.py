@@ -1,0 +1,102 @@
+"""Extending convcheck is one file plus its test: a verdict rule, an env rule, a zoo model, a target kind.
+
+Each test drops a new module into the package's search path (a temporary folder, not the source tree)
+and checks that the package's own discovery picks it up, registered, with nothing else edited.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.fixture
+def extra_module(tmp_path, monkeypatch):
+    """Write ``name.py`` with ``source`` into a folder appended to ``package.__path__``."""
+    added = []
+
+    def add(package, name: str, source: str):
+        monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        added.append(f"{package.__name__}.{name}")
+
+    yield add
+    for name in added:
+        sys.modules.pop(name, None)
+
+
+def test_a_verdict_rule_is_one_module(extra_module, monkeypatch):
+    from convcheck.diagnose import registry, rules
+
+    monkeypatch.setattr(registry, "RULES", list(registry.RULES))
+    extra_module(rules, "zz_example", """
+        from convcheck.diagnose.registry import verdict_rule
+
+        @verdict_rule("V990", "example-rule", priority=999, category="setup", headline="example")
+        def example_rule(ev):
+            return None
+    """)
+    assert "zz_example" in rules.import_rule_modules()
+    assert "example-rule" in [r.name for r in registry.RULES]
+
+
+def test_an_env_rule_is_one_module(extra_module, monkeypatch):
+    from convcheck.env import rules
+    from convcheck.env.rules import base
+
+    monkeypatch.setattr(base, "RULES", list(base.RULES))
+    extra_module(rules, "zz_example", """
+        from convcheck.env.rules.base import make_finding, rule
+
+        @rule
+        def example_rule(fp):
+            return [make_finding("MATH901", "warn", "an example", "none needed", "this test")]
+    """)
+    assert "zz_example" in rules.import_rule_families()
+    assert "example_rule" in [r.__name__ for r in base.RULES]
+
+
+def test_a_zoo_model_is_one_module(extra_module):
+    import reference_models
+    from reference_models import registry
+
+    extra_module(reference_models, "zz_tiny", """
+        from torch import nn
+
+        from reference_models.spec import ModelSpec
+
+
+        def zz_tiny(num_classes=10):
+            return nn.Sequential(nn.Flatten(), nn.Linear(4, num_classes))
+
+
+        SPECS = (ModelSpec("zz_tiny", zz_tiny, (1, 2, 2), 10, "a tiny test model"),)
+    """)
+    registry.discover.cache_clear()
+    try:
+        assert "zz_tiny" in registry.list_models()
+        assert registry.get_model("zz_tiny")(__import__("torch").zeros(1, 1, 2, 2)).shape == (1, 10)
+    finally:
+        registry.discover.cache_clear()
+
+
+def test_a_target_kind_is_one_module(extra_module, monkeypatch):
+    from convcheck import runners
+    from convcheck.runners import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", list(registry._REGISTRY))
+    extra_module(runners, "zz_kind", """
+        from convcheck.runners.plain import FloatRunner
+        from convcheck.runners.registry import register
+
+
+        @register
+        class ExampleRunner(FloatRunner):
+            modes = ("zz-example",)
+            devices = ("cpu",)
+            descriptions = {"zz-example": "an example kind"}
+    """)
+    registry.import_kinds(runners.__name__, runners.__path__)
+    assert "zz-example" in registry.known_modes()
