@@ -37,10 +37,13 @@ from convcheck.builder import initial_state, model_builder
 from convcheck.config import CompareConfig
 from convcheck.datasets import is_user_data, open_data
 from convcheck.errors import RunFailed, UsageError
-from convcheck.failures import RunStage
-from convcheck.models import ResolvedModel, check_input_shape, resolve_model
+from convcheck.failures import RunStage, user_failures
+from convcheck.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
 from convcheck.parity import ParityResult, run_parity
+from convcheck.preflight import check_trainable
 from convcheck.recipe import Recipe, build_recipe
+from convcheck.recipe_probe import loss_reduction_probe
+from convcheck.runners import preserved_global_flags
 from convcheck.stream import DataStream
 from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
 from convcheck.train import TrainConfig, TrainResult, run_training
@@ -72,9 +75,6 @@ def guarded(progress: Progress | None, steps: int) -> Iterator[RunStage]:
     """The caller's global flags restored; the user's code failing becomes a one-line UserCodeError
     (file, line, function, stage), the machine's limits a RunFailed; convcheck's bugs pass unchanged.
     Yields the progress callback that remembers the stage reached."""
-    from convcheck.failures import user_failures
-    from convcheck.runners import preserved_global_flags
-
     if progress is not None and not callable(progress):
         raise UsageError(f"progress must be a callable(stage, done, total), not {type(progress).__name__}")
     stage = RunStage(progress, steps)
@@ -129,8 +129,6 @@ def resolve(model: ModelArg, cfg: CompareConfig, *, input_shape=None, num_classe
     """The targets (``targets_needed``: 2 for compare, 1 for record, 0 for the judge alone) parsed and
     checked to run here, the judge chosen, then the model resolved; a model object's factory is
     checked on every call. Everything that cannot run here is refused before any model is built."""
-    from convcheck.models import checked_factory
-
     notes: list[str] = []
     targets = _parsed_targets(cfg.targets, targets_needed, notes)
     if targets_needed == 2:
@@ -155,8 +153,6 @@ def choose_judge(spec) -> tuple[Target, str]:
 def check_model_trains(run: ResolvedRun) -> None:
     """The user's own model tried once in training mode (``convcheck.preflight``) before anything is
     measured. Zoo models are known to train; with the user's own data the batches come later."""
-    from convcheck.preflight import check_trainable
-
     if run.model.source != "zoo" and not is_user_data(run.config.data):
         check_trainable(run.model, run.config.batch_size)
 
@@ -251,8 +247,6 @@ def measure_parity(plan: Plan, batch, targets: Sequence[Target] | None = None, *
 
 def measure_loss_reduction(plan: Plan, batch) -> float:
     """loss(batch) / mean(loss(halves)) of the judge's model: ~1 for an averaged loss, ~2 for a summed one."""
-    from convcheck.recipe_probe import loss_reduction_probe
-
     judge = plan.config.judge
     return loss_reduction_probe(plan.build(judge), judge.runner, batch, plan.recipe.loss)
 

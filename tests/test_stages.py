@@ -189,7 +189,7 @@ def test_evidence_given_is_not_audited_again_and_the_verdict_is_added_by_replace
     assert bare.verdict is None and judged.verdict == result.verdict
 
 
-COMPOSERS = ("pipeline.py", "stages.py", "cli_compare.py", "cli_record.py", "pytest_plugin.py",
+COMPOSERS = ("pipeline.py", "stages.py", "cli_compare.py", "cli_record.py", "cli_diff.py", "pytest_plugin.py",
              "bundle/record.py", "bundle/diff.py", "bundle/baseline.py")
 
 
