@@ -1,4 +1,5 @@
-"""``model_builder`` / ``ModelBuilder``: every arm's and parity pass's model, a placed copy of one template.
+"""``initial_state`` and ``model_builder`` / ``ModelBuilder``: every arm's and parity pass's model, a placed
+copy of one template holding the shared initial weights.
 
 The factory runs once per builder (its random initialisation is most of a build: 0.16 s of
 ResNet-18's 0.29 s float32 step), with the caller's random state kept, so building draws no
@@ -18,9 +19,21 @@ import torch
 import torch.nn as nn
 
 from convcheck.capture import disable_inplace
+from convcheck.errors import UsageError
 from convcheck.models import ResolvedModel
 from convcheck.runners import Runner
 from convcheck.targets import Target
+
+
+def initial_state(model: ResolvedModel, seed: int) -> dict[str, torch.Tensor]:
+    """The shared initial weights: built once from a seeded CPU generator, kept in float64."""
+    torch.manual_seed(seed)
+    try:
+        m = model.factory()
+    except Exception as exc:  # the user's factory: a user error, reported in one line
+        raise UsageError(f"model factory {model.name!r} raised {type(exc).__name__}: {exc}") from None
+    return {k: (v.detach().to(torch.float64) if v.is_floating_point() else v.detach().clone())
+            for k, v in m.state_dict().items()}
 
 
 class ModelBuilder:

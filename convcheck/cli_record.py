@@ -8,14 +8,11 @@ are ever written or replaced; a run that fails removes what it created.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from convcheck.errors import UsageError
-
-_BUNDLE_DIRS = ("forward", "grads", "snapshots")
 
 
 def add_record_parser(sub, run) -> argparse.ArgumentParser:
@@ -43,40 +40,9 @@ def add_record_parser(sub, run) -> argparse.ArgumentParser:
     return p
 
 
-def _prepare_folder(out: Path, force: bool) -> tuple[Path, list[Path]]:
-    """The folder to write the bundle into and the folders this run created (to remove on failure)."""
-    from convcheck.files import path_kind
-
-    kind = path_kind(out)
-    if kind is None:
-        out.mkdir(parents=True)
-        return out, [out]
-    if kind != "directory":
-        raise UsageError(f"--out {out}: exists and is a {kind}, not a bundle folder")
-    entries = sorted(os.listdir(out))
-    if not entries:
-        return out, []
-    if "manifest.json" not in entries or not force:
-        raise UsageError(f"--out {out} is not empty" + ("; pass --force to replace the bundle there"
-                                                         if "manifest.json" in entries else ""))
-    unknown = [e for e in entries if e not in (*_BUNDLE_DIRS, "manifest.json")]
-    if unknown:
-        raise UsageError(f"--out {out} holds {unknown[0]!r}, which is not part of a bundle; refusing to replace it")
-    for sub in _BUNDLE_DIRS:
-        d = out / sub
-        if path_kind(d) == "directory":
-            for name in os.listdir(d):
-                if path_kind(d / name) != "file":
-                    raise UsageError(f"--out {d / name} is not a regular file; refusing to replace it")
-                (d / name).unlink()
-        elif path_kind(d) is not None:
-            raise UsageError(f"--out {d} is not a directory; refusing to replace it")
-    return out, []
-
-
 def run_record(args) -> int:
     from convcheck.bundle.record import record_run
-    from convcheck.bundle.writer import pack_zip, staging_folder
+    from convcheck.bundle.writer import pack_zip, prepare_folder, staging_folder
     from convcheck.files import refuse_special
     from convcheck.models import parse_input_shape
     from convcheck.options import config_from_options
@@ -93,7 +59,7 @@ def run_record(args) -> int:
         folder, created = staging_folder(out), []
         created = [folder]
     else:
-        folder, created = _prepare_folder(out, args.force)
+        folder, created = prepare_folder(out, args.force)
     try:
         manifest = record_run(args.model, args.target, config, folder, input_shape=shape, num_classes=args.classes,
                               layers=args.layers, snapshot_steps=args.snapshot_steps)

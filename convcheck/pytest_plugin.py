@@ -58,16 +58,21 @@ def _session_config(pytest_config):
     return with_options(base, **given)
 
 
-@pytest.fixture
-def convcheck_compare(request):
-    """``run(model, targets=None, **options) -> CompareResult`` with the session's --convcheck-* defaults."""
+def _test_config(request):
+    """The session's config with the test's ``convcheck`` marker on top."""
     from convcheck.config import with_options
-    from convcheck.pipeline import compare
 
     config = _session_config(request.config)
     marker = request.node.get_closest_marker("convcheck")
-    if marker:
-        config = with_options(config, **marker.kwargs)
+    return with_options(config, **marker.kwargs) if marker else config
+
+
+@pytest.fixture
+def convcheck_compare(request):
+    """``run(model, targets=None, **options) -> CompareResult`` with the session's --convcheck-* defaults."""
+    from convcheck.pipeline import compare
+
+    config = _test_config(request)
 
     def run(model, targets=None, **options):
         return compare(model, targets, config=config, **options)
@@ -82,10 +87,7 @@ def convcheck_baseline(request):
     from convcheck.bundle.baseline import run_baseline
     from convcheck.config import with_options
 
-    config = _session_config(request.config)
-    marker = request.node.get_closest_marker("convcheck")
-    if marker:
-        config = with_options(config, **marker.kwargs)
+    config = _test_config(request)
     opts = request.config.option
 
     def run(model, target, name=None, **options):

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import convcheck.pipeline as pipeline
+import convcheck.stages as stages
 from convcheck.cli import main
 from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.pipeline import compare
@@ -156,12 +156,12 @@ def test_a_gpu_judge_builds_every_float64_reference(monkeypatch):
         monkeypatch.setattr(Float64Runner, name, spy)
     detector = _Float64Conversions()
     for stage in ("run_parity", "run_training"):
-        original = getattr(pipeline, stage)
+        original = getattr(stages, stage)
 
         def watched(*a, _original=original, **k):
             with detector:
                 return _original(*a, **k)
-        monkeypatch.setattr(pipeline, stage, watched)
+        monkeypatch.setattr(stages, stage, watched)
     r = compare(_offset_net, "cpu,cpu:bf16", judge="cuda:float64", input_shape=(1, 8, 8), num_classes=4,
                 steps=2, batch_size=8, envelope=1, env_findings=[])
     assert str(r.judge) == "cuda:float64" and r.to_summary()["judge"] == "cuda:float64"

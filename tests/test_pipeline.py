@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import convcheck.pipeline as api
 from convcheck.pipeline import CompareConfig, CompareResult, compare
 from convcheck.errors import TargetUnavailable, UsageError
+from convcheck.models import resolve_model
 from convcheck.parity import ParityResult
 from convcheck.report.export import SUMMARY_SCHEMA, summary_dict
 from convcheck.table_schema import named
@@ -256,7 +256,7 @@ def test_resnet50_one_parity_step_and_two_training_steps():
     fwd = r.parity.layers[r.parity.layers["kind"] == "forward"]
     grads = r.parity.layers[r.parity.layers["kind"] == "grad"]
     assert "layer1.0.relu#3" in set(fwd["layer"])
-    assert len(grads) == len(list(api.resolve_model("resnet50").factory().parameters()))
+    assert len(grads) == len(list(resolve_model("resnet50").factory().parameters()))
     assert fwd["local"].max() < 1e-5
     assert grads["propagated"].map(math.isfinite).all()
     assert len(r.training.curves) == 2 * 2

@@ -26,11 +26,11 @@ def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: 
     from convcheck.bundle.diff import config_of, diff_bundles
     from convcheck.bundle.reader import open_bundle
     from convcheck.bundle.record import record_run
-    from convcheck.cli_record import _prepare_folder
+    from convcheck.bundle.writer import prepare_folder
 
     if record_dir:
         path = baseline_path(record_dir, nodeid, target, name)
-        folder, _ = _prepare_folder(path, force=True)
+        folder, _ = prepare_folder(path, force=True)
         record_run(model, target, config, folder, snapshot_steps=None)
         skip(f"convcheck: recorded the baseline {path}; run with --convcheck-against {record_dir} to check against it")
     if not against_dir:

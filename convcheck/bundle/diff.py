@@ -52,13 +52,12 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
 
 
 def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=None) -> JudgeRecord:
-    """Re-run the judge on this machine from the recorded model spec, seed and data spec."""
-    from convcheck.data import hash_state_dict
-    from convcheck.datasets import is_user_data
-    from convcheck.parity.judge_pass import run_judge
-    from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
+    """Re-run the judge on this machine from the recorded model spec, seed and data spec: the stages of
+    ``compare`` (``convcheck.stages``) with the judge alone, every recorded hash checked on the way."""
     from convcheck.bundle.record import source_sha256
-    from convcheck.recipe_probe import loss_reduction_probe
+    from convcheck.data import hash_state_dict
+    from convcheck.parity.judge_pass import run_judge
+    from convcheck.stages import caller_rng_kept, guarded, measure_loss_reduction, prepare, resolve
     from convcheck.targets import default_judge, parse_judge
 
     judge, reason = (parse_judge(judge_spec), "re-run here (--judge)") if judge_spec else default_judge()
@@ -66,31 +65,36 @@ def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=
     m = a["model"]
     shape = tuple(m["input_shape"]) if m.get("input_shape") else input_shape
     cfg = config_of(a, None, judge)
-    with _caller_rng_kept(), _guarded(None, cfg.steps):
-        resolved = _as_resolved(m["spec"], shape, m.get("num_classes") or num_classes,
-                                need_io=not is_user_data(cfg.data))
-        here = source_sha256(resolved)
+    with caller_rng_kept(), guarded(None, cfg.steps):
+        resolved = resolve(m["spec"], cfg, input_shape=shape, num_classes=m.get("num_classes") or num_classes,
+                           targets_needed=0)
+        here = source_sha256(resolved.model)
         if m.get("source_sha256") and here and here != m["source_sha256"]:
             raise UsageError(f"model {m['spec']}: its source file here (SHA-256 {here[:12]}) is not the one "
                              f"recorded ({m['source_sha256'][:12]})")
-        cfg, recipe = _resolve_recipe(cfg, resolved.task)
-        state, build, stream = _prepare(resolved, cfg, [])
-        if hash_state_dict(state) != a["init_sha256"]:
+        run = prepare(resolved)
+        if hash_state_dict(run.initial_state) != a["init_sha256"]:
             raise UsageError(f"the initial weights built here (seed {cfg.seed}) differ from the recorded ones "
                              "(SHA-256 of the weights)")
-        first = stream.first()
-        for step, _ in enumerate(stream):
-            recorded = a["batch_sha256"]
-            if step < len(recorded) and stream.hashes[step] != recorded[step]:
-                raise UsageError(f"batch {step} regenerated here from {cfg.data or 'synthetic'} with seed "
-                                 f"{cfg.seed} differs from the recorded one (SHA-256 {stream.hashes[step][:12]} "
-                                 f"vs {recorded[step][:12]})")
-        if stream.all_hash != a["batches_sha256"]:
-            raise UsageError("the batches regenerated here differ from the recorded ones (SHA-256 over all)")
+        first = run.data.first()
+        _check_batches(run.data, a, cfg)
         torch.manual_seed(cfg.seed)
-        calls, _, grads, _ = run_judge(build(judge), first, judge.runner, cfg.seed, recipe.loss)
-        ratio = loss_reduction_probe(build(judge), judge.runner, first, recipe.loss)
-    return JudgeRecord(str(judge), reason, {k: c.output for k, c in calls.items()}, grads, ratio, resolved, recipe)
+        calls, _, grads, _ = run_judge(run.build(judge), first, judge.runner, cfg.seed, run.recipe.loss)
+        ratio = measure_loss_reduction(run, first)
+    return JudgeRecord(str(judge), reason, {k: c.output for k, c in calls.items()}, grads, ratio, run.model,
+                       run.recipe)
+
+
+def _check_batches(stream, a: Bundle, cfg) -> None:
+    """Every batch regenerated here hashes as recorded (one line naming the first that does not)."""
+    recorded = a["batch_sha256"]
+    for step, _ in enumerate(stream):
+        if step < len(recorded) and stream.hashes[step] != recorded[step]:
+            raise UsageError(f"batch {step} regenerated here from {cfg.data or 'synthetic'} with seed "
+                             f"{cfg.seed} differs from the recorded one (SHA-256 {stream.hashes[step][:12]} "
+                             f"vs {recorded[step][:12]})")
+    if stream.all_hash != a["batches_sha256"]:
+        raise UsageError("the batches regenerated here differ from the recorded ones (SHA-256 over all)")
 
 
 def check_code(bundle: Bundle) -> None:

@@ -1,6 +1,6 @@
 """``record``: run one target (and the judge it is measured against) and write its bundle.
 
-The same stages as ``pipeline.compare`` with one target: the shared initial weights, the batches
+The stages of ``pipeline.compare`` (``convcheck.stages``) with one target: the shared initial weights, the batches
 (made once on the CPU and hashed), the parity step against the judge, lockstep training of the
 target, the judge and the target's envelope runs. On top, the target's own parity step is run
 once more under hooks that write every leaf call's output to disk as it happens (one layer at a
@@ -26,7 +26,7 @@ from convcheck.capture import LeafCalls, SharedDropoutMasks
 from convcheck.config import CompareConfig
 from convcheck.data import hash_state_dict
 from convcheck.errors import UsageError
-from convcheck.targets import Target, default_judge, parse_judge
+from convcheck.targets import Target
 
 # Snapshot every step while the snapshots of a run stay under this size; else only the last.
 AUTO_SNAPSHOT_BYTES = 256 * 1024 * 1024
@@ -123,38 +123,25 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
                num_classes=None, layers: str | None = None, snapshot_steps: str | None = None,
                fingerprint=None) -> dict:
     """Run ``target_spec`` against the judge and write the bundle into ``folder``; returns the manifest."""
-    from convcheck.datasets import is_user_data
     from convcheck.env import collect
-    from convcheck.parity import run_parity
-    from convcheck.pipeline import _as_resolved, _caller_rng_kept, _guarded, _prepare, _resolve_recipe
-    from convcheck.train import TrainConfig, run_training
+    from convcheck.stages import caller_rng_kept, guarded, measure_parity, measure_training, prepare, resolve
 
-    target = Target.parse(target_spec)
-    target.check_available()
-    judge, judge_reason = (parse_judge(cfg.judge), "chosen with --judge") if cfg.judge is not None \
-        else default_judge()
-    cfg = dataclasses.replace(cfg, judge=judge, targets=None)
-    with _caller_rng_kept(), _guarded(None, cfg.steps):
-        resolved = _as_resolved(model_spec, input_shape, num_classes, need_io=not is_user_data(cfg.data))
-        cfg, recipe = _resolve_recipe(cfg, resolved.task)
-        notes: list[str] = []
-        state, build, stream = _prepare(resolved, cfg, notes)
-        first = stream.first()
-        parity = run_parity(build, first, [target], tolerances=cfg.tolerances, judge=judge, seed=cfg.seed,
-                            loss_fn=recipe.loss)
+    with caller_rng_kept(), guarded(None, cfg.steps):
+        run = prepare(resolve(model_spec, dataclasses.replace(cfg, targets=target_spec), input_shape=input_shape,
+                              num_classes=num_classes, targets_needed=1))
+        cfg, (target,) = run.config, run.config.targets
+        first = run.data.first()
+        parity = measure_parity(run, first)
         writer = BundleWriter(folder)
         torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass
-        _capture(build(target), target, first, cfg.seed, recipe.loss, writer, layers)
-        arms = _arms(target, judge, cfg)
-        n_params = sum(v.numel() for v in state.values())
+        _capture(run.build(target), target, first, cfg.seed, run.recipe.loss, writer, layers)
+        arms = _arms(target, cfg.judge, cfg)
+        n_params = sum(v.numel() for v in run.initial_state.values())
         snaps = parse_snapshot_steps(snapshot_steps, cfg.steps, n_params)
-        snapper = _Snapshotter(build, target, snaps, writer, len(arms))
-        training = run_training(snapper.build, stream, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed,
-                                recipe=recipe), tolerances=cfg.tolerances, progress=snapper.progress)
-    fingerprint = fingerprint or collect()
-    run = dict(resolved=resolved, target=target, judge=judge, judge_reason=judge_reason, cfg=cfg, state=state,
-               stream=stream, notes=notes, parity=parity, training=training)
-    manifest = _manifest(model_spec, layers, fingerprint, **run)
+        snapper = _Snapshotter(run.build, target, snaps, writer, len(arms))
+        training = measure_training(dataclasses.replace(run, build=snapper.build), arms, progress=snapper.progress)
+    manifest = _manifest(model_spec, layers, fingerprint or collect(), run=run, target=target, parity=parity,
+                         training=training)
     writer.finish(manifest)
     return manifest
 
@@ -173,10 +160,10 @@ def _arms(target: Target, judge: Target, cfg: CompareConfig) -> list:
     return arms
 
 
-def _manifest(model_spec, layers, fingerprint, *, resolved, target, judge, judge_reason, cfg, state, stream,
-              notes, parity, training) -> dict:
+def _manifest(model_spec, layers, fingerprint, *, run, target, parity, training) -> dict:
     from convcheck import __version__
 
+    resolved, cfg, stream = run.model, run.config, run.data
     return {
         "convcheck_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -184,15 +171,15 @@ def _manifest(model_spec, layers, fingerprint, *, resolved, target, judge, judge
                   "source_sha256": source_sha256(resolved),
                   "input_shape": list(resolved.input_shape) if resolved.input_shape else None,
                   "num_classes": resolved.num_classes, "task": resolved.task},
-        "target": str(target), "judge": str(judge), "judge_reason": judge_reason,
+        "target": str(target), "judge": str(cfg.judge), "judge_reason": run.judge_reason,
         "config": config_dict(cfg), "tolerances": _plain(dataclasses.asdict(cfg.tolerances)),
         "layers_pattern": layers, "code_sha256": code_hashes(model_spec, config_dict(cfg)),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                      "numpy": __import__("numpy").__version__},
         "fingerprint": fingerprint.to_dict(),
-        "init_sha256": hash_state_dict(state), "batch_sha256": list(stream.hashes),
+        "init_sha256": hash_state_dict(run.initial_state), "batch_sha256": list(stream.hashes),
         "batches_sha256": stream.all_hash, "data_source": stream.source, "data_stats": _plain(stream.stats()),
-        "notes": notes,
+        "notes": list(run.notes),
         "parity": {"judge_loss": parity.judge_loss, "loss": parity.losses.get(target, math.nan),
                    "self_difference": parity.self_difference.get(target, 0.0),
                    "stochastic_layers": list(parity.stochastic_layers), "rows": _records(parity.layers)},
@@ -227,7 +214,7 @@ def _capture(model, target: Target, batch, seed: int, loss_fn, writer: BundleWri
 
 class _Snapshotter:
     """Keeps the target arm's model (the first one ``run_training`` builds) and snapshots its
-    parameters when every arm has finished a step (read from the progress callback)."""
+    parameters when every arm has finished a step (read from training's progress, ``(stage, done, total)``)."""
 
     def __init__(self, build, target: Target, steps: list[int], writer: BundleWriter, n_arms: int):
         self._build, self.target, self.steps, self.writer, self.n_arms = build, target, set(steps), writer, n_arms
@@ -241,6 +228,6 @@ class _Snapshotter:
                 self.writer.snapshot(0, list(m.named_parameters()))
         return m
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, stage: str, done: int, total: int) -> None:
         if done % self.n_arms == 0 and done // self.n_arms in self.steps and self.model is not None:
             self.writer.snapshot(done // self.n_arms, list(self.model.named_parameters()))

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convcheck.bundle.schema import MANIFEST, SCHEMA, storage_dtype
+from convcheck.bundle.schema import ARRAY_GROUPS, MANIFEST, SCHEMA, storage_dtype
 from convcheck.errors import UsageError
-from convcheck.files import atomic_write_bytes, refuse_special
+from convcheck.files import atomic_write_bytes, path_kind, refuse_special
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -79,6 +79,37 @@ class BundleWriter:
     def finish(self, manifest: dict) -> None:
         manifest.update(schema=SCHEMA, arrays=self.index)
         self._write(MANIFEST, json.dumps(manifest, indent=1, sort_keys=False).encode("utf-8"))
+
+
+def prepare_folder(out: Path, force: bool) -> tuple[Path, list[Path]]:
+    """The folder to write the bundle into and the folders this run created (to remove on failure): ``out``
+    made if missing, used if empty, or (``force``) an earlier bundle's array files removed; anything
+    else there (another file, a link, a folder of something else) is a one-line ``UsageError``."""
+    kind = path_kind(out)
+    if kind is None:
+        out.mkdir(parents=True)
+        return out, [out]
+    if kind != "directory":
+        raise UsageError(f"--out {out}: exists and is a {kind}, not a bundle folder")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return out, []
+    if MANIFEST not in entries or not force:
+        raise UsageError(f"--out {out} is not empty" + ("; pass --force to replace the bundle there"
+                                                         if MANIFEST in entries else ""))
+    unknown = [e for e in entries if e not in (*ARRAY_GROUPS, MANIFEST)]
+    if unknown:
+        raise UsageError(f"--out {out} holds {unknown[0]!r}, which is not part of a bundle; refusing to replace it")
+    for sub in ARRAY_GROUPS:
+        d = out / sub
+        if path_kind(d) == "directory":
+            for name in os.listdir(d):
+                if path_kind(d / name) != "file":
+                    raise UsageError(f"--out {d / name} is not a regular file; refusing to replace it")
+                (d / name).unlink()
+        elif path_kind(d) is not None:
+            raise UsageError(f"--out {d} is not a directory; refusing to replace it")
+    return out, []
 
 
 def staging_folder(zip_path: Path) -> Path:
