@@ -24,3 +24,7 @@ def own_code_op(label: str) -> str | None:
 
 def is_own_code(label: str) -> bool:
     return f"({OWN_CODE}" in str(label)
+
+
+# Normalisation layers by class name: what weight decay should skip, what a loss-reduction probe looks for.
+NORM_MODULES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm")

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.recipe_symptoms import NORM_MODULES
+from convcheck.layer_names import NORM_MODULES
 
 
 def loss_reduction_probe(model: nn.Module, runner, batch, loss_fn) -> float:

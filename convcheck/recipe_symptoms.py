@@ -20,6 +20,7 @@ import math
 import pandas as pd
 
 from convcheck.symptoms import Symptom
+from convcheck.layer_names import NORM_MODULES
 from convcheck.thresholds import (
     CLIPPED_SHARE, LOSS_RISE_FACTOR, LR_JUMP_FACTOR, SCHEDULE_WINDOW, SUMMED_LOSS_HIGH, SUMMED_LOSS_LOW,
 )
@@ -107,7 +108,6 @@ def clipping_too_tight(curves: pd.DataFrame, arm: str, clip: float | None, conve
                    value=share)
 
 
-NORM_MODULES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm")
 
 
 def decay_on_norms(norms: list[str], weight_decay: float, optimizer, arm: str) -> Symptom | None:
