@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import torch  # noqa: E402
 
 import run as bench  # noqa: E402
-from convcheck.targets import Target  # noqa: E402
+from convcheck.targets.spec import Target  # noqa: E402
 
 
 def _positive(text: str) -> int:

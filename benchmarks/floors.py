@@ -39,13 +39,13 @@ for p in (ROOT, ROOT / "tests"):
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from convcheck.data import load_batches  # noqa: E402
-from convcheck.models import resolve_model  # noqa: E402
-from convcheck.parity import checks, run_parity  # noqa: E402
+from convcheck.plan.seeded_data import load_batches  # noqa: E402
+from convcheck.plan.models import resolve_model  # noqa: E402
+from convcheck.measure.parity import checks, run_parity  # noqa: E402
 from convcheck.pipeline import initial_state, model_builder  # noqa: E402
-from convcheck.targets import Target  # noqa: E402
-from convcheck.thresholds import FLOOR_ABSOLUTE  # noqa: E402
-from convcheck.tolerances import DEFAULT_TOLERANCES  # noqa: E402
+from convcheck.targets.spec import Target  # noqa: E402
+from convcheck.numerics.thresholds import FLOOR_ABSOLUTE  # noqa: E402
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES  # noqa: E402
 from scenarios.sweep import detection_limit  # noqa: E402
 
 import gpu_floors  # noqa: E402  (benchmarks/gpu_floors.py)

@@ -15,19 +15,19 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from convcheck.data import hash_state_dict, load_batches
-from convcheck.metrics import rel_l2
-from convcheck.models import resolve_model
-from convcheck.parity.floor import FloorMeter, reference_grads
-from convcheck.parity.judge_pass import run_judge
-from convcheck.parity.local import private_copy
+from convcheck.plan.seeded_data import hash_state_dict, load_batches
+from convcheck.numerics.metrics import rel_l2
+from convcheck.plan.models import resolve_model
+from convcheck.measure.parity.floor import FloorMeter, reference_grads
+from convcheck.measure.parity.judge_pass import run_judge
+from convcheck.measure.parity.local import private_copy
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.runners import cross_entropy
-from convcheck.formats import FLOAT32, TF32
-from convcheck.runners.precision import OpPrecision, PrecisionModel, op_class
-from convcheck.targets import Target
-from convcheck.thresholds import GRAD_ACCUMULATION
-from convcheck.tolerances import DEFAULT_TOLERANCES
+from convcheck.targets.runners import cross_entropy
+from convcheck.numerics.formats import FLOAT32, TF32
+from convcheck.targets.runners.precision import OpPrecision, PrecisionModel, op_class
+from convcheck.targets.spec import Target
+from convcheck.numerics.thresholds import GRAD_ACCUMULATION
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES
 
 # copied from ../shared/gpu-runs/h200-2026-11-30 (tests/data/real/README.md)
 DEFAULT_RUNS = Path(__file__).resolve().parents[1] / "tests" / "data" / "real" / "h200-2026-11-30"

@@ -22,8 +22,8 @@ import time
 import torch
 
 import convcheck
-from convcheck.parity import run_parity
-from convcheck.targets import Target
+from convcheck.measure.parity import run_parity
+from convcheck.targets.spec import Target
 from reference_models import get_model, get_spec
 
 

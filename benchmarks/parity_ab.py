@@ -13,7 +13,7 @@ Prints each variant's minimum and median and its median over the floor's median.
 
 Example ``VARIANTS.py`` (the own-code shortcut of ``judge_pass.passes_on`` off and on)::
 
-    import convcheck.parity.judge_pass as J
+    import convcheck.measure.parity.judge_pass as J
     new = J.passes_on
     def use(f):
         def setup(): J.passes_on = f
@@ -33,8 +33,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import torch  # noqa: E402
 
 import run as bench  # noqa: E402
-from convcheck.parity import run_parity  # noqa: E402
-from convcheck.targets import Target  # noqa: E402
+from convcheck.measure.parity import run_parity  # noqa: E402
+from convcheck.targets.spec import Target  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

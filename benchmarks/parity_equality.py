@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from convcheck.data import load_batches
-from convcheck.models import resolve_model
-from convcheck.parity import run_parity
+from convcheck.plan.seeded_data import load_batches
+from convcheck.plan.models import resolve_model
+from convcheck.measure.parity import run_parity
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.table_schema import named
-from convcheck.targets import Target
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target
 
 MODELS = {"lenet": 32, "cifar_cnn": 16, "resnet18": 2}
 TARGETS = ["cpu", "cpu:bf16", "cpu:fp16", "cpu:emulate-tf32", "cpu:amp-bf16"]

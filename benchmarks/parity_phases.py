@@ -25,9 +25,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import torch  # noqa: E402
 
 import run as bench  # noqa: E402
-import convcheck.parity as parity  # noqa: E402
-from convcheck.parity import floor, target_pass  # noqa: E402
-from convcheck.targets import Target  # noqa: E402
+import convcheck.measure.parity as parity  # noqa: E402
+from convcheck.measure.parity import floor, target_pass  # noqa: E402
+from convcheck.targets.spec import Target  # noqa: E402
 
 PHASES = [  # (owner, attribute, label): indented labels nest in the one above
     (parity, "run_judge", "judge's pass"),

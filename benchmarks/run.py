@@ -13,9 +13,9 @@ For each model it times, in one process and on the same seeded batches:
             ``bare@<target>``: the same step in a target's precision (the
             floor that target's arithmetic costs whatever convcheck does);
             ``bare x N``: N consecutive bare steps from fresh weights.
-* parity    ``convcheck.parity.run_parity`` for one target (``cpu``,
+* parity    ``convcheck.measure.parity.run_parity`` for one target (``cpu``,
             ``cpu:bf16``, ``cpu:emulate-tf32``) against the float64 judge.
-* training  ``convcheck.train.run_training`` on ``make_arms(targets, envelope=K)``
+* training  ``convcheck.measure.train.run_training`` on ``make_arms(targets, envelope=K)``
             for N steps, against N bare steps x the number of arms, and against
             N x the sum of ``bare@<arm's target>`` (the dtype-matched floor).
 * compare   the whole ``convcheck.compare("lenet")`` with its defaults.
@@ -60,13 +60,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import reference_models  # noqa: E402
 from convcheck.pipeline import compare, initial_state, model_builder  # noqa: E402
-from convcheck.data import load_batches  # noqa: E402
-from convcheck.models import resolve_model  # noqa: E402
-from convcheck.parity import run_parity  # noqa: E402
-from convcheck.targets import Target, default_judge, default_targets  # noqa: E402
-from convcheck.train import TrainConfig, make_arms, run_training  # noqa: E402
-from convcheck.config import CompareConfig  # noqa: E402
-from convcheck.recipe import SGD_DEFAULT_MOMENTUM as SGD_MOMENTUM  # noqa: E402
+from convcheck.plan.seeded_data import load_batches  # noqa: E402
+from convcheck.plan.models import resolve_model  # noqa: E402
+from convcheck.measure.parity import run_parity  # noqa: E402
+from convcheck.targets.spec import Target, default_judge, default_targets  # noqa: E402
+from convcheck.measure.train import TrainConfig, make_arms, run_training  # noqa: E402
+from convcheck.plan.config import CompareConfig  # noqa: E402
+from convcheck.plan.recipe import SGD_DEFAULT_MOMENTUM as SGD_MOMENTUM  # noqa: E402
 
 SCHEMA = 1
 SEED = 0

@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
 
     import run as bench  # noqa: E402 - from ROOT
     import convcheck
-    from convcheck.targets import Target
-    from convcheck.train import TrainConfig, make_arms, run_training
+    from convcheck.targets.spec import Target
+    from convcheck.measure.train import TrainConfig, make_arms, run_training
 
     if not convcheck.__file__.startswith(root):
         print(f"convcheck came from {convcheck.__file__}, not {root}", file=sys.stderr)

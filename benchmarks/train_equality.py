@@ -23,13 +23,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from convcheck.config import CompareConfig
-from convcheck.data import load_batches
-from convcheck.models import resolve_model
+from convcheck.plan.config import CompareConfig
+from convcheck.plan.seeded_data import load_batches
+from convcheck.plan.models import resolve_model
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.recipe import build_recipe
-from convcheck.targets import Target, default_judge
-from convcheck.train import TrainConfig, make_arms, run_training
+from convcheck.plan.recipe import build_recipe
+from convcheck.targets.spec import Target, default_judge
+from convcheck.measure.train import TrainConfig, make_arms, run_training
 
 PAIRS = {"bf16": ["cpu", "cpu:bf16"], "tf32": ["cpu", "cpu:emulate-tf32"], "f64": ["cpu", "cpu:float64"]}
 # model: (batch, steps, pairs)

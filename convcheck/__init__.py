@@ -15,8 +15,8 @@ _LAZY = {
     "compare": ("convcheck.pipeline", "compare"),
     "CompareResult": ("convcheck.pipeline", "CompareResult"),
     "CompareConfig": ("convcheck.pipeline", "CompareConfig"),
-    "Target": ("convcheck.targets", "Target"),
-    "Tolerances": ("convcheck.metrics", "Tolerances"),
+    "Target": ("convcheck.targets.spec", "Target"),
+    "Tolerances": ("convcheck.numerics.metrics", "Tolerances"),
     "Verdict": ("convcheck.diagnose", "Verdict"),
     "assert_parity": ("convcheck.assertions", "assert_parity"),
 }

@@ -1,3 +1,3 @@
-from convcheck.cli import main
+from convcheck.cli.main import main
 
 raise SystemExit(main())

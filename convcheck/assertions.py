@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from convcheck.report.text import fmt
-from convcheck.table_schema import named
+from convcheck.measure.table_schema import named
 
 
 def failure_message(result, max_rows: int = 5) -> str:

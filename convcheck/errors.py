@@ -1,6 +1,6 @@
 """Errors meant for the user: the CLI prints their one-line message, no traceback.
 
-Anything that is not a ``ConvcheckError`` is classified by ``convcheck.failures``:
+Anything that is not a ``ConvcheckError`` is classified by ``convcheck.exit_codes``:
 the machine's limits (exit 3), the user's own code failing (exit 2) or a bug
 in convcheck (exit 4, with its traceback).
 """

@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from convcheck import executors
-from convcheck.builder import ModelBuilder, initial_state, model_builder  # noqa: F401 - re-exported
-from convcheck.config import CompareConfig, with_options
-from convcheck.data import hash_state_dict
+from convcheck.targets import executors
+from convcheck.plan.builder import ModelBuilder, initial_state, model_builder  # noqa: F401 - re-exported
+from convcheck.plan.config import CompareConfig, with_options
+from convcheck.plan.seeded_data import hash_state_dict
 from convcheck.errors import UsageError
-from convcheck.models import ResolvedModel
-from convcheck.parity import ParityResult
-from convcheck.recipe import Recipe
+from convcheck.plan.models import ResolvedModel
+from convcheck.measure.parity import ParityResult
+from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
                               out_of_memory_explained, plan)
-from convcheck.targets import Target
-from convcheck.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
+from convcheck.targets.spec import Target
+from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
 
 @dataclass
@@ -91,7 +91,7 @@ def compare(
     recorded environment can be diagnosed. The caller's random states are left
     as they were.
     """
-    from convcheck.preflight import check_arguments
+    from convcheck.plan.preflight import check_arguments
 
     if config is not None and not isinstance(config, CompareConfig):
         raise UsageError(f"config must be a convcheck.CompareConfig, not {type(config).__name__}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from convcheck.options import declare_compare_options
+from convcheck.plan.options import declare_compare_options
 
 PREFIX = "convcheck-"
 
@@ -41,9 +41,9 @@ def _session_config(pytest_config):
     options actually given on top (an option left at its default does not override the file)."""
     from pathlib import Path
 
-    from convcheck.config import CompareConfig, default, with_options
-    from convcheck.options import OPTION_NAMES
-    from convcheck.project import load_project
+    from convcheck.plan.config import CompareConfig, default, with_options
+    from convcheck.plan.options import OPTION_NAMES
+    from convcheck.plan.project import load_project
 
     values, _ = load_project(start=Path(str(pytest_config.rootpath)))
     base = with_options(CompareConfig(), **{k: v for k, v in values.items()
@@ -60,7 +60,7 @@ def _session_config(pytest_config):
 
 def _test_config(request):
     """The session's config with the test's ``convcheck`` marker on top."""
-    from convcheck.config import with_options
+    from convcheck.plan.config import with_options
 
     config = _session_config(request.config)
     marker = request.node.get_closest_marker("convcheck")
@@ -85,7 +85,7 @@ def convcheck_baseline(request):
     """``run(model, target, name=None) -> CompareResult``: this run of ``target`` diagnosed against the
     baseline recorded with ``--convcheck-record DIR`` (checked with ``--convcheck-against DIR``)."""
     from convcheck.bundle.baseline import run_baseline
-    from convcheck.config import with_options
+    from convcheck.plan.config import with_options
 
     config = _test_config(request)
     opts = request.config.option

@@ -16,7 +16,7 @@ Each stage returns an immutable value (``ResolvedRun``, ``Plan``, ``Environment`
 ``TrainResult`` come from ``parity`` and ``train``). The guards (``caller_rng_kept``, ``guarded``,
 ``out_of_memory_explained``) keep the caller's random state and flags and turn failures into the
 one-line errors the CLI and the API report. Where a target's work runs is its executor's business
-(``convcheck.executors``): the stages call the executors' hooks (``check_targets``, ``wrap_builder``,
+(``convcheck.targets.executors``): the stages call the executors' hooks (``check_targets``, ``wrap_builder``,
 ``released``) and never name an executor.
 """
 
@@ -34,22 +34,22 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from convcheck import executors
-from convcheck.builder import initial_state, model_builder
-from convcheck.config import CompareConfig
-from convcheck.datasets import is_user_data, open_data
+from convcheck.targets import executors
+from convcheck.plan.builder import initial_state, model_builder
+from convcheck.plan.config import CompareConfig
+from convcheck.plan.data_sources import is_user_data, open_data
 from convcheck.errors import RunFailed, UsageError
-from convcheck.failures import RunStage, user_failures
-from convcheck.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
-from convcheck.parity import ParityResult, run_parity
-from convcheck.preflight import check_trainable
-from convcheck.recipe import Recipe, build_recipe
-from convcheck.recipe_probe import loss_reduction_probe
-from convcheck.runners import preserved_global_flags
-from convcheck.stream import DataStream
-from convcheck.targets import Target, default_judge, default_targets, parse_judge, parse_targets
-from convcheck.train import TrainConfig, TrainResult, run_training
-from convcheck.train.arms import Arm
+from convcheck.exit_codes import RunStage, user_failures
+from convcheck.plan.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
+from convcheck.measure.parity import ParityResult, run_parity
+from convcheck.plan.preflight import check_trainable
+from convcheck.plan.recipe import Recipe, build_recipe
+from convcheck.measure.loss_probe import loss_reduction_probe
+from convcheck.targets.runners import preserved_global_flags
+from convcheck.plan.stream import DataStream
+from convcheck.targets.spec import Target, default_judge, default_targets, parse_judge, parse_targets
+from convcheck.measure.train import TrainConfig, TrainResult, run_training
+from convcheck.measure.train.arms import Arm
 
 ModelArg = Union[str, ResolvedModel, nn.Module, Callable[[], nn.Module]]
 Progress = Callable[[str, int, int], None]  # (stage, done, total); a RunStage also keeps partial results
@@ -153,7 +153,7 @@ def choose_judge(spec) -> tuple[Target, str]:
 
 
 def check_model_trains(run: ResolvedRun) -> None:
-    """The user's own model tried once in training mode (``convcheck.preflight``) before anything is
+    """The user's own model tried once in training mode (``convcheck.plan.preflight``) before anything is
     measured. Zoo models are known to train; with the user's own data the batches come later."""
     if run.model.source != "zoo" and not is_user_data(run.config.data):
         check_trainable(run.model, run.config.batch_size)

@@ -12,16 +12,16 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.builder import _loaded, _placed, model_builder
-from convcheck.metrics import param_distance, param_norm_sq, rel_l2
-from convcheck.models import ResolvedModel, resolve_model
-from convcheck.parity.judge_pass import run_judge, stochastic_layers
-from convcheck.parity.known import probe_needed
-from convcheck.parity.local import private_copy
+from convcheck.plan.builder import _loaded, _placed, model_builder
+from convcheck.numerics.metrics import param_distance, param_norm_sq, rel_l2
+from convcheck.plan.models import ResolvedModel, resolve_model
+from convcheck.measure.parity.judge_pass import run_judge, stochastic_layers
+from convcheck.measure.parity.known import probe_needed
+from convcheck.measure.parity.local import private_copy
 from convcheck.pipeline import initial_state
-from convcheck.runners import cross_entropy
-from convcheck.targets import CPU_JUDGE, Target
-from convcheck.train.nonfinite import all_finite
+from convcheck.targets.runners import cross_entropy
+from convcheck.targets.spec import CPU_JUDGE, Target
+from convcheck.measure.train.nonfinite import all_finite
 
 T = Target.parse
 
@@ -175,8 +175,8 @@ def _draws_net(draw):
 
 @pytest.mark.parametrize("draw, expected", [(None, False), ("global", True), ("own-generator", True)])
 def test_random_draws_are_seen_inside_a_runner_that_restores_the_state(draw, expected):
-    from convcheck.parity.known import RandomDraws
-    from convcheck.targets import CPU_JUDGE
+    from convcheck.measure.parity.known import RandomDraws
+    from convcheck.targets.spec import CPU_JUDGE
 
     model = _draws_net(draw).double().train()
     with RandomDraws(model) as draws, CPU_JUDGE.runner.applied():
@@ -186,8 +186,8 @@ def test_random_draws_are_seen_inside_a_runner_that_restores_the_state(draw, exp
 
 def test_own_code_that_draws_is_still_found_stochastic():
     draw = "global"
-    from convcheck.parity import run_parity
-    from convcheck.targets import Target
+    from convcheck.measure.parity import run_parity
+    from convcheck.targets.spec import Target
 
     torch.manual_seed(0)
     state = _draws_net(draw).state_dict()
@@ -211,8 +211,8 @@ def test_own_code_that_draws_is_still_found_stochastic():
 def test_a_selection_layers_local_error_is_its_output_rounding(spec, layer):
     """``known.selects``: parity writes the free lower bound as the local error without running the
     copy; running it gives the same number, to the bit (values near float16's limit included)."""
-    from convcheck.parity.floor import FloorMeter
-    from convcheck.parity.known import selects
+    from convcheck.measure.parity.floor import FloorMeter
+    from convcheck.measure.parity.known import selects
 
     assert selects(layer)
     runner = T(spec).runner
@@ -228,7 +228,7 @@ def test_a_selection_layers_local_error_is_its_output_rounding(spec, layer):
 
 
 def test_abs_max_and_finite_flag_give_the_long_ways_values():
-    from convcheck.metrics import abs_max, rel_l2_finite
+    from convcheck.numerics.metrics import abs_max, rel_l2_finite
 
     for t in (torch.tensor([-3.0, 2.0]), torch.tensor([-0.0, 0.0]), torch.tensor([1.0, -math.inf]),
               torch.randn(100, dtype=torch.float64)):
@@ -246,8 +246,8 @@ def test_abs_max_and_finite_flag_give_the_long_ways_values():
 def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype):
     from dataclasses import replace
 
-    from convcheck.formats import BFLOAT16, TF32
-    from convcheck.runners.precision import round_to
+    from convcheck.numerics.formats import BFLOAT16, TF32
+    from convcheck.targets.runners.precision import round_to
 
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(20000, generator=g, dtype=torch.float64)
@@ -267,8 +267,8 @@ def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype):
 
 @pytest.mark.parametrize("spec", ["cpu", "cpu:bf16", "cpu:emulate-tf32"])
 def test_one_forward_for_local_output_and_gradients_gives_both_long_ways(spec):
-    from convcheck.parity.judge_pass import JudgeCall
-    from convcheck.parity.local import local_forward_backward, local_grads, target_call
+    from convcheck.measure.parity.judge_pass import JudgeCall
+    from convcheck.measure.parity.local import local_forward_backward, local_grads, target_call
 
     runner = T(spec).runner
     g = torch.Generator().manual_seed(4)
@@ -289,7 +289,7 @@ def test_one_forward_for_local_output_and_gradients_gives_both_long_ways(spec):
 def test_a_record_is_a_view_until_its_memory_is_written_then_the_value_recorded():
     """``parity.snapshots``: no copy of what nothing writes; a copy, before the write, of what is written
     (in place, through a view of it, or as an ``out=``)."""
-    from convcheck.parity.snapshots import Snapshots
+    from convcheck.measure.parity.snapshots import Snapshots
 
     a, b, c = torch.arange(6.0).reshape(2, 3), torch.ones(4), torch.zeros(3)
     snap = Snapshots()
@@ -311,9 +311,9 @@ def test_the_last_target_drops_the_judges_record_as_it_goes_and_makes_the_same_r
     made (autocast's layers keep theirs for gradient rows made after the backward)."""
     import pandas as pd
 
-    from convcheck.parity.result import COLUMNS
-    from convcheck.parity.target_pass import TargetPass
-    from convcheck.tolerances import DEFAULT_TOLERANCES
+    from convcheck.measure.parity.result import COLUMNS
+    from convcheck.measure.parity.target_pass import TargetPass
+    from convcheck.numerics.tolerances import DEFAULT_TOLERANCES
 
     model = resolve_model("resnet18", input_shape=(3, 32, 32), num_classes=10)
     build = model_builder(model, initial_state(model, 0))
@@ -340,10 +340,10 @@ def test_a_forward_floor_takes_the_gradient_floors_output_and_gives_the_long_way
     and the float64 forward on rounded operands runs once per matmul/conv call instead of twice."""
     import pandas as pd
 
-    from convcheck.parity import floor
-    from convcheck.parity.result import COLUMNS
-    from convcheck.parity.target_pass import TargetPass
-    from convcheck.tolerances import DEFAULT_TOLERANCES
+    from convcheck.measure.parity import floor
+    from convcheck.measure.parity.result import COLUMNS
+    from convcheck.measure.parity.target_pass import TargetPass
+    from convcheck.numerics.tolerances import DEFAULT_TOLERANCES
 
     model = resolve_model("lenet")
     build = model_builder(model, initial_state(model, 0))
@@ -408,8 +408,8 @@ def test_own_code_that_only_hands_values_on_is_not_replayed_and_gives_the_replay
     replay finds the view is nothing of its own)."""
     import pandas as pd
 
-    from convcheck.parity import own_check
-    from convcheck.parity import run_parity
+    from convcheck.measure.parity import own_check
+    from convcheck.measure.parity import run_parity
 
     resolved = _resolved(lambda: _Chain(kind))
     build = model_builder(resolved, initial_state(resolved, 0))
@@ -426,7 +426,7 @@ def test_own_code_that_only_hands_values_on_is_not_replayed_and_gives_the_replay
     tables = []
     for shortcut in (True, False):
         if not shortcut:
-            monkeypatch.setattr("convcheck.parity.judge_pass.passes_on", lambda call, output: False)
+            monkeypatch.setattr("convcheck.measure.parity.judge_pass.passes_on", lambda call, output: False)
         replays.clear()
         result = run_parity(build, _batch(), [T("cpu:bf16")], seed=0)
         tables.append(result.layers)

@@ -1,4 +1,4 @@
-"""convcheck.cli: ``convcheck compare`` and ``convcheck models`` end to end, and bad input."""
+"""convcheck.cli.main: ``convcheck compare`` and ``convcheck models`` end to end, and bad input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 
 FAST = ["--steps", "3", "--envelope", "0", "--batch-size", "8"]
 ZOO = ("lenet", "cifar_cnn", "resnet18", "resnet34", "resnet50", "unet", "mlp_regression")
@@ -245,7 +245,7 @@ def test_version(capsys):
 
 
 def test_help_lists_the_exit_codes_and_every_target_kind(capsys):
-    from convcheck.runners import known_modes, runner_classes
+    from convcheck.targets.runners import known_modes, runner_classes
 
     with pytest.raises(SystemExit):
         main(["--help"])

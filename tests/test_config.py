@@ -1,4 +1,4 @@
-"""convcheck.config and convcheck.options: one config, defaults in one place, numbers checked at the edge."""
+"""convcheck.plan.config and convcheck.plan.options: one config, defaults in one place, numbers checked at the edge."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from convcheck.config import CompareConfig, with_options
+from convcheck.plan.config import CompareConfig, with_options
 from convcheck.errors import UsageError
-from convcheck.options import config_from_options, declare_compare_options
-from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.plan.options import config_from_options, declare_compare_options
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 
 
 def _parse(argv):
@@ -75,7 +75,7 @@ def test_default_tolerances_are_valid():
     (["--lr", "inf"], "learning rate must be a positive number"),
 ])
 def test_cli_bad_numbers_exit_2_before_any_work(argv, words, capsys):
-    from convcheck.cli import main
+    from convcheck.cli.main import main
 
     code = main(["compare", "--model", "no-such-model", "--no-save", *argv])
     err = capsys.readouterr().err
@@ -83,7 +83,7 @@ def test_cli_bad_numbers_exit_2_before_any_work(argv, words, capsys):
 
 
 def test_help_does_not_import_torch():
-    code = ("import sys; from convcheck.cli import build_parser; build_parser(); "
+    code = ("import sys; from convcheck.cli.main import build_parser; build_parser(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -1,4 +1,4 @@
-"""Tests for convcheck.data: seeded batches, MNIST IDX and .npz readers, hashes."""
+"""Tests for convcheck.plan.seeded_data: seeded batches, MNIST IDX and .npz readers, hashes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from convcheck import data
-from convcheck.data import Batches, hash_state_dict, load_batches
+from convcheck.plan import seeded_data as data
+from convcheck.plan.seeded_data import Batches, hash_state_dict, load_batches
 from convcheck.errors import UsageError
 
 
@@ -352,7 +352,7 @@ def test_hash_state_dict():
 def test_npz_that_would_expand_past_the_limit_is_refused_before_loading(tmp_path, monkeypatch):
     import zipfile
 
-    import convcheck.readers as readers
+    import convcheck.plan.data_files as readers
 
     path = tmp_path / "big.npz"
     np.savez_compressed(path, x=np.zeros((64, 1, 28, 28)), y=np.zeros(64, dtype=np.int64))

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import UsageError
 from convcheck.pipeline import compare
-from convcheck.targets import Target
+from convcheck.targets.spec import Target
 
 T = Target.parse
 

@@ -14,18 +14,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from convcheck.config import CompareConfig
+from convcheck.plan.config import CompareConfig
 from convcheck.ddp.diagnostics import batchnorm_per_rank, loss_scale
 from convcheck.ddp.evidence import RankEvidence
 from convcheck.ddp.rules import ddp_setup
 from convcheck.diagnose import Evidence
-from convcheck.executors import executor_for
+from convcheck.targets.executors import executor_for
 from convcheck.errors import ConvcheckError, RunFailed, TargetUnavailable, UsageError
-from convcheck.recipe import build_recipe
-from convcheck.targets import CPU_JUDGE, Target, parse_targets
-from convcheck.train import TrainConfig, lower_precision, make_arms, run_training
-from convcheck.train.arms import Arm
-from convcheck.train.result import TrainResult
+from convcheck.plan.recipe import build_recipe
+from convcheck.targets.spec import CPU_JUDGE, Target, parse_targets
+from convcheck.measure.train import TrainConfig, lower_precision, make_arms, run_training
+from convcheck.measure.train.arms import Arm
+from convcheck.measure.train.result import TrainResult
 
 T = Target.parse
 
@@ -200,7 +200,7 @@ def test_a_killed_rank_ends_the_run_and_nothing_is_left_behind(no_orphans):
 
 
 def test_ctrl_c_in_the_parent_stops_every_rank(monkeypatch):
-    from convcheck.ddp.pool import RankPool
+    from convcheck.ddp.rank_pool import RankPool
 
     def interrupted(self, cmd, *args, what=""):
         raise KeyboardInterrupt
@@ -244,7 +244,7 @@ def test_batchnorm_detector_on_hand_built_evidence():
 
 
 def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
-    from convcheck.parity import run_parity
+    from convcheck.measure.parity import run_parity
 
     batch = _batches(1)[0]
     p = run_parity(_builder(_mlp), batch, parse_targets("cpu,ddp:cpu:2"), judge=CPU_JUDGE)
@@ -313,7 +313,7 @@ def test_scenario_summed_loss_is_a_loss_scale_verdict():
 def test_cli_cifar_cnn_on_two_ranks(tmp_path):
     """Issue 12's first check; cifar_cnn has BatchNorm, so without --ddp-sync-bn the per-rank batch of 16
     normalises differently (found and named); with it, ddp:cpu:2 stays inside the envelope."""
-    from convcheck.cli import main
+    from convcheck.cli.main import main
 
     code = main(["compare", "--model", "cifar_cnn", "--targets", "cpu,ddp:cpu:2", "--steps", "20",
                  "--ddp-sync-bn", "--out", str(tmp_path)])

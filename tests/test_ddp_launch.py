@@ -1,7 +1,7 @@
 """convcheck under torchrun (issue 12): the launcher's world serves the data-parallel target.
 
 Rank 0 runs the comparison (its DDP rank in a relay process), the other ranks serve and exit 0
-(``convcheck.ddp.launched``); what cannot work is refused in one line, exit 2 (``check_launch``)."""
+(``convcheck.ddp.torchrun``); what cannot work is refused in one line, exit 2 (``check_launch``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.ddp.launch import check_launch, launched_world
 from convcheck.errors import UsageError
-from convcheck.targets import parse_targets
+from convcheck.targets.spec import parse_targets
 
 TORCHRUN_ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_a_ddp_run_from_the_cli_lets_openmp_threads_sleep_while_they_wait(target
     env.pop("OMP_WAIT_POLICY", None)
     if preset:
         env["OMP_WAIT_POLICY"] = preset
-    code = ("import os; from convcheck.cli import main; "
+    code = ("import os; from convcheck.cli.main import main; "
             f"rc = main(['compare', '--model', 'lenet', '--targets', '{targets}', '--steps', '0', '--no-save']); "
             "print(rc, os.environ.get('OMP_WAIT_POLICY'))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

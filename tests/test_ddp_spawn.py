@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from convcheck.cli import main
-from convcheck.config import CompareConfig
+from convcheck.cli.main import main
+from convcheck.plan.config import CompareConfig
 from convcheck.errors import UsageError
-from convcheck.models import resolve_model
+from convcheck.plan.models import resolve_model
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.recipe import build_recipe
-from convcheck.targets import Target
+from convcheck.plan.recipe import build_recipe
+from convcheck.targets.spec import Target
 
 T = Target.parse
 

@@ -16,13 +16,14 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-import convcheck.symptoms as S
+import convcheck.diagnose.detectors.training as S
 from convcheck.diagnose import Evidence, diagnose, gather
-from convcheck.formats import FLOAT32
-from convcheck.runners.precision import PrecisionModel
-from convcheck.train.result import ArmOutcome
+from convcheck.numerics.formats import FLOAT32
+from convcheck.targets.runners.precision import PrecisionModel
+from convcheck.measure.train.result import ArmOutcome
 
 PACKAGE = Path(__file__).resolve().parents[1] / "convcheck"
+DETECTORS = PACKAGE / "diagnose" / "detectors"
 JUDGE = "cpu:float64"
 
 
@@ -142,7 +143,7 @@ def test_gather_passes_stochastic_layers_on():
 
 def test_diagnose_imports_neither_training_nor_torch():
     code = ("import sys, convcheck.diagnose; "
-            "bad = [m for m in ('convcheck.train', 'torch') if m in sys.modules]; assert not bad, bad")
+            "bad = [m for m in ('convcheck.measure.train', 'torch') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -154,15 +155,15 @@ def test_symptom_names_are_written_once():
     names = _symptom_names()
     assert len(set(names.values())) == len(names)
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "symptoms.py":
+        if path == DETECTORS / "training.py":
             continue
         strings = {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)}
         assert not strings & set(names.values()), f"{path}: symptom name written as a literal"
 
 
-@pytest.mark.parametrize("path", [PACKAGE / "symptoms.py", *sorted((PACKAGE / "diagnose").glob("*.py"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((PACKAGE / "diagnose").rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_threshold_literal_outside_thresholds(path):
     floats = [n.value for n in ast.walk(ast.parse(path.read_text()))
               if isinstance(n, ast.Constant) and isinstance(n.value, float) and n.value not in (0.0, 1.0)]
-    assert floats == [], f"{path.name}: threshold literals {floats} belong in convcheck/thresholds.py"
+    assert floats == [], f"{path.name}: threshold literals {floats} belong in convcheck/numerics/thresholds.py"

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-import convcheck.symptoms as S
+import convcheck.diagnose.detectors.training as S
 from convcheck.diagnose import (
     RULE_IDS, RULES, Evidence, LayerMargin, TargetFacts, Verdict, decide, ok_verdict,
     verdict_rule,
@@ -21,7 +21,7 @@ from convcheck.diagnose import rules as R
 from convcheck.ddp.diagnostics import DDPFinding
 from convcheck.ddp.rules import ddp_setup
 from convcheck.env import Finding
-from convcheck.train.result import ArmOutcome, EnvelopeSummary
+from convcheck.measure.train.result import ArmOutcome, EnvelopeSummary
 
 JUDGE = "cpu:float64"
 

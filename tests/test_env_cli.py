@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.env import audit, load
 from convcheck.report.env_text import print_env, render_env
 

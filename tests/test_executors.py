@@ -1,4 +1,4 @@
-"""Executors (``convcheck.executors``): where a target's work runs, and the layering that keeps DDP in ``ddp/``."""
+"""Executors (``convcheck.targets.executors``): where a target's work runs, and the layering that keeps DDP in ``ddp/``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import convcheck
-from convcheck import executors
-from convcheck.executors import ArmJob, Executor, ParityStep, TargetParity, executor_for
-from convcheck.targets import Target
+from convcheck.targets import executors
+from convcheck.targets.executors import ArmJob, Executor, ParityStep, TargetParity, executor_for
+from convcheck.targets.spec import Target
 
 PACKAGE = Path(convcheck.__file__).parent
 
@@ -51,9 +51,9 @@ def test_no_module_outside_ddp_imports_it():
 def test_the_import_check_sees_imports_inside_functions_and_relative_ones():
     source = ("import os\n"
               "def f():\n    from convcheck.ddp.arm import DDPArmState\n"
-              "def g():\n    from ..ddp import pool\n    import convcheck.ddp.launch\n")
-    found = _imported_modules(source, "convcheck.train")
-    assert {"convcheck.ddp.arm", "convcheck.ddp.pool", "convcheck.ddp.launch"} <= found
+              "def g():\n    from ...ddp import rank_pool\n    import convcheck.ddp.launch\n")
+    found = _imported_modules(source, "convcheck.measure.train")
+    assert {"convcheck.ddp.arm", "convcheck.ddp.rank_pool", "convcheck.ddp.launch"} <= found
 
 
 def test_every_target_kind_has_a_registered_executor():
@@ -92,7 +92,7 @@ def test_an_unknown_executor_is_named():
 def test_the_process_hooks_come_from_the_kinds_in_a_fresh_process():
     """``before_threads`` loads the plugins without loading torch (OMP_WAIT_POLICY must precede it)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = ("import os, sys; from convcheck import executors; executors.before_threads('cpu,ddp:cpu:2'); "
+    code = ("import os, sys; from convcheck.targets import executors; executors.before_threads('cpu,ddp:cpu:2'); "
             "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules, "
             "[e.name for e in executors.executors()])")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -83,13 +83,13 @@ def test_a_zoo_model_is_one_module(extra_module):
 
 
 def test_a_target_kind_is_one_module(extra_module, monkeypatch):
-    from convcheck import runners
-    from convcheck.runners import registry
+    from convcheck.targets import runners
+    from convcheck.targets.runners import registry
 
     monkeypatch.setattr(registry, "_REGISTRY", list(registry._REGISTRY))
     extra_module(runners, "zz_kind", """
-        from convcheck.runners.plain import FloatRunner
-        from convcheck.runners.registry import register
+        from convcheck.targets.runners.plain import FloatRunner
+        from convcheck.targets.runners.registry import register
 
 
         @register

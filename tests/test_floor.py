@@ -1,4 +1,4 @@
-"""convcheck.parity.floor and the flag rule: single layers at every CPU precision, rounding helpers.
+"""convcheck.measure.parity.floor and the flag rule: single layers at every CPU precision, rounding helpers.
 
 Each layer runs first in a small model (the layer, then a Linear head), healthy: never flagged,
 its floor measured or bounded from below by the rounding of the judge's result. Then the same
@@ -14,19 +14,19 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.parity import run_parity
-from convcheck.parity.floor import FloorMeter
-from convcheck.runners.emulation import round_to_tf32
-from convcheck.formats import BFLOAT16, FLOAT16, FLOAT32, TF32
-from convcheck.runners.precision import (
+from convcheck.measure.parity import run_parity
+from convcheck.measure.parity.floor import FloorMeter
+from convcheck.targets.runners.emulation import round_to_tf32
+from convcheck.numerics.formats import BFLOAT16, FLOAT16, FLOAT32, TF32
+from convcheck.targets.runners.precision import (
     OpPrecision,
     PrecisionModel,
     dtype_unit_roundoff,
     round_to,
 )
-from convcheck.targets import Target
-from convcheck.thresholds import DESTROYED_ERROR, FLOOR_ABSOLUTE
-from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.targets.spec import Target
+from convcheck.numerics.thresholds import DESTROYED_ERROR, FLOOR_ABSOLUTE
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 
 T = Target.parse
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_floors  # noqa: E402
 
-from convcheck.tolerances import DEFAULT_TOLERANCES  # noqa: E402
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES  # noqa: E402
 
 RUNS = gpu_floors.DEFAULT_RUNS
 

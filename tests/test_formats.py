@@ -1,4 +1,4 @@
-"""convcheck.formats: the table against torch.finfo and the bit patterns, TF32 by definition, rounding to each."""
+"""convcheck.numerics.formats: the table against torch.finfo and the bit patterns, TF32 by definition, rounding to each."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from convcheck.formats import (
+from convcheck.numerics.formats import (
     BFLOAT16,
     FLOAT16,
     FLOAT32,
@@ -23,7 +23,7 @@ from convcheck.formats import (
     format_of_dtype,
     narrowest_range,
 )
-from convcheck.runners.precision import dtype_format, round_to
+from convcheck.targets.runners.precision import dtype_format, round_to
 
 WITH_DTYPE = [f for f in FORMATS if f.dtype is not None]
 F64 = torch.float64

@@ -12,13 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import UsageError
-from convcheck.formats import FLOAT32, FP8_E4M3, FP8_E5M2
+from convcheck.numerics.formats import FLOAT32, FP8_E4M3, FP8_E5M2
 from convcheck.pipeline import compare
-from convcheck.runners.fp8 import EmulatedFP8Runner
-from convcheck.runners.precision import round_to
-from convcheck.targets import Target
+from convcheck.targets.runners.fp8 import EmulatedFP8Runner
+from convcheck.targets.runners.precision import round_to
+from convcheck.targets.spec import Target
 
 SPECS = {"cpu:emulate-fp8-e4m3": FP8_E4M3, "cpu:emulate-fp8-e5m2": FP8_E5M2}
 MNIST_SHAPE = dict(input_shape=(1, 28, 28), num_classes=10)

@@ -28,8 +28,8 @@ import os
 import pytest
 import torch
 
-from convcheck.table_schema import named
-from convcheck.targets import Target, snapshot_global_flags
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target, snapshot_global_flags
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -258,9 +258,9 @@ def test_emulated_tf32_is_an_upper_bound_of_real_tf32():
     """Emulation rounds every matmul/conv operand to TF32; cuDNN may pick a float32 kernel even with
     TF32 allowed (FACTS.md), so a real row may be far *below* the emulated one, never far above."""
     from convcheck.pipeline import initial_state, model_builder
-    from convcheck.data import load_batches
-    from convcheck.models import resolve_model
-    from convcheck.parity import run_parity
+    from convcheck.plan.seeded_data import load_batches
+    from convcheck.plan.models import resolve_model
+    from convcheck.measure.parity import run_parity
 
     model = resolve_model("cifar_cnn")
     build = model_builder(model, initial_state(model, 0))
@@ -305,9 +305,9 @@ def test_gpu_judge_and_cpu_judge_agree_on_every_parity_row(name, batch):
     """A float64 judge on the GPU must give the same parity table as the CPU one: every row's
     propagated and local error (each a relative error) within 1e-10 of the CPU judge's (the two
     judges' outputs differ by ~1e-13 relative on an H200, gradients by 1.1e-12 at worst)."""
-    from convcheck.data import load_batches
-    from convcheck.models import resolve_model
-    from convcheck.parity import run_parity
+    from convcheck.plan.seeded_data import load_batches
+    from convcheck.plan.models import resolve_model
+    from convcheck.measure.parity import run_parity
     from convcheck.pipeline import initial_state, model_builder
 
     model = resolve_model(name)
@@ -363,9 +363,9 @@ def test_a_conv_wrong_by_ten_times_its_noise_is_flagged_on_the_gpu(target):
 @needs_tf32
 @pytest.mark.parametrize("name, batch", [("lenet", 32), ("cifar_cnn", 16), ("resnet18", 4)])
 def test_the_healthy_zoo_is_flagged_nowhere_on_the_gpu(name, batch):
-    from convcheck.data import load_batches
-    from convcheck.models import resolve_model
-    from convcheck.parity import run_parity
+    from convcheck.plan.seeded_data import load_batches
+    from convcheck.plan.models import resolve_model
+    from convcheck.measure.parity import run_parity
     from convcheck.pipeline import initial_state, model_builder
 
     shape = dict(input_shape=(3, 64, 64), num_classes=10) if name == "resnet18" else {}

@@ -13,12 +13,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import convcheck.stages as stages
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import TargetUnavailable, UsageError
 from convcheck.pipeline import compare
-from convcheck.runners.judge import Float64Runner
-from convcheck.table_schema import named
-from convcheck.targets import Target, default_judge, parse_judge
+from convcheck.targets.runners.float64 import Float64Runner
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target, default_judge, parse_judge
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 FAST = dict(steps=2, batch_size=4, envelope=1)
@@ -96,7 +96,7 @@ class _Float64Conversions(TorchDispatchMode):
     (which own every placement, the judge's included) and the metrics (which compare in the
     reference's dtype on the reference's device)."""
 
-    ALLOWED = ("/convcheck/runners/", "/convcheck/metrics.py")
+    ALLOWED = ("/convcheck/targets/runners/", "/convcheck/numerics/metrics.py")
 
     def __init__(self):
         super().__init__()
@@ -115,7 +115,7 @@ class _Float64Conversions(TorchDispatchMode):
 
 
 def test_the_conversion_detector_can_fail():
-    from convcheck.metrics import rel_l2
+    from convcheck.numerics.metrics import rel_l2
 
     with _Float64Conversions() as seen:
         torch.ones(2).double()

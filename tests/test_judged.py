@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from convcheck.metrics import CHUNK, abs_max, chunked, rel_l2, rel_l2_finite, rounding_error
-from convcheck.parity.judged import Judged
+from convcheck.numerics.metrics import CHUNK, abs_max, chunked, rel_l2, rel_l2_finite, rounding_error
+from convcheck.measure.parity.judge_measures import Judged
 
 LARGE = (2, 16, 96, 97)  # 298,112 elements: taken in chunks, the last one short
 

@@ -1,4 +1,4 @@
-"""convcheck.metrics: error measures, precision bounds, tolerances."""
+"""convcheck.numerics.metrics: error measures, precision bounds, tolerances."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.metrics import (
+from convcheck.numerics.metrics import (
     DEFAULT_TOLERANCES,
     Tolerances,
     cosine,
@@ -20,7 +20,7 @@ from convcheck.metrics import (
     rel_l2,
     ulp_distance,
 )
-from convcheck.thresholds import FLOOR_ABSOLUTE
+from convcheck.numerics.thresholds import FLOOR_ABSOLUTE
 
 INF, NAN = math.inf, math.nan
 

@@ -1,4 +1,4 @@
-"""convcheck.models: --model resolution, input-spec inference, and every user-facing message."""
+"""convcheck.plan.models: --model resolution, input-spec inference, and every user-facing message."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from convcheck.errors import UsageError
-from convcheck.models import ResolvedModel, check_input_shape, parse_input_shape, resolve_model
+from convcheck.plan.models import ResolvedModel, check_input_shape, parse_input_shape, resolve_model
 
 USER_MODELS = """
     import torch

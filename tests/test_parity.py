@@ -1,4 +1,4 @@
-"""convcheck.parity: one-step per-layer and per-gradient parity against the float64 judge."""
+"""convcheck.measure.parity: one-step per-layer and per-gradient parity against the float64 judge."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch.nn as nn
 
 from convcheck.capture import leaf_modules
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.metrics import Tolerances
-from convcheck.models import ResolvedModel, resolve_model
-from convcheck.parity import COLUMNS, ParityResult, run_parity
-from convcheck.table_schema import named
-from convcheck.targets import Target, snapshot_global_flags
-from convcheck.thresholds import FLOOR_ABSOLUTE
+from convcheck.numerics.metrics import Tolerances
+from convcheck.plan.models import ResolvedModel, resolve_model
+from convcheck.measure.parity import COLUMNS, ParityResult, run_parity
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target, snapshot_global_flags
+from convcheck.numerics.thresholds import FLOOR_ABSOLUTE
 
 T = Target.parse
 

@@ -12,12 +12,12 @@ import torch.nn as nn
 
 from convcheck.pipeline import CompareConfig, CompareResult, compare
 from convcheck.errors import TargetUnavailable, UsageError
-from convcheck.models import resolve_model
-from convcheck.parity import ParityResult
+from convcheck.plan.models import resolve_model
+from convcheck.measure.parity import ParityResult
 from convcheck.report.export import SUMMARY_SCHEMA, summary_dict
-from convcheck.table_schema import named
-from convcheck.targets import Target, snapshot_global_flags
-from convcheck.train import TrainResult
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target, snapshot_global_flags
+from convcheck.measure.train import TrainResult
 
 T = Target.parse
 

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import UsageError
-from convcheck.project import load_project
+from convcheck.plan.project import load_project
 
 NETS = '''
 import torch, torch.nn as nn
@@ -65,7 +65,7 @@ def test_compare_with_no_arguments_runs_the_project(project, capsys):
 
 
 def test_mnist_with_a_folder_that_looks_like_a_name_is_not_a_factory():
-    from convcheck.datasets import is_user_data
+    from convcheck.plan.data_sources import is_user_data
 
     assert not is_user_data("mnist:mnistdir") and not is_user_data("npz:data.npz")
     assert is_user_data("nets.py:data") and is_user_data("mypkg.data:make")

@@ -1,4 +1,4 @@
-"""convcheck.recipe: the user's loss, optimizer, schedule and clipping, through the API and the CLI."""
+"""convcheck.plan.recipe: the user's loss, optimizer, schedule and clipping, through the API and the CLI."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.cli import main
-from convcheck.config import CompareConfig
+from convcheck.cli.main import main
+from convcheck.plan.config import CompareConfig
 from convcheck.errors import UsageError
 from convcheck.pipeline import compare
-from convcheck.recipe import build_recipe
-from convcheck.targets import Target
+from convcheck.plan.recipe import build_recipe
+from convcheck.targets.spec import Target
 
 T = Target.parse
 

@@ -1,4 +1,4 @@
-"""convcheck.recipe_symptoms: which part of the user's recipe a failing judge implicates."""
+"""convcheck.diagnose.detectors.recipe: which part of the user's recipe a failing judge implicates."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import convcheck.recipe_symptoms as R
-from convcheck.recipe_probe import loss_reduction_probe, norm_layers
-from convcheck.runners import cross_entropy
-from convcheck.targets import Target
+import convcheck.diagnose.detectors.recipe as R
+from convcheck.measure.loss_probe import loss_reduction_probe, norm_layers
+from convcheck.targets.runners import cross_entropy
+from convcheck.targets.spec import Target
 
 
 def _curves(loss, lr, clipped=None, grad_norm=None, arm="cpu:float64"):

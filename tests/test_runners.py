@@ -1,4 +1,4 @@
-"""convcheck.runners: one class per kind of target, each tested on what it owns."""
+"""convcheck.targets.runners: one class per kind of target, each tested on what it owns."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import torch
 import torch.nn as nn
 
 from convcheck.errors import UsageError
-from convcheck.formats import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, TF32
-from convcheck.runners import PARITY_LOSS_SCALE, cross_entropy, op_class, runner_class, runner_classes
-from convcheck.runners.half import AmpBFloat16Runner, AmpFloat16Runner, CastRunner
-from convcheck.runners.judge import Float64Runner
-from convcheck.runners.plain import EmulatedTF32Runner, FloatRunner, TF32Runner
-from convcheck.targets import Target, snapshot_global_flags
+from convcheck.numerics.formats import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, TF32
+from convcheck.targets.runners import PARITY_LOSS_SCALE, cross_entropy, op_class, runner_class, runner_classes
+from convcheck.targets.runners.half import AmpBFloat16Runner, AmpFloat16Runner, CastRunner
+from convcheck.targets.runners.float64 import Float64Runner
+from convcheck.targets.runners.plain import EmulatedTF32Runner, FloatRunner, TF32Runner
+from convcheck.targets.spec import Target, snapshot_global_flags
 
 T = Target.parse
 U32, U64, UTF32, UF16, UBF16 = FLOAT32, FLOAT64, TF32, FLOAT16, BFLOAT16
@@ -82,9 +82,9 @@ def test_precision_model(spec, matmul, conv, elementwise, working):
 
 
 def test_plain_cuda_follows_the_tf32_flags_on_a_tf32_gpu(monkeypatch):
-    import convcheck.runners.plain as plain
+    import convcheck.targets.runners.plain as plain
 
-    from convcheck.runners import preserved_global_flags
+    from convcheck.targets.runners import preserved_global_flags
 
     monkeypatch.setattr(plain, "tensor_cores_have_tf32", lambda device: True)
     with preserved_global_flags():

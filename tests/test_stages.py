@@ -13,12 +13,12 @@ import torch
 import torch.nn as nn
 
 import convcheck.stages as stages
-from convcheck.config import CompareConfig
+from convcheck.plan.config import CompareConfig
 from convcheck.errors import RunFailed, UsageError, UserCodeError
-from convcheck.failures import RunStage
+from convcheck.exit_codes import RunStage
 from convcheck.pipeline import CompareResult, compare
-from convcheck.targets import Target
-from convcheck.train import make_arms
+from convcheck.targets.spec import Target
+from convcheck.measure.train import make_arms
 
 RUN = dict(steps=2, batch_size=8, envelope=1)
 PAIR = "cpu,cpu:bf16"
@@ -189,7 +189,7 @@ def test_evidence_given_is_not_audited_again_and_the_verdict_is_added_by_replace
     assert bare.verdict is None and judged.verdict == result.verdict
 
 
-COMPOSERS = ("pipeline.py", "stages.py", "cli_compare.py", "cli_record.py", "cli_diff.py", "pytest_plugin.py",
+COMPOSERS = ("pipeline.py", "stages.py", "cli/compare.py", "cli/record.py", "cli/diff.py", "pytest_plugin.py",
              "bundle/record.py", "bundle/diff.py", "bundle/baseline.py")
 
 

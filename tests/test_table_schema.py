@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 
 from convcheck.bundle import reader
-from convcheck.parity import COLUMNS, ParityResult, run_parity
-from convcheck.table_schema import (
+from convcheck.measure.parity import COLUMNS, ParityResult, run_parity
+from convcheck.measure.table_schema import (
     ActivationRow, CurveRow, LayerGradRow, ParityRow, columns, frame, json_kinds, named,
 )
-from convcheck.targets import CPU_JUDGE, Target
-from convcheck.tolerances import DEFAULT_TOLERANCES
-from convcheck.train import TrainConfig, TrainResult, make_arms, run_training
+from convcheck.targets.spec import CPU_JUDGE, Target
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES
+from convcheck.measure.train import TrainConfig, TrainResult, make_arms, run_training
 
 T = Target.parse
 

@@ -1,4 +1,4 @@
-"""convcheck.targets: the spec grammar, availability, flag restore, TF32 emulation."""
+"""convcheck.targets.spec: the spec grammar, availability, flag restore, TF32 emulation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from convcheck.errors import ConvcheckError, TargetUnavailable, UsageError
-from convcheck.metrics import rel_l2
-from convcheck.targets import (
+from convcheck.numerics.metrics import rel_l2
+from convcheck.targets.spec import (
     CPU_JUDGE,
     EmulateTF32,
     Target,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convcheck.datasets import open_data
+from convcheck.plan.data_sources import open_data
 from convcheck.pipeline import compare
-from convcheck.table_schema import named
-from convcheck.targets import Target
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target
 from reference_models import get_model, get_spec
 
 T = Target.parse

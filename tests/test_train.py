@@ -1,4 +1,4 @@
-"""convcheck.train: lockstep training on every arm, the perturbation envelope, convergence."""
+"""convcheck.measure.train: lockstep training on every arm, the perturbation envelope, convergence."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.data import load_batches
-from convcheck.metrics import Tolerances
-from convcheck.models import resolve_model
-from convcheck.table_schema import named
-from convcheck.targets import CPU_JUDGE as JUDGE, Target, snapshot_global_flags
-from convcheck.config import CompareConfig
-from convcheck.recipe import build_recipe
-from convcheck.train import (
+from convcheck.plan.seeded_data import load_batches
+from convcheck.numerics.metrics import Tolerances
+from convcheck.plan.models import resolve_model
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import CPU_JUDGE as JUDGE, Target, snapshot_global_flags
+from convcheck.plan.config import CompareConfig
+from convcheck.plan.recipe import build_recipe
+from convcheck.measure.train import (
     TrainConfig,
     converged,
     lower_precision,

@@ -1,6 +1,6 @@
 """Training's cheap statistics give what the long way gives, bit for bit (issue 14, item 2).
 
-Each shortcut in ``convcheck.train.stats``, ``train.distances`` and ``train.arms.perturb_`` is held
+Each shortcut in ``convcheck.measure.train.stats``, ``train.distances`` and ``train.arms.perturb_`` is held
 against the plain expression it replaces. No timing here.
 """
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from convcheck.metrics import param_distance, param_norm_sq
-from convcheck.train.arms import perturb_
-from convcheck.train.distances import Distances
-from convcheck.train.stats import (
+from convcheck.numerics.metrics import param_distance, param_norm_sq
+from convcheck.measure.train.arms import perturb_
+from convcheck.measure.train.distances import Distances
+from convcheck.measure.train.stats import (
     ALONE, GROUP, Scratch, fraction_abs_above, fraction_le_zero, groups, norms_and_zeros, seed_generators,
 )
 
@@ -180,10 +180,10 @@ def test_distances_both_ways_in_place_and_per_layout_are_param_distance():
 
 
 def test_an_arm_reuses_its_weight_norm_only_while_the_parameters_are_unchanged():
-    from convcheck.config import CompareConfig
-    from convcheck.recipe import build_recipe
-    from convcheck.targets import Target
-    from convcheck.train.arm_state import ArmState
+    from convcheck.plan.config import CompareConfig
+    from convcheck.plan.recipe import build_recipe
+    from convcheck.targets.spec import Target
+    from convcheck.measure.train.arm_state import ArmState
 
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(4, 3))
@@ -207,7 +207,7 @@ class _LongFirstProducer:
 
     def __init__(self, model):
         from convcheck.capture import LeafCalls, first_tensor, made_in_own_code
-        from convcheck.train.nonfinite import _finite, all_finite
+        from convcheck.measure.train.nonfinite import _finite, all_finite
 
         self.found, self.weights, self.step_index, dirty = None, False, 0, [False]
 
@@ -251,7 +251,7 @@ class _Blows(nn.Module):
 
 @pytest.mark.parametrize("where,at", [("own", 2), ("leaf", 3), ("weights", 1), ("none", 0)])
 def test_first_producer_names_what_leafcalls_named(where, at):
-    from convcheck.train.nonfinite import FirstProducer
+    from convcheck.measure.train.nonfinite import FirstProducer
 
     torch.manual_seed(0)
     nets = [nn.Sequential(nn.Linear(3, 4), _Blows(), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)]
@@ -279,12 +279,12 @@ def test_first_producer_names_what_leafcalls_named(where, at):
 @pytest.mark.parametrize("targets,lr", [(["cpu", "cpu:bf16"], 1e-3), (["cpu", "cpu:fp16"], 1e3),
                                         (["cpu", "cpu:float64"], 1e9)])
 def test_outcomes_from_rows_are_arm_outcome_of_the_curves(targets, lr):
-    from convcheck.config import CompareConfig
-    from convcheck.recipe import build_recipe
-    from convcheck.targets import Target, default_judge
-    from convcheck.tolerances import DEFAULT_TOLERANCES
-    from convcheck.train import TrainConfig, make_arms, run_training
-    from convcheck.train.result import arm_outcome
+    from convcheck.plan.config import CompareConfig
+    from convcheck.plan.recipe import build_recipe
+    from convcheck.targets.spec import Target, default_judge
+    from convcheck.numerics.tolerances import DEFAULT_TOLERANCES
+    from convcheck.measure.train import TrainConfig, make_arms, run_training
+    from convcheck.measure.train.result import arm_outcome
 
     torch.manual_seed(0)
     template = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))

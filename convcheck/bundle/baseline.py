@@ -10,7 +10,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from convcheck.config import CompareConfig
+from convcheck.plan.config import CompareConfig
 
 
 def baseline_path(root: str, nodeid: str, target: str, name: str | None) -> Path:

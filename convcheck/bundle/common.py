@@ -6,9 +6,9 @@ import dataclasses
 import math
 
 from convcheck.bundle.reader import Bundle
-from convcheck.config import CompareConfig
+from convcheck.plan.config import CompareConfig
 from convcheck.errors import UsageError
-from convcheck.tolerances import Tolerances
+from convcheck.numerics.tolerances import Tolerances
 
 
 def config_of(bundle: Bundle, targets, judge) -> CompareConfig:

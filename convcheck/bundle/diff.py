@@ -55,10 +55,10 @@ def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=
     """Re-run the judge on this machine from the recorded model spec, seed and data spec: the stages of
     ``compare`` (``convcheck.stages``) with the judge alone, every recorded hash checked on the way."""
     from convcheck.bundle.record import source_sha256
-    from convcheck.data import hash_state_dict
-    from convcheck.parity.judge_pass import run_judge
+    from convcheck.plan.seeded_data import hash_state_dict
+    from convcheck.measure.parity.judge_pass import run_judge
     from convcheck.stages import caller_rng_kept, guarded, measure_loss_reduction, prepare, resolve
-    from convcheck.targets import default_judge, parse_judge
+    from convcheck.targets.spec import default_judge, parse_judge
 
     judge, reason = (parse_judge(judge_spec), "re-run here (--judge)") if judge_spec else default_judge()
     check_code(a)
@@ -143,8 +143,8 @@ def diff_bundles(path_a, path_b, judge: str | None = None, labels: tuple[str, st
     from convcheck.bundle.reader import open_bundle
     from convcheck.bundle.rebuild import build_result
     from convcheck.env.diff import diff as env_diff
-    from convcheck.models import ResolvedModel
-    from convcheck.recipe import build_recipe
+    from convcheck.plan.models import ResolvedModel
+    from convcheck.plan.recipe import build_recipe
 
     a, b = open_bundle(path_a), open_bundle(path_b)
     check_same_run(a, b)

@@ -27,8 +27,8 @@ from convcheck.bundle.schema import (
     ARRAY_GROUPS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK, SCHEMA, STORAGE,
 )
 from convcheck.errors import UsageError
-from convcheck.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
-from convcheck.stream import HASHES_LISTED
+from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
+from convcheck.plan.stream import HASHES_LISTED
 
 _NUM = (int, float)
 

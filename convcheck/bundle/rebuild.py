@@ -9,8 +9,8 @@ import torch
 
 from convcheck.bundle.common import JudgeRecord, config_of
 from convcheck.bundle.reader import Bundle
-from convcheck.metrics import rel_l2
-from convcheck.targets import Target
+from convcheck.numerics.metrics import rel_l2
+from convcheck.targets.spec import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +120,9 @@ def _curves(a: Bundle, b: Bundle, ra: dict, rb: dict, arms, steps: int):
 def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, labels=("A", "B")):
     from convcheck.env import audit
     from convcheck.env.fingerprint import Fingerprint
-    from convcheck.parity import ParityResult
+    from convcheck.measure.parity import ParityResult
     from convcheck.pipeline import CompareResult
-    from convcheck.train import TrainConfig, TrainResult, make_arms
+    from convcheck.measure.train import TrainConfig, TrainResult, make_arms
 
     ta, tb = _targets(a, b, labels)
     ra, rb = _rename(a, ta), _rename(b, tb)

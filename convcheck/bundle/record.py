@@ -23,10 +23,10 @@ import torch
 
 from convcheck.bundle.writer import BundleWriter
 from convcheck.capture import LeafCalls, SharedDropoutMasks
-from convcheck.config import CompareConfig
-from convcheck.data import hash_state_dict
+from convcheck.plan.config import CompareConfig
+from convcheck.plan.seeded_data import hash_state_dict
 from convcheck.errors import UsageError
-from convcheck.targets import Target
+from convcheck.targets.spec import Target
 
 # Snapshot every step while the snapshots of a run stay under this size; else only the last.
 AUTO_SNAPSHOT_BYTES = 256 * 1024 * 1024
@@ -149,7 +149,7 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
 def _arms(target: Target, judge: Target, cfg: CompareConfig) -> list:
     """The recorded target (with its envelope runs) and the judge; a float64 target recorded as a judge
     for others (``diff --judge RUN_J``) trains once, as the judge."""
-    from convcheck.train.arms import Arm
+    from convcheck.measure.train.arms import Arm
 
     if target == judge:
         return [Arm(str(judge), judge, "judge")]

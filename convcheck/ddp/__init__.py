@@ -1,7 +1,7 @@
 """Data-parallel targets (``ddp:cpu:N``, ``ddp:cuda:N``): the rank-pool executor and everything behind it.
 
 The generic layer never imports this package: ``runners.ddp.DDPRunner`` names
-its executor ``rank-pool``, and ``executor`` registers it (``convcheck.executors``
+its executor ``rank-pool``, and ``executor`` registers it (``convcheck.targets.executors``
 imports it by name, from its ``PLUGINS``) together with the verdict rule of
 ``rules``. Torch-free to import (``executor`` runs a hook before torch loads).
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 
 from convcheck.ddp.evidence import RankEvidence
-from convcheck.ddp.pool import collective_timeout, threads_per_rank
-from convcheck.ddp.pools import open_pool
+from convcheck.ddp.rank_pool import collective_timeout, threads_per_rank
+from convcheck.ddp.pool_choice import open_pool
 from convcheck.ddp.worker import RankJob
 from convcheck.errors import UsageError
-from convcheck.train.arms import Arm, perturb_
+from convcheck.measure.train.arms import Arm, perturb_
 
 
 def check_batch_splits(x, world: int, target) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from convcheck.ddp.evidence import RankEvidence
-from convcheck.symptoms import STOCHASTIC_LAYER
+from convcheck.diagnose.detectors.training import STOCHASTIC_LAYER
 
 SETUP = "setup"
 SUB_CAUSE = "ddp"

@@ -1,6 +1,6 @@
 """The rank-pool executor: how a ``ddp:`` target's work runs (N rank processes), registered as ``rank-pool``.
 
-``runners.ddp.DDPRunner`` names it; ``convcheck.executors`` imports this module
+``runners.ddp.DDPRunner`` names it; ``convcheck.targets.executors`` imports this module
 by name (``PLUGINS``), and importing it registers the executor and the verdict
 rule V009 (``rules``). Parity gets the ranks' DDP-averaged gradient rows
 (``parity``), training a ``DDPArmState`` (``arm``), the diagnosis the findings of
@@ -19,7 +19,7 @@ import os
 import sys
 
 from convcheck.ddp import rules  # noqa: F401 - registers verdict rule V009
-from convcheck.executors import ArmJob, Executor, ParityStep, TargetParity, register
+from convcheck.targets.executors import ArmJob, Executor, ParityStep, TargetParity, register
 
 
 class RankPoolExecutor(Executor):
@@ -59,18 +59,18 @@ class RankPoolExecutor(Executor):
         launched = launched_world()
         if launched is None or launched.rank in (None, 0):
             return None
-        from convcheck.ddp.launched import serve_rank
+        from convcheck.ddp.torchrun import serve_rank
 
         return serve_rank(config)
 
     def check_targets(self, targets) -> None:
         from convcheck.ddp.launch import check_launch
 
-        check_launch(targets)  # under torchrun: a ddp: target of the world's size (convcheck.ddp.launched)
+        check_launch(targets)  # under torchrun: a ddp: target of the world's size (convcheck.ddp.torchrun)
 
     def release(self) -> None:
         """Under torchrun, the other ranks are told to exit when the comparison ends."""
-        from convcheck.ddp.launched import release_world
+        from convcheck.ddp.torchrun import release_world
 
         release_world()
 

@@ -3,12 +3,12 @@
 ``torchrun`` starts one process per rank and gives each ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Launched so, convcheck uses
 that world for its data-parallel target instead of starting its own ranks
-(``convcheck.ddp.launched``): rank 0 runs the whole comparison and reports;
+(``convcheck.ddp.torchrun``): rank 0 runs the whole comparison and reports;
 its DDP rank runs in a relay process it starts, so the comparison's own
 process (the single-device arms, the judge) never joins the process group and
 a ``SyncBatchNorm`` or a collective in the model cannot reach across ranks
 there; every other rank serves its share of the DDP arm and exits 0.
-The launcher's variables are read by ``convcheck.runners.launcher``.
+The launcher's variables are read by ``convcheck.targets.runners.launcher``.
 ``check_launch`` refuses, in one line (exit 2), what cannot work: a world of
 several without a ``ddp:`` target of that size, targets on two backends,
 launcher variables missing.
@@ -17,7 +17,7 @@ launcher variables missing.
 from __future__ import annotations
 
 from convcheck.errors import UsageError
-from convcheck.runners.launcher import TORCHRUN_VARIABLES, LaunchedWorld, launched_world
+from convcheck.targets.runners.launcher import TORCHRUN_VARIABLES, LaunchedWorld, launched_world
 
 __all__ = ["TORCHRUN_VARIABLES", "LaunchedWorld", "check_launch", "launched_world"]
 

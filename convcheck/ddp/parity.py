@@ -17,11 +17,11 @@ import math
 import torch
 
 from convcheck.capture import SharedDropoutMasks
-from convcheck.ddp.pool import collective_timeout, threads_per_rank
-from convcheck.ddp.pools import open_pool
+from convcheck.ddp.rank_pool import collective_timeout, threads_per_rank
+from convcheck.ddp.pool_choice import open_pool
 from convcheck.ddp.worker import RankJob
-from convcheck.metrics import rel_l2
-from convcheck.train.arms import Arm
+from convcheck.numerics.metrics import rel_l2
+from convcheck.measure.train.arms import Arm
 
 # A DDP gradient may differ from the judge's by this many times the single-device error (reduction
 # order only) before the row is flagged; and by at least DDP_GRAD_MIN_U units of roundoff.
@@ -39,7 +39,7 @@ def _no_schedule(opt, steps):
 
 def _parity_recipe(loss_fn):
     """The ranks' recipe for the parity step (no update); module-level functions so that it pickles."""
-    from convcheck.recipe import Recipe
+    from convcheck.plan.recipe import Recipe
 
     return Recipe(loss_fn, getattr(loss_fn, "__name__", "loss"), _frozen_sgd, "SGD", _no_schedule, "none", None)
 

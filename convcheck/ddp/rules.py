@@ -7,7 +7,7 @@ rank-pool executor loads (``executor``); it reads the ``DDPFinding`` among
 
 from __future__ import annotations
 
-from convcheck import symptoms as S
+from convcheck.diagnose.detectors import training as S
 from convcheck.ddp.diagnostics import DDPFinding
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule

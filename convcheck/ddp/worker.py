@@ -1,6 +1,6 @@
 """One rank of a data-parallel target: its process, its DDP-wrapped copy, its slice of each batch.
 
-``rank_main`` runs in a worker process (started by ``convcheck.ddp.pool``):
+``rank_main`` runs in a worker process (started by ``convcheck.ddp.rank_pool``):
 it joins the process group (gloo on 127.0.0.1, a timeout on every
 collective), builds the arm's model from the shared initial weights through
 the per-rank runner, wraps it in ``DistributedDataParallel`` and answers the
@@ -30,8 +30,8 @@ from convcheck.batch import map_tensors
 from convcheck.capture import SharedDropoutMasks
 from convcheck.ddp.probes import BatchNormProbe, BufferProbe, DrawProbe
 from convcheck.ddp.syncbn import swap_sync_batchnorm
-from convcheck.train.arm_state import ArmState
-from convcheck.train.arms import Arm
+from convcheck.measure.train.arm_state import ArmState
+from convcheck.measure.train.arms import Arm
 
 
 @dataclass

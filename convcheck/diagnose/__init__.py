@@ -26,13 +26,13 @@ V008 80    precision-effect numerics         any other target symptom (NaN/Inf p
 ==== ===== ================ ================ ==================================================
 
 When none fires the verdict is ``ok``. Diagnose never runs a model and never
-calls into ``convcheck.train``: everything it reads is in the comparison result.
+calls into ``convcheck.measure.train``: everything it reads is in the comparison result.
 
 Layout: ``verdict`` (``Verdict``, ``CATEGORIES``), ``evidence`` (``Evidence``,
 ``gather``), ``registry`` (``VerdictRule``, ``@verdict_rule``, ``RULES``,
 ``decide``), ``rules`` (the rules and ``ok_verdict``). A kind of target that
 runs outside this process brings its own rules, registered when its executor
-loads (``convcheck.executors.load_plugins``, called here).
+loads (``convcheck.targets.executors.load_plugins``, called here).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from convcheck.diagnose.registry import RULES, VerdictRule, decide, verdict_rule
 from convcheck.diagnose.verdict import CATEGORIES, Verdict
 from convcheck.diagnose import rules  # noqa: E402,I001 - importing the rules registers them
 from convcheck.diagnose.rules import ok_verdict
-from convcheck.executors import load_plugins
+from convcheck.targets.executors import load_plugins
 
 load_plugins()  # the executors' own rules (V009, convcheck.ddp.rules)
 

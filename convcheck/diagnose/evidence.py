@@ -1,10 +1,10 @@
 """``Evidence``: everything the verdict rules read, gathered once from a comparison result.
 
-``gather(result)`` runs the detectors of ``convcheck.symptoms`` over the parity
+``gather(result)`` runs the detectors of ``convcheck.diagnose.detectors.training`` over the parity
 table and the training curves and copies the facts the rules need (per-arm
 outcomes, the envelope summary, parity facts, environment findings, config
 facts) into one frozen record. It never runs a model and never calls into
-``convcheck.train``: training has already summarised itself in
+``convcheck.measure.train``: training has already summarised itself in
 ``training.outcomes``, ``training.envelope`` and ``training.lower_precision``.
 The rules (``rules.py``) read nothing else, so a test can build an ``Evidence``
 by hand. The results key their facts by ``Target`` (and ``Arm``); the evidence
@@ -17,17 +17,17 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from convcheck import symptoms as S
-from convcheck.producers import nonfinite_producer, saturation
-from convcheck.recipe_symptoms import recipe_problems
-from convcheck.table_schema import named
-from convcheck.config import CompareConfig
-from convcheck.executors import executor_for
-from convcheck.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
-from convcheck.tolerances import Tolerances
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation
+from convcheck.diagnose.detectors.recipe import recipe_problems
+from convcheck.measure.table_schema import named
+from convcheck.plan.config import CompareConfig
+from convcheck.targets.executors import executor_for
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
+from convcheck.numerics.tolerances import Tolerances
 
-if TYPE_CHECKING:  # types only: importing convcheck.train would import the training loop
-    from convcheck.train.result import ArmOutcome, EnvelopeSummary
+if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import the training loop
+    from convcheck.measure.train.result import ArmOutcome, EnvelopeSummary
 
 # How target symptoms rank (the first one found is the verdict's main symptom); drift and
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
@@ -95,7 +95,7 @@ class Evidence:
     layer_notes: tuple[S.Symptom, ...] = ()
     # --- environment findings (convcheck.env.Finding)
     findings: tuple = ()
-    # --- findings of the targets' executors (``convcheck.executors.Finding``: a ``ddp:`` target's ranks), arm by arm
+    # --- findings of the targets' executors (``convcheck.targets.executors.Finding``: a ``ddp:`` target's ranks), arm by arm
     executor_findings: tuple = ()
 
     @property

@@ -90,7 +90,7 @@ def _headline(fp: Fingerprint) -> list[str]:
         backend = f"CUDA {fp.torch.cuda}" if fp.torch.cuda else f"ROCm {fp.torch.hip}"
         out.append(f"torch {fp.torch.version} is built with {backend}.")
     if not fp.gpus and (fp.torch.cpu_only or fp.torch.version is None):
-        from convcheck.runners import specs_on  # the registry: every kind of target convcheck has
+        from convcheck.targets.runners import specs_on  # the registry: every kind of target convcheck has
 
         out.append(f"Only CPU targets can run here ({', '.join(specs_on('cpu'))}).")
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 from convcheck.files import atomic_write_bytes, atomic_write_text, write_error
 from convcheck.report.folder import REPORT_FILES
 from convcheck.report.shared import training_rule
-from convcheck.table_schema import CurveRow, frame, named
+from convcheck.measure.table_schema import CurveRow, frame, named
 
 SUMMARY_SCHEMA = "convcheck.summary/1"
 

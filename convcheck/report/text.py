@@ -14,10 +14,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from convcheck.thresholds import CONVERGENCE_MIN_STEPS
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
-from convcheck.table_schema import named
+from convcheck.measure.table_schema import named
 
 WORST_LAYERS = 8
 CURVE_ROWS = 10

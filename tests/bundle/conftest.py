@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from convcheck.config import CompareConfig
+from convcheck.plan.config import CompareConfig
 
 CFG = dict(steps=2, batch_size=4, envelope=0)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from convcheck.bundle.reader import open_bundle
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import UsageError
 
 

@@ -13,7 +13,7 @@ import pytest
 from convcheck.bundle.diff import diff_bundles
 from convcheck.bundle.record import parse_snapshot_steps
 from convcheck.bundle.reader import open_bundle
-from convcheck.cli import main
+from convcheck.cli.main import main
 from convcheck.errors import UsageError
 
 from conftest import CFG, record
@@ -60,7 +60,7 @@ def test_cli_record_zip_and_diff_json(tmp_path, bundles, capsys, monkeypatch):
 
 def test_other_seed_is_one_line_naming_the_weights(tmp_path, bundles, capsys):
     from convcheck.bundle.record import record_run
-    from convcheck.config import CompareConfig
+    from convcheck.plan.config import CompareConfig
 
     out = tmp_path / "S"
     out.mkdir()
@@ -97,7 +97,7 @@ def test_options_that_differ_are_named(tmp_path, bundles, capsys):
 def test_same_target_on_two_machines_is_labelled(tmp_path, bundles):
     """The same spec on both sides (cuda on two machines): cpu@A and cpu@B, with the envelope of B."""
     from convcheck.bundle.record import record_run
-    from convcheck.config import CompareConfig
+    from convcheck.plan.config import CompareConfig
 
     sides = []
     for name in ("X", "Y"):

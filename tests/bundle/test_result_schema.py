@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from convcheck.bundle.diff import diff_bundles
-from convcheck.parity import COLUMNS
-from convcheck.table_schema import ActivationRow, CurveRow, LayerGradRow, columns
-from convcheck.targets import Target
-from convcheck.train import Arm
+from convcheck.measure.parity import COLUMNS
+from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, columns
+from convcheck.targets.spec import Target
+from convcheck.measure.train import Arm
 
 from conftest import CFG
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from convcheck.cli import main
+from convcheck.cli.main import main
 
 HERE = Path(__file__).parent
 BAD_MODELS = HERE / "bad_models.py"

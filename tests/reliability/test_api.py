@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.errors import ConvcheckError, RunFailed, UsageError, UserCodeError
-from convcheck.runners import snapshot_global_flags
+from convcheck.targets.runners import snapshot_global_flags
 from tests.reliability.conftest import BAD_MODELS
 
 SMALL = dict(input_shape=(1, 4, 4), num_classes=3, steps=1, batch_size=2, envelope=0, judge="cpu:float64",
@@ -132,7 +132,7 @@ def test_flags_are_restored_after_a_failure_too():
 
 
 def test_the_shape_probe_restores_flags():
-    from convcheck.models import check_input_shape
+    from convcheck.plan.models import check_input_shape
 
     before = snapshot_global_flags()
     check_input_shape(_bad_models().flag_changer(), (1, 4, 4), 3)

@@ -1,4 +1,4 @@
-"""convcheck.failures: which exit code a failure gets, and whose code the traceback blames."""
+"""convcheck.exit_codes: which exit code a failure gets, and whose code the traceback blames."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from convcheck.errors import RunFailed, UsageError, UserCodeError
-from convcheck.failures import (
+from convcheck.exit_codes import (
     EXIT_INTERNAL,
     EXIT_RESOURCE,
     EXIT_USAGE,

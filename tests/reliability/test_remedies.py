@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import convcheck.symptoms as S
+import convcheck.diagnose.detectors.training as S
 from convcheck.diagnose import rules as R
 from convcheck.diagnose.evidence import TargetFacts
 from tests.test_diagnose_rules import evidence

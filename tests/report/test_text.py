@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from convcheck.pipeline import compare
 from convcheck.report.text import fmt, make_console, render_compare
-from convcheck.targets import Target
+from convcheck.targets.spec import Target
 
 T = Target.parse
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from convcheck.parity import checks, run_parity
-from convcheck.targets import Target
-from convcheck.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.measure.parity import checks, run_parity
+from convcheck.targets.spec import Target
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 
 T = Target.parse
 

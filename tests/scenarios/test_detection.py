@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convcheck.data import load_batches
-from convcheck.models import resolve_model
-from convcheck.parity import run_parity
+from convcheck.plan.seeded_data import load_batches
+from convcheck.plan.models import resolve_model
+from convcheck.measure.parity import run_parity
 from convcheck.pipeline import initial_state, model_builder
-from convcheck.targets import Target
+from convcheck.targets.spec import Target
 
 from .sweep import detection_limit
 

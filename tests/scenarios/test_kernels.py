@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import convcheck.parity as parity
-from convcheck.parity.kernels import rerun_needed
-from convcheck.parity.snapshots import Snapshots
+import convcheck.measure.parity as parity
+from convcheck.measure.parity.kernels import rerun_needed
+from convcheck.measure.parity.snapshots import Snapshots
 from convcheck.pipeline import compare
-from convcheck.table_schema import named
-from convcheck.targets import Target
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target
 
 from .models import racy_scatter_net
 

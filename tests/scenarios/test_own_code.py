@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convcheck.pipeline import compare
-from convcheck.targets import Target
+from convcheck.targets.spec import Target
 
 from .models import attention_net, attention_overflow_net, lossy_residual_net
 
@@ -68,8 +68,8 @@ def _plain_forward(self, x):
 
 @pytest.mark.parametrize("target", ["cpu", "cpu:bf16", "cpu:fp16", "cpu:emulate-tf32", "cpu:amp-bf16"])
 def test_a_healthy_resnet_has_own_code_rows_and_none_flagged(target):
-    from convcheck.parity import run_parity
-    from convcheck.targets import Target
+    from convcheck.measure.parity import run_parity
+    from convcheck.targets.spec import Target
     from reference_models import get_model as build_reference
 
     import torch

@@ -9,8 +9,8 @@ import torch.nn as nn
 
 import convcheck.env as env
 from convcheck.pipeline import compare
-from convcheck.table_schema import named
-from convcheck.targets import Target
+from convcheck.measure.table_schema import named
+from convcheck.targets.spec import Target
 
 from .models import (
     cancelling_net,

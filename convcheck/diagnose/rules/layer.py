@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convcheck import symptoms as S
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_evidence

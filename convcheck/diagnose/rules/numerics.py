@@ -3,12 +3,12 @@ a NaN/Inf producer, underflow, lost updates, drift beyond the envelope), with re
 
 from __future__ import annotations
 
-from convcheck import symptoms as S
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_evidence, where_in
 from convcheck.diagnose.verdict import Verdict
-from convcheck.formats import FLOAT32, NumberFormat, format_named
+from convcheck.numerics.formats import FLOAT32, NumberFormat, format_named
 
 
 @verdict_rule(

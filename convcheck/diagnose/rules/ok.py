@@ -5,7 +5,7 @@ from __future__ import annotations
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.rules.lines import layer_note_lines, training_lines
 from convcheck.diagnose.verdict import Verdict
-from convcheck.thresholds import CONVERGENCE_MIN_STEPS
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 
 
 def ok_verdict(ev: Evidence) -> Verdict:

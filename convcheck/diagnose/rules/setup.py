@@ -3,8 +3,8 @@ training setup, not the device. ``SETUP_PRIORITY`` orders the judge's symptoms; 
 
 from __future__ import annotations
 
-from convcheck import recipe_symptoms as R
-from convcheck import symptoms as S
+from convcheck.diagnose.detectors import recipe as R
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_lines, training_lines, where_in

@@ -1,0 +1,1 @@
+"""The ``convcheck`` command line: one module per command; ``main`` parses and dispatches."""

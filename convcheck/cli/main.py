@@ -1,0 +1,269 @@
+"""The ``convcheck`` command line: parses arguments, calls the library, renders.
+
+No logic of its own lives here. Every failure becomes its exit code and one
+line on stderr (``convcheck.exit_codes``): 0 ok, 1 discrepancy, 2 usage or input
+error (the user's model or data failing included), 3 out of memory / disk
+full / interrupted, 4 a bug in convcheck (the only case with a traceback,
+unless ``--debug``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from convcheck.errors import UsageError
+from convcheck.exit_codes import EXIT_CODES
+
+
+def _exit_codes_text() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and an epilog computed only when help is shown."""
+
+    epilog_factory = None
+
+    def format_help(self) -> str:
+        if self.epilog_factory is not None:
+            self.epilog = self.epilog_factory()
+        return super().format_help()
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _add_debug(p) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="on an error, print the full traceback as well (the exit code is unchanged)")
+
+
+# --- convcheck models ------------------------------------------------------
+
+def _add_models_parser(sub) -> None:
+    p = sub.add_parser("models", help="list the reference models")
+    _add_debug(p)
+    p.set_defaults(func=_run_models)
+
+
+def _run_models(args) -> int:
+    from reference_models import get_spec, list_models
+
+    for name in list_models():
+        spec = get_spec(name)
+        shape = "x".join(str(d) for d in spec.input_shape)
+        print(f"{name:<12} {shape:<10} {spec.num_classes:>5} classes  {spec.description}")
+    return 0
+
+
+# --- convcheck targets -----------------------------------------------------
+
+def _add_targets_parser(sub) -> None:
+    p = sub.add_parser("targets", help="list every kind of target (the runner registry) and which run here")
+    _add_debug(p)
+    p.set_defaults(func=_run_targets)
+
+
+def _target_kinds() -> list[tuple[str, type]]:
+    """``(mode, runner class)`` for every registered mode, in the registry's order."""
+    from convcheck.targets.runners import known_modes, runner_classes
+
+    return [(mode, next(c for c in runner_classes() if mode in c.modes)) for mode in known_modes()]
+
+
+def _run_targets(args) -> int:
+    from convcheck.targets.runners import runnable_specs
+
+    here = set(runnable_specs())
+    for mode, cls in _target_kinds():
+        for device in cls.devices:
+            spec = device if mode == "float32" else f"{device}:{mode}"
+            mark = "here" if spec in here else ""
+            print(f"{spec:<22} {mark:<5} {cls.descriptions.get(mode, mode)}")
+    return 0
+
+
+# --- convcheck env (section owned by the env work) --------------------------
+
+def _add_env_parser(sub) -> None:
+    p = sub.add_parser(
+        "env",
+        help="fingerprint and audit the driver/CUDA/cuDNN/GPU stack",
+        description="Fingerprint the numeric stack (driver, CUDA, cuDNN, GPU, math flags) and audit it. "
+        "Exit 1 when a critical finding exists.",
+        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="audit a saved fingerprint JSON or `python -m torch.utils.collect_env` text "
+                        "(UTF-8 or UTF-16, as pasted) instead of this machine")
+    p.add_argument("--against", metavar="OTHER",
+                   help="also show the differences that matter for numerics against OTHER "
+                        "(fingerprint JSON or collect_env text)")
+    p.add_argument("--json", action="store_true", help="write fingerprint(s) and findings as JSON")
+    p.add_argument("--save", metavar="FILE",
+                   help="write the fingerprint JSON to FILE (a regular file; an existing one only with --force)")
+    p.add_argument("--force", action="store_true", help="let --save overwrite an existing regular file")
+    _add_debug(p)
+    p.set_defaults(func=_run_env)
+
+
+def _run_env(args) -> int:
+    import json
+
+    from convcheck import env
+    from convcheck.files import check_writable_file
+    from convcheck.report.env_text import print_env, render_env
+
+    if args.save:  # before any work: a path that must not be written fails now
+        check_writable_file(args.save, force=args.force, what="--save")
+    fp = env.load(args.from_file) if args.from_file else env.collect()
+    other = env.load(args.against) if args.against else None
+    findings = env.audit(fp)
+    other_findings = env.audit(other) if other is not None else []
+    differences = env.diff(fp, other) if other is not None else []
+    if args.save:
+        env.save(fp, args.save, force=args.force)
+    if args.json:
+        out = {"schema": "convcheck.env/1", "fingerprint": fp.to_dict(),
+               "findings": [f.to_dict() for f in findings]}
+        if other is not None:
+            out["against"] = {"fingerprint": other.to_dict(),
+                              "findings": [f.to_dict() for f in other_findings],
+                              "differences": [d.to_dict() for d in differences]}
+        print(json.dumps(out, indent=2))
+    else:
+        print_env(render_env(fp, findings, other=other, other_findings=other_findings,
+                             differences=differences))
+        if args.save:
+            print(f"fingerprint saved to {args.save}")
+    critical = any(f.severity == "critical" for f in [*findings, *other_findings])
+    return 1 if critical else 0
+
+
+# --- convcheck compare -----------------------------------------------------
+
+def _compare_epilog() -> str:
+    lines = ["targets: DEVICE[:INDEX][:MODE], e.g. cpu, cuda, cuda:1:tf32, cpu:amp-bf16 (MODE defaults to float32; "
+             "'convcheck targets' lists which run here)"]
+    for mode, cls in _target_kinds():
+        devices = ", ".join(f"{d}:{mode}" for d in cls.devices)
+        lines.append(f"  {mode:<13} {cls.descriptions.get(mode, mode)}: {devices}")
+    return "\n".join(lines) + "\n\n" + _exit_codes_text()
+
+
+def _add_compare_parser(sub) -> argparse.ArgumentParser:
+    from convcheck.plan.options import declare_compare_options
+
+    p = sub.add_parser("compare", help="run one model on two targets against a float64 judge",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.epilog_factory = _compare_epilog
+    p.add_argument("--model", default="lenet",
+                   help="zoo name (see 'convcheck models'), package.module:factory or path/file.py:factory "
+                        "(default %(default)s)")
+    p.add_argument("--input-shape", default=None, metavar="C,H,W", help="input shape, where the model cannot tell")
+    p.add_argument("--classes", type=int, default=None, metavar="N", help="number of classes, where the model cannot tell")
+    declare_compare_options(p.add_argument)
+    p.add_argument("--env", default=None, metavar="FILE",
+                   help="audit this fingerprint (JSON from 'convcheck env --save', or collect_env text) instead of "
+                        "this machine, e.g. the GPU server where training fails")
+    p.add_argument("--against", default=None, metavar="RUN",
+                   help="run one target here (--targets SPEC) with the options recorded in the bundle RUN "
+                        "('convcheck record') and diagnose it against that recorded run")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write report.html, summary.json, layers.csv, curves.csv, env.json and plots there "
+                        "(default: a new folder reports/<UTC time, ms>-<model>/)")
+    p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
+    p.add_argument("--no-save", action="store_true", help="write no files")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read options from this TOML file ([tool.convcheck] table, or top-level keys) instead of "
+                        "the nearest pyproject.toml's [tool.convcheck]; options given here override it")
+    _add_debug(p)
+    p.set_defaults(func=_run_compare)
+    return p
+
+
+def _with_project(parser, argv, args):
+    """Options from the project file first, then the command line's on top (parsed into a namespace
+    that already holds the file's values, so only options actually given replace them)."""
+    from convcheck.plan.project import load_project
+
+    values, file = load_project(args.config)
+    if not values:
+        return args
+    for action in parser.compare_parser._actions:  # argparse would convert string values itself, and exit
+        value = values.get(action.dest)
+        if isinstance(value, str) and callable(action.type):
+            try:
+                values[action.dest] = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                raise UsageError(f"{file}: [tool.convcheck] {action.dest.replace('_', '-')} = {value!r} is not "
+                                 f"a valid {getattr(action.type, '__name__', 'value')}") from None
+    parser.compare_parser.set_defaults(**values)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.project_file = str(file)  # named in the report's notes (stderr keeps its one-line contract)
+    args.project_keys = sorted(values)
+    return args
+
+
+def _run_compare(args) -> int:
+    from convcheck.targets.executors import before_threads
+
+    before_threads(getattr(args, "targets", None))  # each kind of target sets what torch reads as it loads
+    from convcheck.cli.compare import run_compare
+
+    if args.against:
+        from convcheck.cli.diff import run_against
+
+        return run_against(args)
+
+    return run_compare(args)
+
+
+# --- entry point -------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from convcheck import __version__
+
+    parser = _Parser(
+        prog="convcheck",
+        description="Why does the same PyTorch model converge on one device and not on another?",
+        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"convcheck {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the full traceback as well (the exit code is unchanged)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.compare_parser = _add_compare_parser(sub)
+    _add_env_parser(sub)
+    _add_models_parser(sub)
+    _add_targets_parser(sub)
+    from convcheck.cli.diff import add_diff_parser, run_diff
+    from convcheck.cli.record import add_record_parser, run_record
+
+    add_record_parser(sub, run_record)
+    add_diff_parser(sub, run_diff)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from convcheck.exit_codes import report
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        if args.func is _run_compare:
+            args = _with_project(parser, argv, args)
+        return args.func(args)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
+        if isinstance(exc, SystemExit):
+            raise
+        return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

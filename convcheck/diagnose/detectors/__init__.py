@@ -1,0 +1,1 @@
+"""Detectors: read the parity table, the training curves and the recipe; return ``Symptom`` records."""

@@ -1,0 +1,102 @@
+"""Where NaN/Inf first appear, read from the parity table (DeepLocalize's scan): the first call that
+turns finite inputs into NaN/Inf in the forward pass, else the call closest to the output whose
+backward turns a finite gradient into NaN/Inf; a module's own code counts as a call. An overflow is
+judged against the target's own format (``convcheck.numerics.formats``): float16's 65504, FP8 E5M2's 57344;
+a format that saturates instead (FP8 E4M3 at 448) makes no NaN/Inf, so ``saturation`` finds the
+first call whose values leave its range."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from convcheck.measure.layer_names import is_own_code, own_code_op
+from convcheck.numerics.formats import NumberFormat
+from convcheck.diagnose.detectors.training import NONFINITE_BACKWARD, NONFINITE_FORWARD, OUT_OF_RANGE, Symptom
+
+
+def nonfinite_producer(layers: pd.DataFrame, target: str, fmt: NumberFormat) -> Symptom | None:
+    """DeepLocalize's scan: the first layer that turns finite inputs into NaN/Inf, forward
+    (input -> output), then backward (output -> input). ``fmt``: the target's format with the
+    smallest range (``PrecisionModel.narrowest``); judge values beyond it there are an overflow."""
+    t = layers[layers["target"] == target]
+    fwd = t[(t["kind"] == "forward") & ((t["nan"] + t["inf"]) > 0) & (t["input_nonfinite"] == 0)]
+    if len(fwd):
+        r = fwd.sort_values("order").iloc[0]
+        overflow = r["ref_absmax"] > fmt.largest if math.isfinite(r["ref_absmax"]) else False
+        what = (f"'{r['layer']}' ({r['module']}) turns finite inputs into {int(r['nan'])} NaN / {int(r['inf'])} Inf "
+                f"in the forward pass")
+        if overflow:
+            what += f"; the judge's values there reach {r['ref_absmax']:.4g}, above the {fmt} maximum {fmt.largest:g}"
+        extra = {"overflow": bool(overflow), "module": str(r["module"]), "format": fmt.name}
+        if is_own_code(r["module"]):
+            extra.update(own_code=True, op=own_code_op(r["module"]))
+        return Symptom(NONFINITE_FORWARD, target, what, layer=r["layer"], step=0,
+                       value=float(r["ref_absmax"]), extra=extra)
+    fwd_rows = t[t["kind"] == "forward"]
+    own_back = backward_producer(fwd_rows)
+    if own_back is not None:
+        r = own_back
+        return Symptom(NONFINITE_BACKWARD, target,
+                       f"'{r['layer']}' ({r['module']}) turns a finite gradient into {int(r['grad_in_nonfinite'])} "
+                       f"NaN/Inf in the backward pass: the gradient reaching its output is finite, the one it "
+                       f"passes back to its input is not", layer=r["layer"], step=0,
+                       extra={"module": str(r["module"])})
+    back = fwd_rows[fwd_rows["grad_out_nonfinite"] == 0].sort_values("order")
+    poisoned = t[(t["kind"] == "grad") & ((t["nan"] + t["inf"]) > 0)]
+    if len(poisoned):
+        # the producer in backward: the deepest (closest to the output) layer whose own
+        # output gradient is still finite but whose parameter gradients are not
+        cand = poisoned[poisoned["layer"].isin(set(back["layer"]))].sort_values("order")
+        r = (cand if len(cand) else poisoned.sort_values("order")).iloc[-1]
+        return Symptom(NONFINITE_BACKWARD, target,
+                       f"the gradient of '{r['param']}' holds {int(r['nan'])} NaN / {int(r['inf'])} Inf while the "
+                       f"gradient reaching '{r['layer']}' is finite", layer=r["layer"], step=0)
+    return None
+
+
+def saturation(layers: pd.DataFrame, target: str, fmt: NumberFormat) -> Symptom | None:
+    """For a format that saturates (E4M3: no Inf, an overflow becomes +-448): the first call whose
+    judge values leave ``fmt``'s range while a later call reads its operands in ``fmt`` (its ``u``
+    column is ``fmt``'s unit roundoff: a matmul/conv of the target); that call's values are cut to
+    the largest finite value there, silently. None for a format that overflows to Inf."""
+    if not fmt.saturates:
+        return None
+    fwd = layers[(layers["target"] == target) & (layers["kind"] == "forward")].sort_values("order")
+    readers = fwd[fwd["u"] == fmt.unit_roundoff]["order"]
+    if not len(readers):
+        return None
+    beyond = fwd[(fwd["ref_absmax"] > fmt.largest) & (fwd["order"] < readers.max())]
+    if not len(beyond):
+        return None
+    r = beyond.iloc[0]
+    return Symptom(OUT_OF_RANGE, target,
+                   f"'{r['layer']}' ({r['module']}): the judge's values there reach {r['ref_absmax']:.4g}, above the "
+                   f"{fmt} maximum {fmt.largest:g}; a matmul/conv reading them saturates them there",
+                   layer=r["layer"], step=0, value=float(r["ref_absmax"]),
+                   extra={"overflow": True, "module": str(r["module"]), "format": fmt.name})
+
+
+def backward_producer(fwd_rows: pd.DataFrame):
+    """The call closest to the output whose backward turns the finite gradient reaching its output
+    into NaN/Inf at its input; a module with children only when none of its descendants does
+    (then its own code did). None when no call does (or the table predates the column)."""
+    if "grad_in_nonfinite" not in fwd_rows or not len(fwd_rows):
+        return None
+    grad_in = fwd_rows["grad_in_nonfinite"].fillna(0)
+    cand = fwd_rows[(fwd_rows["grad_out_nonfinite"] == 0) & (grad_in > 0)]
+    if not len(cand):
+        return None
+    last = int(fwd_rows["order"].max())  # the root's own-code row comes last: every call is inside it
+
+    def base(layer: str) -> str:
+        return str(layer).split("#", 1)[0]
+
+    def inside(o, r) -> bool:
+        return o["order"] != r["order"] and (base(o["layer"]).startswith(base(r["layer"]) + ".")
+                                             or (int(r["order"]) == last and is_own_code(r["module"])))
+
+    rows = [r for _, r in cand.iterrows()]
+    innermost = [r for r in rows if not any(inside(o, r) for o in rows)]
+    return max(innermost, key=lambda r: r["order"]) if innermost else None

@@ -1,0 +1,1 @@
+"""Measurements: one-step parity against the judge (``parity``) and lockstep training (``train``)."""

@@ -1,0 +1,1 @@
+"""Numbers convcheck decides with: thresholds, tolerances, error measures, number formats."""

@@ -1,0 +1,119 @@
+"""Every threshold convcheck decides with, named once, each with the source it was taken from.
+
+No other module writes a threshold as a literal: detectors, rules and training
+read them from here. This module imports nothing (``convcheck --help`` stays light).
+"""
+
+# AUTOTRAINER (ICSE'21, utils/monitor.py): loss >= 1e3 is treated like NaN.
+LOSS_NAN_LIKE = 1e3
+# Exploding: the global gradient norm grows > 70x over the run (AUTOTRAINER's factor 70,
+# which it applies to the first/last layer ratio).
+EXPLODING_LAYER_RATIO = 70.0
+# AUTOTRAINER: vanishing when ||g_first||/||g_last|| < 1e-3 and ||g_first|| < 1e-4.
+VANISHING_LAYER_RATIO = 1e-3
+VANISHING_FIRST_NORM = 1e-4
+# DeepDiagnosis: dead node when >= 70% of ReLU outputs are <= 0; saturated sigmoid/tanh
+# when > 50% of pre-activations lie outside +-5.
+DEAD_RELU_FRACTION = 0.7
+SATURATED_FRACTION = 0.5
+SATURATED_ABS = 5.0
+# Dead/saturated fractions are averaged over the last 3 recorded steps (convcheck's choice:
+# one step is noisy, and DeepDiagnosis judges the state at the end of training).
+ACTIVATION_TAIL_STEPS = 3
+# DeepDiagnosis: effective learning rate lr*||dW||/||W|| outside [1e-5, 0.1].
+UPDATE_RATIO_HIGH = 0.1
+# Plateau: the loss stays within 10% of chance, ln(C), over the second half of the run and
+# falls by less than 2% of ln(C) across it (a loss still falling steadily is not stuck).
+PLATEAU_TOLERANCE = 0.10
+PLATEAU_MIN_DROP = 0.02
+PLATEAU_MIN_STEPS = 5  # a half-run shorter than this says nothing about a plateau
+# Still falling (issue 10, convcheck's own): over the second half of the run (at least
+# FALLING_MIN_POINTS losses) a least-squares line falls, by more than FALLING_SIGNIFICANCE times
+# the spread of the losses around it. Such a loss is no plateau; a run that misses the
+# convergence rule with it says "still falling: run more steps".
+FALLING_MIN_POINTS = 6
+FALLING_SIGNIFICANCE = 3.0
+# AUTOTRAINER oscillation: swings of >= 3% in >= 20% of the checks.
+OSCILLATION_SWING = 0.03
+OSCILLATION_SHARE = 0.2
+# convcheck's own additions to that rule (f10b515, no paper): it needs at least 6 finite
+# losses (4 direction checks), and the loss must not be falling: the last finite loss is still
+# >= 0.9x the first (the same factor as the default convergence ratio, CONVERGED_LOSS_RATIO).
+OSCILLATION_MIN_STEPS = 6
+OSCILLATION_NOT_FALLING = 0.9
+# Learning rate too high: the last loss is above 1.5x the first ("loss rose"). convcheck's own
+# factor (f10b515), next to AUTOTRAINER's gradient-growth factor below; a loss that rises by half
+# its starting value is not noise.
+LOSS_RISE_FACTOR = 1.5
+# Un-normalised input: features far outside the usual standardised range (raw 0..255 pixels).
+INPUT_ABS_MAX = 20.0
+INPUT_STD_MAX = 10.0
+# Underflow: a target's gradients hold this many more exact zeros than the judge's (fraction).
+UNDERFLOW_EXTRA_ZEROS = 0.3
+# GradScaler: skipping more than a quarter of the steps, or a scale below 1 (>= 16 net
+# halvings from 2^16: the forward pass itself overflows; FACTS.md "Mixed precision").
+SKIP_RATE_HIGH = 0.25
+SCALE_COLLAPSED = 1.0
+# Envelope: drift between the targets within ENVELOPE_BENIGN x the envelope is noise; drift
+# beyond ENVELOPE_FAR x for ENVELOPE_RUN consecutive steps inside the first half of the run
+# ("early and by far") is a real discrepancy. Measured on LeNet: float32 vs float64 stays
+# within 2x of the float32 envelope (ARCHITECTURE.md, "The noise envelope").
+ENVELOPE_BENIGN = 4.0
+ENVELOPE_FAR = 10.0
+ENVELOPE_RUN = 3
+# An envelope spread of exactly zero (identical runs) is floored at this before dividing by it,
+# so the drift ratio is huge but finite; far below any float64 spread (smallest normal 2.2e-308).
+ENVELOPE_SPREAD_FLOOR = 1e-300
+# Outcome: a final loss outside the envelope runs' range widened by this many spreads
+# (plus 5% of their mean) is a different outcome.
+OUTCOME_SPREADS = 3.0
+OUTCOME_RELATIVE = 0.05
+# Without an envelope, an unconverged target is only a finding when its final loss is above the
+# judge's by OUTCOME_RELATIVE plus this absolute slack (1db6312): a judge that reaches a loss of
+# exactly 0 does not make any positive rounding residue "worse".
+OUTCOME_ABSOLUTE = 1e-12
+
+# Convergence: every loss finite and the mean of the last three losses below this fraction of
+# the first (Tolerances.converged_loss_ratio is the user's knob; this is its default).
+CONVERGED_LOSS_RATIO = 0.9
+CONVERGED_TAIL = 3
+# Convergence is judged from this many steps on: the rule averages the last 3 losses against the
+# first, so fewer steps say nothing about it (2 steps of ResNet-50 must not count as converged, nor
+# as a failed setup); a shorter run's verdict says convergence was not judged.
+CONVERGENCE_MIN_STEPS = 5
+# An envelope run counts as failed when it ends this much (relative) above the run it perturbs.
+FRAGILE_MARGIN = 0.10
+# Below this a norm counts as zero (a relative error of a cancelled reference is meaningless;
+# a first gradient norm below it is floored at it before the growth factor is taken).
+TINY_NORM = 1e-30
+
+# --- layer floors (convcheck.measure.parity.floor, Tolerances.is_flagged) ----------------------------
+# A row is flagged above bound_factor x its measured floor plus this absolute term: what float32
+# kernels add beyond the rounding of their operands and result. Healthy float32 rows on this CPU
+# reach 10x their floor (ResNet-50 convs: 3.6e-7 against 3.6e-8) and 13x for a BatchNorm over 2
+# values (5.3e-7 against 4.1e-8); the H200's float32 kernels 1.3e-7..2.0e-7 (5.6x; gpu-runs/
+# h200-2026-11-30). 4e-7 keeps them all unflagged and still flags a float32 conv wrong by ~9x its
+# noise (K = 9: noise 6.2e-8). For 16-bit and TF32 targets (floors 1e-4..1e-2) it is negligible.
+# Measured: benchmarks/floors.py (benchmarks/results/floors-*.md).
+FLOOR_ABSOLUTE = 4e-7
+# A relative error this large means the result is mostly lost: flagged whatever the factor,
+# unless the floor itself is this large (then the layer is ill-conditioned at that precision:
+# a numerics finding naming it, not a layer that computes something else).
+DESTROYED_ERROR = 0.5
+# A parameter gradient sums K = batch x output positions terms; float32 kernels add up to
+# 0.39 u sqrt(K) beyond the rounding of their operands there (the zoo on this CPU, K 4..25088;
+# benchmarks/floors.py), so a gradient's floor includes GRAD_ACCUMULATION x u_accumulate x sqrt(K).
+# Forward reductions (K <= 4608, blocked kernels) showed no such growth.
+GRAD_ACCUMULATION = 0.25
+
+# --- the user's recipe (convcheck.diagnose.detectors.recipe) --------------------------------------------
+# A loss whose batch value is 1.6-2.4x the mean of its halves' values is summed, not averaged
+# (exactly 2 for a sum; 1 for a mean; the band allows for the halves' different contents).
+SUMMED_LOSS_LOW = 1.6
+SUMMED_LOSS_HIGH = 2.4
+# A learning rate rising by more than this factor from one step to the next is a jump of the schedule.
+LR_JUMP_FACTOR = 1.5
+# A divergence within this many steps after a warm-up end or a jump is blamed on the schedule.
+SCHEDULE_WINDOW = 2
+# Clipping that acts on at least this share of the steps is too tight (it rescales every update).
+CLIPPED_SHARE = 0.9

@@ -1,0 +1,127 @@
+"""A runner's precision model: the number format of operands and of accumulation, per op class.
+
+Formats (unit roundoff, range, dtype, rounding) come from the one table, ``convcheck.numerics.formats``.
+Op classes: ``matmul`` (Linear, mm/bmm), ``conv`` (convolutions), ``elementwise`` (everything
+else: activations, normalisation, pooling, additions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from convcheck.numerics.formats import FLOAT64, FORMATS, RNE, NumberFormat, coarsest, narrowest_range
+
+OP_CLASSES = ("matmul", "conv", "elementwise")
+
+
+@dataclass(frozen=True)
+class OpPrecision:
+    operand: NumberFormat  # the format of the values an op reads (its inputs after any rounding)
+    accumulate: NumberFormat  # the format of the sums it forms
+
+
+@dataclass(frozen=True)
+class PrecisionModel:
+    matmul: OpPrecision
+    conv: OpPrecision
+    elementwise: OpPrecision
+
+    @classmethod
+    def uniform(cls, fmt: NumberFormat) -> "PrecisionModel":
+        p = OpPrecision(fmt, fmt)
+        return cls(p, p, p)
+
+    def of(self, op_class: str) -> OpPrecision:
+        return getattr(self, op_class)
+
+    @property
+    def operands(self) -> tuple[NumberFormat, NumberFormat, NumberFormat]:
+        """The operand formats of ``matmul``, ``conv`` and ``elementwise``, in that order."""
+        return self.matmul.operand, self.conv.operand, self.elementwise.operand
+
+    @property
+    def working(self) -> NumberFormat:
+        """The coarsest operand format of any op class: the precision the run works in."""
+        return coarsest(self.operands)
+
+    @property
+    def narrowest(self) -> NumberFormat:
+        """The operand format with the smallest range: where the run overflows first."""
+        return narrowest_range(self.operands)
+
+    def for_module(self, module: nn.Module) -> OpPrecision:
+        return self.of(op_class(module))
+
+
+def op_class(module: nn.Module) -> str:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if isinstance(module, (nn.Linear, nn.Bilinear, nn.MultiheadAttention)):
+        return "matmul"
+    return "elementwise"
+
+
+# --- rounding to a format (the layer floors of parity) -------------------------------------
+
+_DTYPE_FORMAT = {f.torch_dtype: f for f in FORMATS if f.dtype is not None}  # read on every row: keyed by dtype
+
+
+def dtype_format(dtype: torch.dtype) -> NumberFormat:
+    """The format a floating dtype holds (float64's for anything wider or unknown)."""
+    return _DTYPE_FORMAT.get(dtype, FLOAT64)
+
+
+def dtype_unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of a floating dtype (float64's for anything wider or unknown)."""
+    return dtype_format(dtype).unit_roundoff
+
+
+def round_to(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """``t`` rounded to ``fmt`` (to nearest, ties to even), in ``t``'s own dtype.
+
+    A format with a torch dtype is gone through, range included (float16 overflows past 65504 to
+    Inf, E4M3FN saturates at 448); one without (TF32) has its significand cut to its bits in
+    ``t``'s own dtype, ``t``'s range kept. A finer format than ``t``'s is a no-op.
+    """
+    if fmt.rounding != RNE:
+        raise ValueError(f"round_to rounds to nearest, ties to even; {fmt} rounds {fmt.rounding}")
+    if not t.is_floating_point() or fmt.unit_roundoff <= dtype_unit_roundoff(t.dtype):
+        return t
+    if fmt.dtype is not None:
+        return t.to(fmt.torch_dtype).to(t.dtype)
+    bits = fmt.significand_bits
+    if t.dtype in _BIT_LAYOUT and not _has_subnormal(t):
+        return _round_bits(t, bits)
+    mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
+    # (torch.ldexp forms 2^exponent in the default dtype: float32 would flush small exponents)
+    rounded = torch.round(mantissa * 2.0**bits) * torch.exp2((exponent - bits).to(t.dtype))
+    return torch.where(torch.isfinite(t), rounded, t)
+
+
+_BIT_LAYOUT = {torch.float64: (torch.int64, 52), torch.float32: (torch.int32, 23)}  # integer view, mantissa bits
+
+
+def _has_subnormal(t: torch.Tensor) -> bool:
+    """A subnormal keeps fewer significant bits than ``_round_bits`` assumes (``frexp`` rounds it)."""
+    return bool(torch.any((t.abs() < torch.finfo(t.dtype).tiny) & (t != 0))) if t.numel() else False
+
+
+def _round_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """``round_to``'s rounding on the bit pattern: keep ``bits`` significant bits (``bits - 1``
+    stored), to nearest, ties to even; a carry out of the mantissa raises the exponent, as the
+    rounding should. Four integer passes instead of ``frexp``/``round``/``exp2``'s eight float
+    ones (TF32 floors round every operand of every matmul/conv this way). The same values as
+    the ``frexp`` form for every normal number; NaN and Inf are kept."""
+    int_dtype, mantissa_bits = _BIT_LAYOUT[t.dtype]
+    drop = mantissa_bits - (bits - 1)
+    if drop <= 0:
+        return t
+    raw = t.contiguous().view(int_dtype)
+    odd = (raw >> drop) & 1
+    half = (1 << (drop - 1)) - 1
+    rounded = ((raw + half + odd) & ~((1 << drop) - 1)).view(t.dtype)
+    return torch.where(torch.isfinite(t), rounded, t)
+
