@@ -6,7 +6,7 @@ Exit codes (``convcheck --help`` and the README list them):
 0     ok
 1     a discrepancy (or a critical environment finding) was diagnosed
 2     usage or input error, including the user's model, loss or data failing
-3     resource: out of memory (CPU or GPU), disk full, interrupted
+3     resource: out of memory (CPU or GPU), disk full, interrupted (Ctrl-C, SIGTERM, SIGHUP)
 4     internal error: a bug in convcheck (traceback plus a request to report it)
 ====  ==========================================================================
 
@@ -40,7 +40,7 @@ EXIT_CODES = (
     (EXIT_DISCREPANCY, "a discrepancy was diagnosed (or a critical environment finding)"),
     (EXIT_USAGE, "usage or input error, including your model, loss or data failing (one line; --debug for "
                  "the traceback)"),
-    (EXIT_RESOURCE, "out of memory (CPU or GPU), disk full, or interrupted"),
+    (EXIT_RESOURCE, "out of memory (CPU or GPU), disk full, or interrupted (Ctrl-C, SIGTERM, SIGHUP)"),
     (EXIT_INTERNAL, "internal error: a bug in convcheck (traceback, please report it)"),
 )
 
@@ -64,6 +64,15 @@ _LIBRARY_MODULES = {"torch", "numpy", "pandas", "matplotlib", "PIL", "rich", "py
                     "pluggy", "hypothesis", "importlib"}
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C (SIGTERM from ``timeout``, docker, Slurm, Kubernetes; SIGHUP when the
+    terminal closes), handled as Ctrl-C is: exit 3, what is known kept, empty folders removed."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 @dataclass(frozen=True)
 class Failure:
     code: int
@@ -73,6 +82,8 @@ class Failure:
 
 def resource_reason(exc: BaseException) -> str | None:
     """Why ``exc`` is the machine's limit (memory, disk, interrupt), or None when it is not."""
+    if isinstance(exc, Interrupted):
+        return f"interrupted ({exc.signal_name})"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     if isinstance(exc, MemoryError):
@@ -185,11 +196,23 @@ def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | Non
         return None
     frame, lineno, _ = found
     message = first_line(exc)
-    what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if isinstance(exc, SystemExit):  # sys.exit(...) in the user's code ends their code, not convcheck's run
+        what = f"SystemExit (sys.exit({exc.code!r}))"
+    else:
+        what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     when = f" during {during}" if during else ""
     layer = layer_name(exc, frame)
     where = f"layer '{layer}', {_where(frame, lineno)}" if layer else _where(frame, lineno)
     return UserCodeError(f"your code raised {what} in {where}{when}")
+
+
+def user_exit(exc: BaseException) -> bool:
+    """``exc`` is a ``SystemExit`` raised by the user's code (``sys.exit`` in a factory, ``forward``, a loss,
+    a Dataset, a module's top level): the user's code failing, never the end of convcheck's run."""
+    if not isinstance(exc, SystemExit):
+        return False
+    found = culprit(exc)
+    return found is not None and not found[2]
 
 
 def classify(exc: BaseException, during: str = "") -> Failure:
@@ -211,6 +234,8 @@ def as_convcheck_error(exc: BaseException, during: str = "") -> ConvcheckError |
     """What the Python API raises instead of ``exc``: RunFailed for the machine's limits (not an
     interrupt: KeyboardInterrupt stays what it is), UserCodeError for the user's code, None for a bug."""
     if isinstance(exc, ConvcheckError) or isinstance(exc, KeyboardInterrupt):
+        return None
+    if isinstance(exc, SystemExit) and not user_exit(exc):
         return None
     failure = classify(exc, during)
     if failure.code == EXIT_RESOURCE:
@@ -264,7 +289,7 @@ def user_failures(stage: RunStage | None = None):
     ``RunFailed`` (each chained to the original); convcheck's own bugs pass unchanged."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - classified, never swallowed
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - classified, never swallowed
         replacement = as_convcheck_error(exc, stage.describe() if stage else "")
         if replacement is None:
             raise

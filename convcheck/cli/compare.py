@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from convcheck.errors import ConvcheckError, RunFailed
+from convcheck.errors import ConvcheckError, RunFailed, UsageError
 from convcheck.exit_codes import RunStage, classify, resource_reason
 
 
@@ -22,6 +22,8 @@ def run_compare(args) -> int:
     from convcheck.plan.options import config_from_options
     from convcheck.report.folder import RunFolder
 
+    if args.out is not None and not str(args.out).strip():
+        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     config = config_from_options(vars(args))  # bad numbers fail here, before any work
     from convcheck.targets.executors import serve
 
@@ -36,10 +38,10 @@ def run_compare(args) -> int:
         fingerprint = load(args.env)
         findings = audit(fingerprint)
     folder = None
-    if not args.no_save:  # a bad --out fails before the run, not after it
-        folder = RunFolder.explicit(args.out, force=args.force) if args.out else RunFolder.default(args.model)
     stage = RunStage(None, config.steps)
     try:
+        if not args.no_save:  # a bad --out fails before the run, not after it
+            folder = RunFolder.explicit(args.out, force=args.force) if args.out else RunFolder.default(args.model)
         result = _compare(args, config, shape, findings, fingerprint, stage)
     except BaseException as exc:
         _after_failure(exc, folder, stage, args, config, fingerprint)
@@ -67,7 +69,9 @@ def _show(result, args) -> None:
     if args.json:
         from convcheck.report.export import summary_dict
 
-        print(json.dumps(summary_dict(result), indent=2))
+        summary = summary_dict(result)
+        summary.setdefault("complete", True)  # as in summary.json: a run that ends here ran to its end
+        print(json.dumps(summary, indent=2))
     else:
         from convcheck.report.text import make_console, render_compare
 
@@ -75,14 +79,16 @@ def _show(result, args) -> None:
 
 
 def _write(result, folder, force: bool) -> None:
+    from convcheck.cli.signals import held
     from convcheck.report.export import write_run
 
-    try:
-        path = folder.ensure()
-        written = write_run(result, path, force=force)
-    except BaseException:
-        folder.discard_if_empty()
-        raise
+    with held():  # the run is done: a stop signal now waits for its report to be written whole
+        try:
+            path = folder.ensure()
+            written = write_run(result, path, force=force)
+        except BaseException:
+            folder.discard_if_empty()
+            raise
     print(f"wrote {path}/{', '.join(p.name for p in written)}", file=sys.stderr)
 
 
@@ -93,17 +99,23 @@ def _after_failure(exc: BaseException, folder, stage: RunStage, args, config, fi
         not isinstance(exc, ConvcheckError) and resource_reason(exc) is not None)
     if folder is not None and stopped_by_machine and stage.started:
         line = classify(exc, stage.describe()).line
-        try:
-            from convcheck.report.export import write_partial
+        from convcheck.cli.signals import held
 
-            kept = write_partial(folder.ensure(), _partial_info(line, stage, args, config, fingerprint),
-                                 parity=stage.partial.get("parity"), curves=stage.partial.get("curves"))
-        except (OSError, ConvcheckError):
-            kept = None
+        with held():  # a second (third) Ctrl-C or TERM while what is known is saved cannot cut the save short
+            try:
+                from convcheck.report.export import write_partial
+
+                kept = write_partial(folder.ensure(), _partial_info(line, stage, args, config, fingerprint),
+                                     parity=stage.partial.get("parity"), curves=stage.partial.get("curves"))
+            except (OSError, ConvcheckError):
+                kept = None
         if kept is not None:
             raise RunFailed(f"{line}; kept what is known of the run in {kept} (complete: false)") from exc
     if folder is not None:
-        folder.discard_if_empty()
+        from convcheck.cli.signals import held
+
+        with held():
+            folder.discard_if_empty()
 
 
 def _partial_info(line: str, stage: RunStage, args, config, fingerprint) -> dict:

@@ -248,21 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from convcheck.exit_codes import report
+    """The command line. ``argv=None`` is the process's own command line: once its outcome is decided,
+    stop signals are ignored until it exits (a Ctrl-C after the report is written changes nothing)."""
+    from convcheck.cli.signals import stop_signals
+    from convcheck.exit_codes import report, user_exit
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # no command: the help goes where errors go, and it is a usage error
+        parser.print_help(sys.stderr)
         return 2
-    try:
-        if args.func is _run_compare:
-            args = _with_project(parser, argv, args)
-        return args.func(args)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
-        if isinstance(exc, SystemExit):
-            raise
-        return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
+    with stop_signals(restore=argv is not None):
+        try:
+            if args.func is _run_compare:
+                args = _with_project(parser, argv, args)
+            return args.func(args)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
+            if isinstance(exc, SystemExit) and not user_exit(exc):
+                raise  # argparse's own exit
+            return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
 
 
 if __name__ == "__main__":

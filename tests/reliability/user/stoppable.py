@@ -1,0 +1,37 @@
+"""A model that stops to be signalled: at a chosen point it writes the marker file named by CC_MARK and waits.
+
+CC_AT=factory waits in the model factory (before any measuring); CC_AT=<n> waits in the n-th forward call
+(n=40 is inside training, after the one-step parity check). Inputs 1x4x4, 3 classes.
+"""
+
+import os
+import time
+from pathlib import Path
+
+import torch.nn as nn
+
+
+def _wait():
+    Path(os.environ["CC_MARK"]).write_text("waiting")
+    for _ in range(600):  # ends when the signal's handler raises; never reached in a passing test
+        time.sleep(0.1)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        at = os.environ.get("CC_AT", "")
+        if at.isdigit() and self.calls == int(at):
+            _wait()
+        return self.fc(x.flatten(1))
+
+
+def make():
+    if os.environ.get("CC_AT") == "factory":
+        _wait()
+    return _Net()
