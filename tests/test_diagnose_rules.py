@@ -126,6 +126,8 @@ CASES = {
     "V009": (evidence(low="ddp:cpu:2", executor_findings=(DDP_BN,), drift=drift(arm="cpu")),
              evidence(low="ddp:cpu:2", executor_findings=(DDP_BN,), drift=drift(arm="cpu", beyond=False)),
              "setup", "ddp:cpu:2", "1", "data-parallel setup: BatchNorm layers '1' normalise"),
+    "V010": (evidence(findings=(DRV,)), evidence(findings=(MATH, PROBE)),
+             "version", None, None, "DRV001 (critical): NVIDIA driver 470 is older than 525 - the audited stack"),
 }
 
 
@@ -345,7 +347,7 @@ def test_precision_effect_headlines_and_remedies(symptom, low, facts, headline, 
 def test_rules_run_in_priority_order_with_unique_ids():
     assert [r.priority for r in RULES] == sorted(r.priority for r in RULES)
     assert len({r.id for r in RULES}) == len({r.priority for r in RULES}) == len(RULES)
-    assert [r.id for r in RULES] == ["V001", "V002", "V003", "V004", "V005", "V006", "V009", "V007", "V008"]
+    assert [r.id for r in RULES] == ["V001", "V002", "V003", "V004", "V005", "V006", "V009", "V007", "V008", "V010"]
 
 
 def test_a_clashing_rule_is_refused():
@@ -382,8 +384,12 @@ def test_an_environment_finding_turns_a_target_symptom_into_its_kind(findings, c
     assert v.category == category and v.layer == "2" and v.target == "cpu:bf16"
 
 
-def test_an_environment_finding_alone_is_no_verdict():
-    assert decide(evidence(findings=(ECC, DRV)), ok_verdict).category == "ok"
+def test_a_warn_finding_alone_is_no_verdict_a_critical_one_is():
+    # issue 27: a critical stack finding reaches the verdict even when the targets agree (V010)
+    assert decide(evidence(findings=(MATH, PROBE)), ok_verdict).category == "ok"
+    v = decide(evidence(findings=(ECC, DRV)), ok_verdict)
+    assert (v.category, v.sub_cause, v.target) == ("hardware", "ECC002", None)
+    assert decide(evidence(findings=(DRV,)), ok_verdict).category == "version"
 
 
 def test_the_main_symptom_is_the_first_one_the_drift_last():
