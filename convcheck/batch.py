@@ -104,3 +104,66 @@ def check_tensors(inputs, target, where: str) -> None:
         if t.device.type != "cpu":
             raise UsageError(f"{where} yielded a tensor on {t.device}; make batches on the CPU "
                              "(convcheck moves them to each target)")
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a {str(obj.dtype).replace('torch.', '')} tensor of shape {tuple(obj.shape)}"
+    if isinstance(obj, (tuple, list)) and obj:
+        kinds = sorted({type(o).__name__ for o in obj})
+        return f"a {type(obj).__name__} of {'/'.join(kinds)}"
+    return f"a {type(obj).__name__}"
+
+
+def check_batch(inputs, target, where: str, step: int = 0, *, class_labels: bool = False,
+                num_classes: int | None = None, input_shape=None) -> None:
+    """A batch checked at the edge, before any model or loss sees it: one ``UsageError`` naming the batch
+    and the field, instead of torch's error deep inside a step (or a crash in convcheck's own code).
+
+    Always: the inputs hold samples (not an empty batch), and every tensor of the batch (inputs and target)
+    holds the same number of samples. ``input_shape`` (C, H, W) given: a single input tensor's samples have it.
+    ``class_labels`` (the default cross-entropy loss on a classification model): the target is a tensor of
+    integer class indices of shape (N,), or float class probabilities of shape (N, classes); indices inside
+    ``0..num_classes-1`` (or -100, ignored)."""
+    name = f"batch {step} of {where}"
+    xs = tensors_of(inputs)
+    lead = [t for t in xs if t.dim() > 0]
+    if lead and int(lead[0].shape[0]) == 0:
+        raise UsageError(f"{name} is empty: its inputs hold 0 samples (shape {tuple(lead[0].shape)})")
+    sizes = {int(t.shape[0]) for t in lead}
+    if len(sizes) > 1:
+        raise UsageError(f"{name}: its input tensors hold different numbers of samples ({sorted(sizes)})")
+    n = sizes.pop() if sizes else None
+    ys = [t for t in tensors_of(target) if t.dim() > 0]
+    if n is not None and target is not inputs:
+        for t in ys:
+            if int(t.shape[0]) != n:
+                raise UsageError(f"{name}: the inputs hold {n} samples but the target {int(t.shape[0])} "
+                                 f"(target shape {tuple(t.shape)})")
+    if input_shape is not None and isinstance(inputs, torch.Tensor) and inputs.dim() == len(input_shape) + 1:
+        if tuple(inputs.shape[1:]) != tuple(input_shape):
+            got, want = "x".join(map(str, inputs.shape[1:])), "x".join(map(str, input_shape))
+            raise UsageError(f"{name}: the inputs are samples of {got} but the model takes {want}")
+    if not class_labels:
+        return
+    hint = "the default loss (cross-entropy) takes class indices; pass your loss with --loss FILE.py:fn"
+    if target is inputs and isinstance(inputs, torch.Tensor):
+        raise UsageError(f"{name} is a bare tensor (no labels): {hint} or yield (inputs, labels)")
+    if not isinstance(target, torch.Tensor):
+        raise UsageError(f"{name}: the target is {_describe(target)}, not a tensor of class indices; {hint}")
+    if target.is_floating_point():
+        if target.dim() == 2 and (num_classes is None or target.shape[1] == num_classes):
+            return  # class probabilities (N, classes): cross-entropy takes them
+        raise UsageError(f"{name}: the target is {_describe(target)}; {hint} (int64 labels of shape (N,)) "
+                         "or class probabilities of shape (N, classes)")
+    if target.dtype == torch.bool or target.is_complex():
+        raise UsageError(f"{name}: the target is {_describe(target)}, not class indices; {hint}")
+    if target.dim() == 2:
+        raise UsageError(f"{name}: the target is {_describe(target)}, not one class index per sample (shape "
+                         f"(N,)); {hint}")
+    labels = target[target != -100]
+    if num_classes is not None and labels.numel():
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= num_classes:
+            raise UsageError(f"{name}: the target's labels span {lo}..{hi}, outside 0..{num_classes - 1} for "
+                             f"{num_classes} classes")

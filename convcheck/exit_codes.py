@@ -206,6 +206,39 @@ def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | Non
     return UserCodeError(f"your code raised {what} in {where}{when}")
 
 
+# convcheck's dispatch modes see every op a layer runs and pass it on: frames that are not the failure
+_PASSTHROUGH = {"__torch_dispatch__", "__torch_function__"}
+
+
+def model_on_data_error(exc: BaseException, during: str = "") -> UserCodeError | None:
+    """torch's own layer raising inside the user's model on the batch it was given (3-channel inputs into a
+    1-channel convolution, samples of another size into a Linear): the user's model and data disagree, exit
+    2 naming the layer. None when the traceback reaches no torch module below convcheck's innermost frame
+    (a hook of convcheck's raising inside a module is convcheck's own)."""
+    layer_frame = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code.co_name == "forward" and _is_module(frame.f_locals.get("self")) and \
+                _is_library(code.co_filename, frame.f_globals.get("__name__")):
+            layer_frame = frame  # torch's own layer (the user's own forward is user_code_error's)
+        elif not _is_library(code.co_filename, frame.f_globals.get("__name__")) and \
+                code.co_name not in _PASSTHROUGH:
+            layer_frame = None  # code that is not torch's ran below the layer: not the layer failing
+        tb = tb.tb_next
+    if layer_frame is None:
+        return None
+    module = layer_frame.f_locals["self"]
+    name = layer_name(exc, layer_frame)
+    where = f"layer '{name}' ({type(module).__name__})" if name else f"a {type(module).__name__} layer"
+    message = first_line(exc)
+    what = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    when = f" during {during}" if during else ""
+    return UserCodeError(f"your model failed on the data in {where}{when}: {what} (do the batches match what "
+                         "the model takes: shapes, channels, dtypes?)")
+
+
 def user_exit(exc: BaseException) -> bool:
     """``exc`` is a ``SystemExit`` raised by the user's code (``sys.exit`` in a factory, ``forward``, a loss,
     a Dataset, a module's top level): the user's code failing, never the end of convcheck's run."""
@@ -224,7 +257,7 @@ def classify(exc: BaseException, during: str = "") -> Failure:
         when = f" during {during}" if during else ""
         hint = " (try a smaller --batch-size)" if "memory" in reason else ""
         return Failure(EXIT_RESOURCE, f"{reason}{when}{hint}")
-    user = user_code_error(exc, during)
+    user = user_code_error(exc, during) or model_on_data_error(exc, during)
     if user is not None:
         return Failure(EXIT_USAGE, str(user))
     return Failure(EXIT_INTERNAL, f"internal error ({type(exc).__name__}: {first_line(exc)})", internal=True)

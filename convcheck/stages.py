@@ -173,7 +173,7 @@ def prepare(run: ResolvedRun) -> Plan:
         check_input_shape(build(cfg.judge), model.input_shape, model.num_classes, task=model.task)
     stream = open_data(cfg.data, input_shape=model.input_shape, num_classes=model.num_classes,
                        batch_size=cfg.batch_size, steps=cfg.steps, seed=cfg.seed, workers=cfg.workers,
-                       task=model.task)
+                       task=model.task, loss=recipe.loss)
     notes = run.notes + ((stream.note,) if stream.note else ())
     return Plan(cfg, run.judge_reason, model, recipe, state, build, stream, notes, time.perf_counter() - t0)
 

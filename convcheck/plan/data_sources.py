@@ -40,7 +40,7 @@ def user_source(spec, *, batch_size: int, seed: int, workers: int):
     if isinstance(made, torch.utils.data.IterableDataset):
         return f"factory:{name}", None, lambda: iter(_loader(made, batch_size, seed, workers, shuffle=False))
     if isinstance(made, torch.utils.data.Dataset) and hasattr(made, "__len__"):
-        n = len(made)
+        n = _length(made, name)
         if n == 0:
             raise UsageError(f"data factory {name!r} returned an empty dataset")
         note = (f"dataset {name!r} has {n} samples, fewer than one batch of {batch_size}: batches are shorter"
@@ -55,6 +55,24 @@ def user_source(spec, *, batch_size: int, seed: int, workers: int):
         it = first.pop() if first else _call(factory, name)
         return iter(it)
     return f"factory:{name}", None, open_iter
+
+
+# a seeded shuffle draws a permutation of every index: 8 bytes each
+MAX_SHUFFLED = 2**31
+
+
+def _length(dataset, name: str) -> int:
+    """``len(dataset)``, checked: a negative, non-integer or absurd length is the user's Dataset at fault."""
+    try:
+        n = len(dataset)
+    except (ValueError, OverflowError, TypeError) as exc:  # torch's len() refuses a negative __len__
+        raise UsageError(f"data factory {name!r} returned a Dataset whose __len__ is unusable: "
+                         f"{one_line(exc)}") from None
+    if n > MAX_SHUFFLED:
+        raise UsageError(f"data factory {name!r} returned a Dataset of {n:,} samples: more than {MAX_SHUFFLED:,}, "
+                         "too many to shuffle; give it a real length, or wrap a part of it in "
+                         "torch.utils.data.Subset (a run needs --steps x --batch-size samples)")
+    return n
 
 
 def _call(factory, name: str):
@@ -114,8 +132,10 @@ def is_user_data(spec) -> bool:
 
 
 def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, seed: int, workers: int = 0,
-              task: str = "classification"):
-    """The run's ``DataStream``: synthetic (default), mnist:DIR, npz:PATH, digits, or a user factory."""
+              task: str = "classification", loss=None):
+    """The run's ``DataStream``: synthetic (default), mnist:DIR, npz:PATH, digits, or a user factory.
+    Its first batch is checked at the edge (``batch.check_batch``): sizes, the model's input shape where
+    it is known, and, for the default cross-entropy loss (``loss``) of a classification model, the labels."""
     from convcheck.plan.seeded_data import open_builtin
     from convcheck.plan.stream import DataStream
 
@@ -136,4 +156,8 @@ def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, se
         source, note, open_iter = open_builtin(spec, input_shape=input_shape, num_classes=num_classes,
                                                batch_size=batch_size, steps=steps, seed=seed)
         where = source
-    return DataStream(source, open_iter, steps=steps, seed=seed, note=note, where=where)
+    from convcheck.targets.runners.base import cross_entropy
+
+    expects = {"input_shape": tuple(input_shape) if input_shape else None, "num_classes": num_classes,
+               "class_labels": task == "classification" and loss is cross_entropy}
+    return DataStream(source, open_iter, steps=steps, seed=seed, note=note, where=where, expects=expects)

@@ -20,8 +20,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from convcheck.batch import batch_hash, check_tensors, split_batch, tensors_of
-from convcheck.errors import UsageError
+from convcheck.batch import batch_hash, check_batch, check_tensors, split_batch, tensors_of
+from convcheck.errors import ConvcheckError, UsageError
+from convcheck.exit_codes import first_line, resource_reason, user_code_error
 
 # summary.json lists at most this many per-batch hashes (plus one hash over all of them).
 HASHES_LISTED = 1000
@@ -107,8 +108,10 @@ class DataStream:
     """Batches from ``open_iter`` (a fresh iterator from the first batch at each call), one at a time."""
 
     def __init__(self, source: str, open_iter: Callable[[], Iterator], *, steps: int, seed: int,
-                 note: str | None = None, where: str = "the data", check_shapes: bool = True):
+                 note: str | None = None, where: str = "the data", check_shapes: bool = True,
+                 expects: dict | None = None):
         self.source, self.note, self.where = source, note, where
+        self._expects = expects or {}  # check_batch's keywords for the first batch (the edge)
         self._open, self._steps, self._seed, self._check_shapes = open_iter, steps, seed, check_shapes
         self._first_hash: str | None = None
         self._shapes: list | None = None
@@ -125,10 +128,26 @@ class DataStream:
             except StopIteration:
                 raise UsageError(f"{self.where} gave only {step} batches; --steps {self._steps} needs "
                                  f"{self._steps}") from None
+            except Exception as exc:  # noqa: BLE001 - classified: whose data, whose code
+                raise self._batch_failed(exc, step) from exc
             inputs, target = split_batch(item, self.where)
             check_tensors(inputs, target, self.where)
+            if step == 0:
+                check_batch(inputs, target, self.where, step, **self._expects)
             self._check_shape(inputs, target, step)
             yield inputs, target
+
+    def _batch_failed(self, exc: Exception, step: int) -> BaseException:
+        """Making batch ``step`` raised: the user's Dataset or factory (their line named), torch failing on
+        their samples (collating samples of different shapes, a worker that died: the batch named), or the
+        machine's limits and convcheck's own errors unchanged."""
+        if isinstance(exc, ConvcheckError) or resource_reason(exc) is not None:
+            return exc
+        located = user_code_error(exc, f"making batch {step} of {self.where}")
+        if located is not None:
+            return located
+        what = f"{type(exc).__name__}: {first_line(exc)}" if first_line(exc) else type(exc).__name__
+        return UsageError(f"batch {step} of {self.where} could not be made: {what}")
 
     def _check_shape(self, inputs, target, step: int) -> None:
         shapes = [tuple(t.shape) for t in tensors_of(inputs) + tensors_of(target)]
