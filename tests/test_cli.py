@@ -149,7 +149,7 @@ def test_models_lists_the_zoo(capsys):
 def test_no_command_prints_help_and_exits_2(capsys):
     code, out, err = _run(capsys)
     assert code == 2
-    assert "compare" in out and "models" in out
+    assert out == "" and "compare" in err and "models" in err  # a usage error: its help goes to stderr
 
 
 # --- bad input: exit 2, one line on stderr, no traceback ------------------------------------------
