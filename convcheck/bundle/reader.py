@@ -4,12 +4,15 @@ A bundle is a directory or a ``.zip``. Every member is a regular file named by a
 without ``..`` (symbolic links, devices, FIFOs, absolute names are refused); the manifest is read
 with a size limit and checked field by field against ``convcheck.bundle/1``; every array is read
 with ``allow_pickle=False``, no larger than the shape its index declares, and must have exactly that
-shape and the storage dtype of its declared dtype. Anything else is a one-line ``UsageError``
+shape and the storage dtype of its declared dtype. Contents are checked too (``schema``'s list): each
+array file's SHA-256 where the index records one (older bundles have none), arrays finite where the
+writer only writes finite ones, and the manifest's rows consistent with themselves and the arrays. Anything else is a one-line ``UsageError``
 (exit 2) naming the bundle and what is wrong. Nothing is executed and nothing is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -234,7 +237,40 @@ def check_manifest(m) -> dict:
     if not isinstance(weights, dict) or not all(isinstance(v, bool) for v in weights.values()):
         raise _Bad("training.nonfinite_weights is not an object of true/false")
     _check_names(m)
+    _check_rows_content(m)
     return _check_arrays(_get(m, "arrays", dict, "manifest"))
+
+
+_FINITE_PARITY = ("u", "floor", "bound", "propagated", "local")
+
+
+def _check_rows_content(m: dict) -> None:
+    """The rows say what their own numbers give: a parity row's ``flagged`` is recomputed from its local
+    error, intrinsic error and floor (the run's tolerances); a row that counts no NaN/Inf has finite
+    errors; a non-finite loss is marked ``nonfinite_loss``. A row edited by hand fails here."""
+    from convcheck.numerics.tolerances import Tolerances
+
+    try:
+        tol = Tolerances(**m["tolerances"])
+    except (TypeError, ValueError) as exc:
+        raise _Bad(f"tolerances are not this convcheck's ({str(exc)[:80]})") from None
+    for i, r in enumerate(m["parity"]["rows"]):
+        where = f"parity.rows[{i}] ({r['kind']} {r['layer']!r:.40})"
+        clean = not (r["nan"] or r["inf"] or r["input_nonfinite"] or r["grad_out_nonfinite"]
+                     or r.get("grad_in_nonfinite"))
+        for col in _FINITE_PARITY:
+            v = r[col]
+            if isinstance(v, bool) or (clean and not math.isfinite(v)) or (math.isfinite(v) and v < 0):
+                raise _Bad(f"{where}.{col} is {v!r}, not what the writer records for a row with no NaN/Inf")
+        local, intrinsic, floor = r["local"], r["intrinsic"], r["floor"]
+        flagged = tol.is_flagged(local, floor) and (math.isnan(intrinsic) or tol.is_flagged(intrinsic, floor))
+        if flagged != r["flagged"]:
+            raise _Bad(f"{where}.flagged is {r['flagged']} but its local error {local:.3g} against its floor "
+                       f"{floor:.3g} says {flagged}: the row was edited")
+    for i, r in enumerate(m["training"]["curves"]):
+        if not math.isfinite(r["loss"]) and not r["nonfinite_loss"]:
+            raise _Bad(f"training.curves[{i}] (arm {r['arm']!r:.40} step {r['step']}) has loss {r['loss']} but "
+                       "nonfinite_loss false")
 
 
 def _check_names(m: dict) -> None:
@@ -269,6 +305,8 @@ def _check_arrays(arrays: dict) -> int:
             if not f.startswith(f"{group}/") or not f.endswith(".npz") or f in files:
                 raise _Bad(f"{where}.file {f!r} is not a fresh {group}/*.npz name")
             files.add(f)
+            if e.get("sha256") is not None:
+                _sha(e["sha256"], f"{where}.sha256")
             if group == "snapshots":
                 _get(e, "step", int, where)
                 continue
@@ -300,9 +338,22 @@ class Bundle:
     def __getitem__(self, key):
         return self.manifest[key]
 
-    def _load(self, rel: str, expected: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, np.ndarray]:
+    def _load(self, rel: str, expected: dict[str, tuple[tuple[int, ...], str]], sha256: str | None = None,
+              finite: str | None = None) -> dict[str, np.ndarray]:
+        """The arrays of ``rel``; its bytes must hash to ``sha256`` (when the index has one) and, with
+        ``finite`` (why they must be), every value must be finite."""
         limit = sum(_nbytes(s, d) + NPZ_SLACK for s, d in expected.values()) + NPZ_SLACK
         data = self.source.read(rel, limit)
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+            raise _Bad(f"{rel} does not hash to the SHA-256 its index records: the file was changed or swapped")
+        arrays = self._parse(rel, data, expected)
+        if finite is not None:
+            for key, a in arrays.items():
+                if not np.isfinite(a).all():
+                    raise _Bad(f"{rel}: array {key} holds NaN/Inf, but {finite}")
+        return arrays
+
+    def _parse(self, rel: str, data: bytes, expected: dict[str, tuple[tuple[int, ...], str]]) -> dict:
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 if set(z.files) != set(expected):
@@ -328,13 +379,24 @@ class Bundle:
         except _Bad as exc:
             raise UsageError(f"bundle {self.path}: {exc}") from None
 
+    def _clean_row(self, kind: str, name: str) -> bool:
+        """The parity row of this array counts no NaN/Inf anywhere (so the array the writer saved is finite)."""
+        field_name = "param" if kind == "grad" else "layer"
+        rows = [r for r in self.manifest["parity"]["rows"] if r["kind"] == kind and r.get(field_name) == name]
+        return bool(rows) and not any(r["nan"] or r["inf"] or r["input_nonfinite"] or r["grad_out_nonfinite"]
+                                      or r.get("grad_in_nonfinite") for r in rows)
+
     def forward(self, i: int) -> np.ndarray:
         e = self.manifest["arrays"]["forward"][i]
-        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])})["a"]
+        finite = "its parity row counts none" if self._clean_row("forward", e["key"]) else None
+        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])}, e.get("sha256"),
+                          finite)["a"]
 
     def grad(self, i: int) -> np.ndarray:
         e = self.manifest["arrays"]["grads"][i]
-        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])})["a"]
+        finite = "its parity row counts none" if self._clean_row("grad", e["param"]) else None
+        return self._wrap(self._load, e["file"], {"a": (tuple(e["shape"]), e["dtype"])}, e.get("sha256"),
+                          finite)["a"]
 
     def snapshot(self, step: int) -> list[np.ndarray] | None:
         """The parameters after ``step`` training steps, in the recorded order; None when not recorded."""
@@ -343,7 +405,11 @@ class Bundle:
             return None
         params = self.manifest["arrays"]["parameters"]
         expected = {f"p{i:05d}": (tuple(p["shape"]), p["dtype"]) for i, p in enumerate(params)}
-        arrays = self._wrap(self._load, entry["file"], expected)
+        curves = [r for r in self.manifest["training"]["curves"] if r["arm"] == self.manifest["target"]]
+        weights_finite = not self.manifest["training"].get("nonfinite_weights", {}).get(self.manifest["target"]) \
+            and not any(r["nonfinite_loss"] or r["nonfinite_grad"] for r in curves)
+        finite = "training kept the weights finite" if weights_finite else None
+        arrays = self._wrap(self._load, entry["file"], expected, entry.get("sha256"), finite)
         return [arrays[f"p{i:05d}"] for i in range(len(params))]
 
     def check_arrays(self) -> None:

@@ -10,6 +10,11 @@ A bundle is a directory, or one ``.zip`` of that directory's files::
     snapshots/step_NNNNN.npz the parameters after N training steps (arrays ``p00000``... in the
                              order ``manifest["arrays"]["parameters"]`` names)
 
+Each array file's SHA-256 is in its index entry (``sha256``; bundles written before it have none and
+are still read); the reader checks it, and checks the contents against the manifest's rows: an array is
+finite where its parity row counts no NaN/Inf, a snapshot where training kept the weights finite, each
+parity row's ``flagged`` is what its own numbers give, and a non-finite loss is marked ``nonfinite_loss``.
+
 Arrays are plain ``.npz`` (``np.savez``, uncompressed), read with ``allow_pickle=False``. A float64
 array is stored as float64; every other floating dtype (float32, bfloat16, float16) as float32,
 which holds it exactly; ``dtype`` in the index is the dtype the run had.

@@ -7,6 +7,7 @@ With ``zip_path`` the files are packed into one ``.zip`` at the end and the stag
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -51,21 +52,24 @@ class BundleWriter:
         for sub in ("forward", "grads", "snapshots"):
             (self.folder / sub).mkdir(exist_ok=True)
 
-    def _write(self, rel: str, data: bytes) -> None:
+    def _write(self, rel: str, data: bytes) -> str:
+        """Writes ``data`` to ``rel``; returns its SHA-256 (the index records it: the reader checks it)."""
         atomic_write_bytes(self.folder / rel, data)
+        return hashlib.sha256(data).hexdigest()
 
     def forward(self, key: str, module: str, t: torch.Tensor) -> None:
         arr, dtype = as_array(t)
         rel = f"forward/{len(self.index['forward']):05d}.npz"
-        self._write(rel, npz_bytes({"a": arr}))
+        sha = self._write(rel, npz_bytes({"a": arr}))
         self.index["forward"].append({"key": key, "module": module, "file": rel, "shape": list(arr.shape),
-                                      "dtype": dtype})
+                                      "dtype": dtype, "sha256": sha})
 
     def grad(self, param: str, t: torch.Tensor) -> None:
         arr, dtype = as_array(t)
         rel = f"grads/{len(self.index['grads']):05d}.npz"
-        self._write(rel, npz_bytes({"a": arr}))
-        self.index["grads"].append({"param": param, "file": rel, "shape": list(arr.shape), "dtype": dtype})
+        sha = self._write(rel, npz_bytes({"a": arr}))
+        self.index["grads"].append({"param": param, "file": rel, "shape": list(arr.shape), "dtype": dtype,
+                                    "sha256": sha})
 
     def snapshot(self, step: int, named_params: list[tuple[str, torch.Tensor]]) -> None:
         if not self.index["parameters"]:
@@ -73,8 +77,8 @@ class BundleWriter:
                                         for n, p in named_params]
         arrays = {f"p{i:05d}": as_array(p)[0] for i, (_, p) in enumerate(named_params)}
         rel = f"snapshots/step_{step:05d}.npz"
-        self._write(rel, npz_bytes(arrays))
-        self.index["snapshots"].append({"step": step, "file": rel})
+        sha = self._write(rel, npz_bytes(arrays))
+        self.index["snapshots"].append({"step": step, "file": rel, "sha256": sha})
 
     def finish(self, manifest: dict) -> None:
         manifest.update(schema=SCHEMA, arrays=self.index)

@@ -30,13 +30,30 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 
 def run_diff(args) -> int:
     from convcheck.bundle.diff import diff_bundles
+    from convcheck.errors import UsageError
     from convcheck.report.folder import RunFolder
 
+    if args.out is not None and not str(args.out).strip():
+        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     folder = None
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
-    result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    with _removed_if_empty(folder):  # a bundle refused: the --out folder this run made goes too
+        result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
     return _finish(result, fps, differences, folder, args)
+
+
+class _removed_if_empty:
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is not None and self.folder is not None:
+            self.folder.discard_if_empty()
+        return False
 
 
 def _show(result, differences, args) -> None:
@@ -44,6 +61,7 @@ def _show(result, differences, args) -> None:
         from convcheck.report.export import summary_dict
 
         summary = summary_dict(result)
+        summary.setdefault("complete", True)
         summary["env_diff"] = [d.to_dict() for d in differences]
         print(json.dumps(summary, indent=2))
         return
@@ -94,10 +112,12 @@ def run_against(args) -> int:
     if args.model not in ("lenet", recorded["model"]["spec"]):
         raise UsageError(f"--model {args.model}: the run in {args.against} recorded {recorded['model']['spec']}")
     folder = None
+    if args.out is not None and not str(args.out).strip():
+        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     cfg = config_of(recorded, None, args.judge)
-    with tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
+    with _removed_if_empty(folder), tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
         here = Path(tmp) / "here"
         here.mkdir()
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
