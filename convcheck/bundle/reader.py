@@ -252,7 +252,7 @@ def _check_rows_content(m: dict) -> None:
 
     try:
         tol = Tolerances(**m["tolerances"])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, UsageError) as exc:
         raise _Bad(f"tolerances are not this convcheck's ({str(exc)[:80]})") from None
     for i, r in enumerate(m["parity"]["rows"]):
         where = f"parity.rows[{i}] ({r['kind']} {r['layer']!r:.40})"
@@ -344,9 +344,9 @@ class Bundle:
         ``finite`` (why they must be), every value must be finite."""
         limit = sum(_nbytes(s, d) + NPZ_SLACK for s, d in expected.values()) + NPZ_SLACK
         data = self.source.read(rel, limit)
+        arrays = self._parse(rel, data, expected)  # what it is first (a damaged file says how), then whose
         if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise _Bad(f"{rel} does not hash to the SHA-256 its index records: the file was changed or swapped")
-        arrays = self._parse(rel, data, expected)
         if finite is not None:
             for key, a in arrays.items():
                 if not np.isfinite(a).all():
