@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -103,10 +104,38 @@ def resource_reason(exc: BaseException) -> str | None:
     return None
 
 
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for one terminal line: ANSI colour/cursor sequences (a user exception's message,
+    coloured by their logger) dropped, other control characters (a newline in a path) written as escapes."""
+    text = _ANSI.sub("", text)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def first_line(exc: BaseException, limit: int = _MAX_MESSAGE) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    text = lines[0].strip() if lines else ""
+    lines = [ln for ln in _ANSI.sub("", str(exc)).strip().splitlines() if ln.strip()]
+    text = printable(lines[0].strip()) if lines else ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _whole_line(exc: BaseException, limit: int = 2000) -> str:
+    """convcheck's own message, all of it on one line (a path holding a newline is not cut there)."""
+    text = printable(str(exc).strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def unwritable(exc: BaseException) -> str | None:
+    """A file or folder this machine will not let convcheck write (a read-only mount, no permission): the
+    user's choice of path, exit 2 naming it. None for anything else."""
+    if isinstance(exc, OSError) and exc.errno in _UNWRITABLE and exc.filename:
+        return f"cannot write {printable(str(exc.filename))}: {exc.strerror or os.strerror(exc.errno)}"
+    return None
 
 
 def _is_library(filename: str, module: str | None) -> bool:
@@ -251,12 +280,14 @@ def user_exit(exc: BaseException) -> bool:
 def classify(exc: BaseException, during: str = "") -> Failure:
     """Exit code and line for any exception that reached the top."""
     if isinstance(exc, ConvcheckError):
-        return Failure(exc.exit_code, first_line(exc, 2000) or type(exc).__name__)
+        return Failure(exc.exit_code, _whole_line(exc) or type(exc).__name__)
     reason = resource_reason(exc)
     if reason:
         when = f" during {during}" if during else ""
         hint = " (try a smaller --batch-size)" if "memory" in reason else ""
         return Failure(EXIT_RESOURCE, f"{reason}{when}{hint}")
+    if unwritable(exc):  # whoever's code tried: the path is the user's to change
+        return Failure(EXIT_USAGE, unwritable(exc))
     user = user_code_error(exc, during) or model_on_data_error(exc, during)
     if user is not None:
         return Failure(EXIT_USAGE, str(user))

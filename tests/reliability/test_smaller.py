@@ -1,0 +1,39 @@
+"""The smaller items of issue 27: what reaches the terminal is one clean line, and paths convcheck may not
+write are the user's to change (exit 2), not a bug in convcheck."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from tests.reliability.conftest import TINY, assert_one_error_line, run_cli
+
+EXITS = Path(__file__).parent / "user" / "exits.py"
+
+
+def test_ansi_escapes_of_a_user_exception_do_not_reach_the_terminal(capsys):
+    code, _, err = run_cli(capsys, ["compare", "--model", f"{EXITS}:good", "--loss", f"{EXITS}:loss_coloured_error",
+                                    *TINY, "--no-save"])
+    line = assert_one_error_line(code, 2, err, "shape mismatch in my loss")
+    assert "\x1b" not in err and "\x07" not in err, repr(err)
+
+
+def test_an_out_path_with_a_newline_is_named_whole(capsys, tmp_path):
+    (tmp_path / "a\nb").write_text("a file, not a folder")
+    code, _, err = run_cli(capsys, ["compare", "--model", f"{EXITS}:good", *TINY, "--out", str(tmp_path / "a\nb")])
+    line = assert_one_error_line(code, 2, err, "a\\nb")
+    assert "is not a directory" in line
+
+
+def test_record_on_a_read_only_mount_is_exit_2_naming_the_path(capsys, tmp_path, monkeypatch):
+    """EROFS cannot be made without mounting (and root ignores permissions): the folder's mkdir fails as
+    a read-only mount makes it fail."""
+    def read_only(self, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    code, _, err = run_cli(capsys, ["record", "--model", f"{EXITS}:good", "--input-shape", "1,4,4", "--classes", "3",
+                                    "--target", "cpu", "--steps", "1", "--batch-size", "2", "--envelope", "0",
+                                    "--out", str(tmp_path / "mnt" / "run")])
+    line = assert_one_error_line(code, 2, err, "cannot write")
+    assert "Read-only file system" in line and "mnt/run" in line
