@@ -108,3 +108,13 @@ def test_an_ignored_hangup_stays_ignored(tmp_path):
     proc.send_signal(signal.SIGTERM)
     code, out, err = _finish(proc)
     assert code == 3 and "interrupted (SIGTERM)" in _one_line(err), err
+
+
+def test_a_ctrl_c_after_the_report_is_written_changes_nothing(tmp_path):
+    env = {**os.environ, "CONVCHECK_NO_PROGRESS": "1", "NO_COLOR": "1", "PYTHONPATH": str(ROOT), "CC_AT": ""}
+    proc = subprocess.run([sys.executable, "-m", "convcheck", "compare", "--model",
+                           f"{STOPPABLE}:make_then_ctrl_c_at_exit", *TINY, "--out", "run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "interrupted" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["complete"] is True

@@ -37,3 +37,12 @@ def make():
     if os.environ.get("CC_AT") == "factory":
         _wait()
     return _Net()
+
+
+def make_then_ctrl_c_at_exit():
+    """The model, and a Ctrl-C delivered as the process exits (after the report is written)."""
+    import atexit
+    import signal
+
+    atexit.register(os.kill, os.getpid(), signal.SIGINT)
+    return _Net()
