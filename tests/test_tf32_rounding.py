@@ -178,6 +178,8 @@ def test_the_frexp_form_rounds_as_the_bits_do():
     """float64 subnormals go the frexp way: the same rule on the scaled significand."""
     x = torch.tensor([1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-11 + 2.0**-30, 1024.5], dtype=torch.float64)
     tiny = torch.tensor([5e-324], dtype=torch.float64)  # forces the frexp path
+    zeros = round_to(torch.tensor([-0.0, 0.0, 5e-324], dtype=torch.float64), TF32)
+    assert torch.signbit(zeros[:2]).tolist() == [True, False]  # -0.0 stays negative there too
     for fmt, want in [(TF32, [1 + 2.0**-10, 1 + 2.0**-9, 1 + 2.0**-10, 1025.0]),
                       (TF32_RNE, [1.0, 1 + 2.0**-9, 1 + 2.0**-10, 1024.0]),
                       (TF32_RZ, [1.0, 1 + 2.0**-10, 1.0, 1024.0])]:

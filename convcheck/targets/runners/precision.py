@@ -117,7 +117,7 @@ def check_rounding(fmt: NumberFormat) -> None:
 
 
 def _ties_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)  # exact: |x| < 2^bits, far below the dtype's precision
+    return torch.copysign(torch.floor(x.abs() + 0.5), x)  # exact: |x| < 2^bits, far below the dtype's precision
 
 
 _ROUNDERS = {RNE: torch.round, RNA: _ties_away, RZ: torch.trunc}  # on a scaled significand (frexp's form)
