@@ -10,6 +10,7 @@ rounding moves the end); for the judge, the run converges.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Sequence
@@ -22,6 +23,7 @@ from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.plan.user_code import one_line
 from convcheck.targets.spec import Target
 from convcheck.verify.actions import Action, Context, actions_for
+from convcheck.verify.bisect import candidates, ddmin
 from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
 
 TRACK_MARGIN = FRAGILE_MARGIN  # a re-run ending within 10% of the judge's final loss tracks it
@@ -66,7 +68,10 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                                  judge_losses, allowed))
         if attempts[-1].verified:
             break
-    untried = tuple(a.text for a in actions[len(attempts):]) if not attempts[-1].verified else ()
+    if mode is True and not attempts[-1].verified and _bisectable(verdict, target, is_judge):
+        attempts.append(_bisect(target, judge, build, data, recipe, steps, seed, tolerances, training,
+                                judge_losses, allowed))
+    untried = tuple(a.text for a in actions[len(attempts):]) if not any(a.verified for a in attempts) else ()
     spent = sum(a.seconds for a in attempts)
     ratio = spent / arm_seconds if arm_seconds and math.isfinite(arm_seconds) and arm_seconds > 0 else math.nan
     ok = next((a for a in attempts if a.verified), None)
@@ -82,6 +87,44 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                 f"converge and track the judge ({'; '.join(a.text for a in attempts)}): the diagnosis may be "
                 "wrong (low confidence)")
     return Verification(NOT_VERIFIED, line, tuple(attempts), untried, cost_ratio=ratio)
+
+
+def _bisectable(verdict: Verdict, target: Target, is_judge: bool) -> bool:
+    """Precision bisection fits a 16-bit target whose trouble is numerical (a layer, a NaN/Inf producer)."""
+    return (not is_judge and target.world is None and target.runner.half_compute
+            and verdict.category in ("layer", "numerics"))
+
+
+def _bisect(target: Target, judge: Target, build, data, recipe, steps: int, seed: int, tolerances: Tolerances,
+            training: TrainResult, judge_losses: list[float], allowed: float) -> Attempt:
+    """Delta debugging over the model's modules for the smallest set kept in float32 that makes the arm
+    track the judge; each probe runs up to two steps past the arm's first NaN/Inf (all steps without one),
+    the set found is confirmed by a full re-run (the attempt returned)."""
+    t0 = time.perf_counter()
+    outcome = training.outcomes.get(target)
+    bad = outcome.first_nonfinite_step if outcome is not None else None
+    short = steps if bad is None else min(steps, bad + 2)
+    names = candidates(build(target))
+    probes = [0]
+
+    def passes(kept: tuple[str, ...]) -> bool:
+        probes[0] += 1
+        a = Action("float32-module", "", modules=kept)
+        return _attempt(a, target, judge, False, build, data, recipe, short, seed, tolerances,
+                        judge_losses[:short], allowed).verified
+
+    found = ddmin(names, passes)
+    if found is None:
+        return Attempt("bisect", "with every module in float32", "", str(target), False,
+                       f"not verified: even with every module of the model in float32 ({probes[0]} probe), "
+                       f"{target} does not track the judge: the cause is not the precision of some modules",
+                       (), False, math.nan, allowed, time.perf_counter() - t0)
+    quoted = ", ".join(f"'{n}'" for n in found)
+    text = (f"with {quoted} in float32 (the smallest set: bisection over {len(names)} modules, "
+            f"{probes[0]} probes of {short} steps)")
+    done = _attempt(Action("float32-module", text, modules=found), target, judge, False, build, data, recipe, steps,
+                    seed, tolerances, judge_losses, allowed)
+    return dataclasses.replace(done, kind="bisect", seconds=time.perf_counter() - t0)
 
 
 def _failing(verdict: Verdict, targets: Sequence[Target], judge: Target) -> tuple[Target | None, bool]:
