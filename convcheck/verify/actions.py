@@ -140,7 +140,7 @@ def keep_in_float32(model, names={names}):
                                                        and a.dtype == torch.float32 else a for a in args))
     return model
 
-model = keep_in_float32(model)  # after model.half() / before training
+# model = keep_in_float32(model)  # after model.half() (or under autocast), before building the optimizer
 """
 
 
