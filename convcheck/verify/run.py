@@ -16,6 +16,7 @@ import math
 import time
 from typing import Sequence
 
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
 from convcheck.measure.train import TrainConfig, TrainResult, converged, run_training
 from convcheck.measure.train.arms import Arm
@@ -90,10 +91,15 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     return Verification(NOT_VERIFIED, line, tuple(attempts), untried, cost_ratio=ratio)
 
 
+# what a module's own precision causes (not weights an optimizer step breaks: every layer holds weights)
+_MODULE_CAUSES = (*S.NONFINITE_TENSORS, S.OUT_OF_RANGE, S.ILL_CONDITIONED, S.GRADSCALER_COLLAPSE)
+
+
 def _bisectable(verdict: Verdict, target: Target, is_judge: bool) -> bool:
-    """Precision bisection fits a 16-bit target whose trouble is numerical (a layer, a NaN/Inf producer)."""
+    """Precision bisection fits a 16-bit target whose trouble one module's precision causes (a layer error,
+    a NaN/Inf producer, an overflow), not weights the optimizer step makes NaN."""
     return (not is_judge and target.world is None and target.runner.half_compute
-            and verdict.category in ("layer", "numerics"))
+            and (verdict.category == "layer" or verdict.sub_cause in _MODULE_CAUSES))
 
 
 def _bisect(target: Target, judge: Target, build, data, recipe, steps: int, seed: int, tolerances: Tolerances,
