@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 from convcheck.pipeline import compare  # noqa: E402
-from test_verify import mlp, softmax_net, two_overflows_net  # noqa: E402
+from scenarios.verify_models import mlp, softmax_net, two_overflows_net  # noqa: E402
 
 MNIST = dict(input_shape=(1, 28, 28), num_classes=10)
 

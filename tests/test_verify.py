@@ -6,6 +6,8 @@ line is what the user reads (terminal, summary.json, assert_parity's message).""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,34 +19,13 @@ from convcheck.errors import UsageError
 from convcheck.pipeline import compare
 from convcheck.plan.config import CompareConfig
 from convcheck.report.export import summary_dict
-from convcheck.verify import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Context, actions_for
+from convcheck.verify import NOT_VERIFIED, SKIPPED, VERIFIED, Context, actions_for
 from convcheck.verify.actions import float32_snippet
 from convcheck.verify.bisect import ddmin
 
-from scenarios.models import Gain
+from scenarios.verify_models import mlp, softmax_net, two_overflows_net
 
 MNIST = dict(input_shape=(1, 28, 28), num_classes=10)
-
-
-class NaiveSoftmax(nn.Module):
-    """A softmax with a temperature, written without subtracting the max: exp(10 x) passes float16's
-    65504 once x > 1.1 (float32 holds it), and Inf / Inf is NaN."""
-
-    def forward(self, x):
-        e = torch.exp(x * 10.0)
-        return e / e.sum(dim=-1, keepdim=True)
-
-
-def softmax_net() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), NaiveSoftmax(), nn.Linear(64, 10))
-
-
-def two_overflows_net() -> nn.Module:
-    """Two places where activations pass float16's range (scaled up, then back down): both must stay in
-    float32; the verdict names the first."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), Gain(1e5), Gain(1e-5), nn.ReLU(), nn.Linear(64, 64),
-                         Gain(1e5), Gain(1e-5), nn.Linear(64, 10))
-
 
 RUN = dict(steps=6, envelope=0, batch_size=16, optimizer="sgd", lr=0.1, env_findings=[], **MNIST)
 
@@ -121,10 +102,6 @@ def test_bisection_finds_both_modules_and_its_snippet_makes_training_finite():
         assert torch.isfinite(loss).item() is finite
 
 
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 def test_raising_adams_eps_in_a_float16_model_verifies():
     """Adam's default eps (1e-8) is 0 in float16: the first step makes weights 0/0 = NaN. Raised to 1e-4
     (the judge re-run with it too, as the recipe changed), the float16 model trains."""
@@ -196,3 +173,27 @@ def test_actions_fit_the_verdict_and_the_recipe():
 def test_verify_option_is_validated():
     with pytest.raises(UsageError, match="verify must be True, False or None"):
         CompareConfig(verify="yes")
+
+
+MODELS = str(Path(__file__).resolve().parent / "scenarios" / "verify_models.py")
+CLI = ["compare", "--model", f"{MODELS}:softmax_net", "--input-shape", "1,28,28", "--classes", "10",
+       "--targets", "cpu,cpu:fp16", "--steps", "4", "--envelope", "0", "--batch-size", "16", "--optimizer", "sgd",
+       "--lr", "0.1"]
+
+
+@pytest.mark.parametrize("flag", [None, "--no-verify"])
+def test_the_terminal_and_summary_show_the_verification(flag, tmp_path, monkeypatch, capsys):
+    from convcheck.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONVCHECK_NO_PROGRESS", "1")
+    code = main(CLI + ["--out", "run"] + ([flag] if flag else []))
+    out = capsys.readouterr().out
+    assert code == 1  # a numerics verdict: verified or not, the run still has the problem
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if flag is None:
+        assert "verified: with '2' in float32, cpu:fp16" in out
+        assert summary["verification"]["status"] == "verified"
+    else:
+        assert "verified" not in out
+        assert summary["verification"]["status"] == "skipped"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 def verification_lines(result, *, snippet: bool = True) -> list[str]:
     """``result.verification`` as lines: the verified/not verified line, each attempt that came before,
-    the paste-ready change of a verified remedy; why nothing ran when it was skipped for its cost."""
+    the paste-ready code of a set of modules found by bisection (summary.json has every attempt's);
+    why nothing ran when it was skipped for its cost."""
     v = getattr(result, "verification", None)
     if v is None:
         return []
@@ -16,7 +17,7 @@ def verification_lines(result, *, snippet: bool = True) -> list[str]:
     ok = v.verified
     if ok is not None:
         lines = [a.line for a in v.attempts if a is not ok] + lines
-        if snippet and ok.snippet:
+        if snippet and ok.snippet and ok.kind == "bisect":  # a set of modules: the code to paste
             lines += ["the change, applied:", *("    " + s for s in ok.snippet.rstrip().splitlines())]
     elif len(v.attempts) > 1:
         lines += [f"  {a.line}" for a in v.attempts]
