@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("targets",),
     ("plan",),
     ("measure",),
-    ("diagnose",),
+    ("diagnose", "verify"),
     ("ddp",),
     ("report",),
     ("stages",),
