@@ -2,7 +2,9 @@
 the data, the step and layer where the two part beyond rounding, the first non-finite producer of each,
 the environments diffed; a ``Verdict`` in ``compare``'s categories (exit 0 ok, 1 otherwise).
 
-"Beyond rounding": a layer's output statistics (max |x|, mean, std) of the two runs differ by more than
+"Beyond rounding": at a step both runs snapshotted, a layer's input or output differs element by element
+by more than ``PART_FACTOR`` unit roundoffs of the coarser dtype (relative norm); at other steps, its output
+statistics (max |x|, mean, std) of the two runs differ by more than
 ``PART_FACTOR`` unit roundoffs of the coarser of the two output dtypes (relative to the layer's std, or
 its max |x| when the std is 0); NaN/Inf present on one side only always parts. Replaying the snapshot
 layers through the float64 judge is not done here (issue 25's stretch goal).
@@ -11,6 +13,8 @@ layers through the float64 judge is not done here (issue 25's stretch goal).
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.diagnose.verdict import Verdict
@@ -85,8 +89,44 @@ def _coarser(ra: dict, rb: dict) -> str:
     return max((ra["dtype"], rb["dtype"]), key=lambda d: UNIT_ROUNDOFF.get(d, 0))
 
 
+def _dtypes_at(run: WatchedRun, step: int) -> dict[str, str]:
+    e = next(s for s in run["snapshots"] if s["step"] == step)
+    return {x["key"]: x["dtype"] for x in e["arrays"]}
+
+
+def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
+    """Element by element at a step both runs snapshotted: each leaf's first input, then its first output,
+    in the order the layers ran; an input that parts while the layer before did not was made by own code."""
+    sa, sb = a.snapshot(step), b.snapshot(step)
+    da, db = _dtypes_at(a, step), _dtypes_at(b, step)
+    for layer in a.steps[step]["layers"]:
+        for what, key in (("input", f"in/{layer}/0/0"), ("output", f"out/{layer}/0/0")):
+            if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
+                continue
+            x, y = sa[key].astype(np.float64), sb[key].astype(np.float64)
+            fa, fb = np.isfinite(x).all(), np.isfinite(y).all()
+            if fa != fb:
+                return Parting(step, layer, f"its {what} is non-finite in {'B' if fa else 'A'} only")
+            if not fa:
+                continue
+            norm = max(np.linalg.norm(x), np.linalg.norm(y))
+            d = float(np.linalg.norm(x - y) / norm) if norm else 0.0
+            u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
+            if d > PART_FACTOR * u:
+                coarser = max((da[key], db[key]), key=lambda t: UNIT_ROUNDOFF.get(t, 0))
+                origin = " (made by the own code that runs before it)" if what == "input" else ""
+                return Parting(step, layer, f"its {what}{origin} differs by {d:.3g} (relative, element by "
+                                            f"element), {d / u:.3g}x the roundoff of {coarser}")
+    return None
+
+
 def first_parting(a: WatchedRun, b: WatchedRun, steps: int) -> Parting | None:
+    snapped = {s["step"] for s in a["snapshots"]} & {s["step"] for s in b["snapshots"]}
     for k in range(steps):
+        if k in snapped:
+            found = snapshot_parting(a, b, k)
+            if found is not None:
+                return found
         la, lb = a.steps[k]["layers"], b.steps[k]["layers"]
         for name in la:
             if name in lb:

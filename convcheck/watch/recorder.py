@@ -107,6 +107,7 @@ class Watch:
         self.order: list[str] = []
         self.hashes: list[str] = []
         self.grad_norms: dict[str, float] | None = None
+        self.lr_used: list[float] | None = None
         self.stepped = self.pending = False
         self.taker = SnapshotTaker(self.names) if self._snapshotting(self.step_index) else None
 
@@ -198,6 +199,7 @@ class Watch:
             self.snapshot_steps.add(self.step_index)
 
     def _pre_step(self, optimizer, args, kwargs):
+        self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
         self.grad_norms = self._norms()
         if self.taker is not None:
             self.taker.take_grads(self.params)
@@ -226,7 +228,7 @@ class Watch:
         self._end_step(loss=value)
 
     def _end_step(self, loss) -> None:
-        record = {"step": self.step_index, "loss": loss, "lr": self._lrs(), "batch_sha256": self.hashes,
+        record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
         if self.scaler is not None:
