@@ -63,7 +63,7 @@ def batch_hash(args, kwargs) -> str:
 
 
 def _nonfinite(ts) -> bool:
-    return any(not bool(torch.isfinite(t).all()) for t in ts)
+    return any(not _stats.finite(t) for t in ts)
 
 
 def math_flags() -> dict:
@@ -108,6 +108,7 @@ class Watch:
         self.hashes: list[str] = []
         self.grad_norms: dict[str, float] | None = None
         self.lr_used: list[float] | None = None
+        self.last_leaf: tuple | None = None
         self.stepped = self.pending = False
         self.taker = SnapshotTaker(self.names) if self._snapshotting(self.step_index) else None
 
@@ -167,23 +168,32 @@ class Watch:
             return None
         name = self.names[module]
         outs = _floats(output)
+        row = None
         if module in self.leaves:
             for t in outs[:1]:
-                self.layers[name] = _stats.merge(self.layers.get(name), _stats.measure(t))
+                row = _stats.measure(t)
+                self.layers[name] = _stats.merge(self.layers.get(name), row)
             if name not in self.order:
                 self.order.append(name)
         if self.taker is not None and module in self.leaves:
             self.taker.take_call(name, _floats(args), outs)
         if self.producer is None:
-            if outs and _nonfinite(outs) and not _nonfinite(_floats(args)):
+            if row is not None:
+                bad = row["nan"] + row["inf"] > 0 or _nonfinite(outs[1:])
+                self.last_leaf = (outs[0], bool(bad))
+            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1:
+                bad = self.last_leaf[1]  # a container handing on its last leaf's output: already measured
+            else:
+                bad = _nonfinite(outs)
+            if outs and bad and not _nonfinite(_floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
-            elif outs and outs[0].requires_grad:
-                outs[0].register_hook(self._grad_hook(name))
+            elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
+                outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
         return None
 
     def _grad_hook(self, name: str):
         def hook(grad):
-            if self.producer is None and not bool(torch.isfinite(grad).all()):
+            if self.producer is None and not _stats.finite(grad):
                 after = self.order.index(name) + 1 if name in self.order else len(self.order)
                 consumer = self.order[after] if after < len(self.order) else "the loss"
                 self._found(consumer, "backward", "module" if consumer != "the loss" else "own code",
@@ -211,8 +221,8 @@ class Watch:
         return None
 
     def _norms(self) -> dict[str, float]:
-        return {n: float(p.grad.detach().norm(dtype=torch.float64)) if p.grad.dtype != torch.float64
-                else float(p.grad.detach().norm()) for n, p in self.params if p.grad is not None}
+        return {n: float(torch.linalg.vector_norm(p.grad.detach(), dtype=_stats.reduce_dtype(p.grad)))
+                for n, p in self.params if p.grad is not None}
 
     # --- the user's call -----------------------------------------------------------
     def step(self, loss=None) -> None:

@@ -1,7 +1,7 @@
 """One tensor's statistics, as NVIDIA's per-layer FP8 inspector logs them, accumulated over a step.
 
-Nothing here changes a tensor: every reduction reads a detached view. Sums are taken in float64 so
-that the mean and std of a bfloat16 output are not themselves rounded."""
+Nothing here changes a tensor: every reduction reads a detached view. Half-precision tensors are
+reduced in float32 so that the mean and std of a bfloat16 output are not themselves rounded to bfloat16."""
 
 from __future__ import annotations
 
@@ -16,30 +16,46 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+def reduce_dtype(t: torch.Tensor):
+    """The dtype to reduce in: float32 for half types (torch would round their sum to the half type)."""
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: one sum (no mask tensor); a sum that overflows from finite
+    values is told apart by the exact check."""
+    x = t.detach()
+    return math.isfinite(float(x.sum(dtype=reduce_dtype(x)))) or bool(torch.isfinite(x).all())
+
+
 def measure(t: torch.Tensor) -> dict:
-    """Raw accumulators of one floating tensor: count, finite sums, extremes, zeros, NaN/Inf counts."""
+    """Raw accumulators of one floating tensor: count, finite sums, extremes, zeros, NaN/Inf counts.
+    Reductions without temporaries where torch has them (sum, norms, count_nonzero); the smallest
+    nonzero magnitude needs a masked copy only when the tensor holds zeros."""
     x = t.detach()
     n = x.numel()
-    total = x.sum(dtype=torch.float64)
-    a = x.abs()
+    acc = reduce_dtype(x)
+    total = float(x.sum(dtype=acc))
     nan = inf = 0
-    if not math.isfinite(float(total)):
-        finite = torch.isfinite(x)
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
-        x = x[finite]
-        a = a[finite]
-        total = x.sum(dtype=torch.float64)
+    if not math.isfinite(total):
+        keep = torch.isfinite(x)
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        x = x[keep]
+        total = float(x.sum(dtype=acc))
     if x.numel() == 0:
         return {"n": n, "sum": 0.0, "sumsq": 0.0, "max_abs": 0.0, "min_nonzero": None, "zeros": 0,
                 "nan": nan, "inf": inf, "dtype": dtype_name(t), "calls": 1}
-    sumsq = torch.dot(x.reshape(-1).to(torch.float64), x.reshape(-1).to(torch.float64)) \
-        if x.dtype != torch.float64 else (x * x).sum()
-    zero = a == 0
-    zeros = int(zero.sum())
-    max_abs = float(a.max())
-    min_nonzero = None if zeros == x.numel() else float(a.masked_fill(zero, math.inf).min())
-    return {"n": n, "sum": float(total), "sumsq": float(sumsq), "max_abs": max_abs, "min_nonzero": min_nonzero,
+    norm = float(torch.linalg.vector_norm(x, dtype=acc))
+    max_abs = float(torch.linalg.vector_norm(x, ord=math.inf, dtype=acc))
+    zeros = x.numel() - int(torch.count_nonzero(x))
+    if zeros == 0:
+        min_nonzero = float(torch.linalg.vector_norm(x, ord=-math.inf, dtype=acc))
+    elif zeros == x.numel():
+        min_nonzero = None
+    else:
+        a = x.abs()
+        min_nonzero = float(a.masked_fill_(a == 0, math.inf).min())
+    return {"n": n, "sum": total, "sumsq": norm * norm, "max_abs": max_abs, "min_nonzero": min_nonzero,
             "zeros": zeros, "nan": nan, "inf": inf, "dtype": dtype_name(t), "calls": 1}
 
 
