@@ -4,12 +4,12 @@ then written as one ``snapshots/step_NNNNN.npz``. Copies are taken on the CPU; n
 
 from __future__ import annotations
 
-import io
+import os
+import tempfile
 
 import numpy as np
 import torch
 
-from convcheck.files import atomic_write_bytes
 
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
@@ -60,12 +60,19 @@ class SnapshotTaker:
 
     def write(self, folder, step: int) -> dict:
         keys = sorted(self.arrays)
-        buf = io.BytesIO()
-        np.savez(buf, **{f"a{i:05d}": self.arrays[k][0] for i, k in enumerate(keys)})
         rel = f"snapshots/step_{step:05d}.npz"
-        data = buf.getvalue()
-        atomic_write_bytes(folder / f"step_{step:05d}.npz", data)
-        entry = {"step": step, "file": rel, "bytes": len(data), "partial": self.partial,
+        path = folder / f"step_{step:05d}.npz"
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        try:  # streamed to the file (no second copy in memory), renamed into place
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **{f"a{i:05d}": self.arrays[k][0] for i, k in enumerate(keys)})
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        data_len = path.stat().st_size
+        entry = {"step": step, "file": rel, "bytes": data_len, "partial": self.partial,
                  "arrays": [{"key": k, "shape": list(self.arrays[k][0].shape), "dtype": self.arrays[k][1]}
                             for k in keys]}
         self.arrays.clear()

@@ -144,3 +144,15 @@ def test_a_zipped_run_reads_and_a_mixed_pair_is_refused(runs, tmp_path, capsys):
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / "manifest.json").write_text(json.dumps({"schema": "convcheck.bundle/1"}))
     _one_line_refusal(capsys, runs / "fp32", tmp_path / "rec", "one run is watched")
+
+
+def test_the_example_script_run_twice_and_diffed(tmp_path, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    example = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "watch_loop.py"))
+    for precision in ("fp32", "fp16"):
+        monkeypatch.setenv("CONVCHECK_PRECISION", precision)
+        example["main"](str(tmp_path / precision))
+    code, out, _ = diff(capsys, tmp_path / "fp32", tmp_path / "fp16")
+    assert code == 1 and "first non-finite in B: att (own code, forward) at step 4" in out
