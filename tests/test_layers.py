@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("report",),
     ("stages",),
     ("pipeline",),
-    ("bundle",),
+    ("bundle", "watch"),
     ("assertions",),
     ("cli", "pytest_plugin", "__main__"),
 ]
