@@ -7,6 +7,7 @@ recipe, weights, data) -> measure (parity, training) -> evidence (environment au
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,7 +22,7 @@ from convcheck.measure.parity import ParityResult
 from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
-                              out_of_memory_explained, plan)
+                              out_of_memory_explained, plan, verify)
 from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
@@ -47,6 +48,7 @@ class CompareResult:
     recipe: Recipe | None = None  # the loss, optimizer and schedule as built
     batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
     loss_batch_ratio: float = float("nan")  # loss(batch) / mean(loss(halves)): ~1 averaged, ~2 summed
+    verification: object | None = None  # a convcheck.verify.Verification: the verdict's remedies re-run
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -110,13 +112,16 @@ def compare(
             arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
             training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
         env = audit_environment(env_findings, fingerprint)
-        return decide_verdict(CompareResult(
+        result = decide_verdict(CompareResult(
             model=run.model, config=cfg, parity=parity, training=training, data_source=run.data.source,
             batch_hashes=run.data.hashes, init_hash=hash_state_dict(run.initial_state),
             data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
             fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
             batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio,
         ))
+        with out_of_memory_explained():
+            checked = _timed(timings, "verify_s", lambda: verify(run, result, cfg.verify))
+        return dataclasses.replace(result, verification=checked)
 
 
 def _timed(timings: dict[str, float], key: str, work):
