@@ -226,7 +226,7 @@ def cast_like(t, like: torch.Tensor | None, device: torch.device):
 
 # --- shared dropout masks ---------------------------------------------------------------
 
-_SHARED_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+SHARED_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 
 class SharedDropoutMasks:
@@ -250,7 +250,7 @@ class SharedDropoutMasks:
 
     def __enter__(self) -> "SharedDropoutMasks":
         for m in self.model.modules():
-            if isinstance(m, _SHARED_DROPOUT):
+            if isinstance(m, SHARED_DROPOUT):
                 self._handles.append(m.register_forward_hook(self._hook))
         return self
 
@@ -278,4 +278,4 @@ class SharedDropoutMasks:
 
 
 def is_shared_dropout(module: nn.Module) -> bool:
-    return isinstance(module, _SHARED_DROPOUT) and module.training and module.p > 0
+    return isinstance(module, SHARED_DROPOUT) and module.training and module.p > 0

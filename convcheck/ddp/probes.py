@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from convcheck.capture import _SHARED_DROPOUT, leaf_modules
+from convcheck.capture import SHARED_DROPOUT, leaf_modules
 from convcheck.ddp.syncbn import GlooSyncBatchNorm
 
 
@@ -112,7 +112,7 @@ class DrawProbe:
         for name, m in model.named_modules():
             if not name:
                 continue
-            if isinstance(m, _SHARED_DROPOUT):  # covered: its draw is undone
+            if isinstance(m, SHARED_DROPOUT):  # covered: its draw is undone
                 self._handles += [m.register_forward_pre_hook(self._save(name)),
                                   m.register_forward_hook(self._restore(name))]
             else:

@@ -53,7 +53,7 @@ def _everywhere(states: dict, msg: tuple, rank: int, world: int, target=None):
     description)`` naming the root cause: a rank that fails posts its description to the launcher's
     store and leaves (its peers' collectives then fail), so rank 0 names it rather than its own
     connection error. A failing rank other than 0 raises the one line the CLI prints."""
-    from convcheck.ddp.worker import RankState, _describe
+    from convcheck.ddp.worker import RankState, describe_rank_failure
 
     try:
         if msg[0] == "open":
@@ -64,7 +64,7 @@ def _everywhere(states: dict, msg: tuple, rank: int, world: int, target=None):
             states.pop(msg[1], None)
         return ("ok", 0, None)
     except Exception as exc:  # noqa: BLE001 - one line naming the rank
-        info = _describe(exc)
+        info = describe_rank_failure(exc)
         if rank != 0:
             _post(rank, info)
             raise_rank_failure(target, world, rank, info, _what(msg))
@@ -119,10 +119,10 @@ def _leave() -> None:
 
 def relay_main(conn, backend: str, timeout_s: float) -> None:
     """Rank 0 of the world, in a child of the comparison: forward the parent's commands, answer them."""
-    from convcheck.ddp.worker import _describe, _die_with_parent
+    from convcheck.ddp.worker import describe_rank_failure, die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     try:
         rank, world = _join(backend, timeout_s)
         conn.send(("ok", rank, world))
@@ -137,7 +137,7 @@ def relay_main(conn, backend: str, timeout_s: float) -> None:
         pass
     except BaseException as exc:  # noqa: BLE001 - one line to the parent
         try:
-            conn.send(("error", 0, _describe(exc)))
+            conn.send(("error", 0, describe_rank_failure(exc)))
         except (OSError, ValueError):
             pass
     finally:

@@ -161,7 +161,7 @@ def _wrap(module: nn.Module, device_ids, broadcast_buffers: bool) -> Distributed
         return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: this process gets SIGTERM when the parent dies (no orphans after a killed parent)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -172,7 +172,7 @@ def _die_with_parent() -> None:
 def rank_main(rank: int, world: int, port: int, conn, job: RankJob, backend: str = "gloo") -> None:
     """A worker process: join the group, build, answer commands until ``close`` or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(max(1, job.threads))
     try:
         if backend == "nccl":  # one GPU per rank: ddp:cuda:N runs on GPUs 0..N-1
@@ -190,7 +190,7 @@ def rank_main(rank: int, world: int, port: int, conn, job: RankJob, backend: str
         pass
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
         try:
-            conn.send(("error", rank, _describe(exc)))
+            conn.send(("error", rank, describe_rank_failure(exc)))
         except (OSError, ValueError):
             pass
     finally:
@@ -203,7 +203,7 @@ def rank_main(rank: int, world: int, port: int, conn, job: RankJob, backend: str
         os._exit(0)
 
 
-def _describe(exc: BaseException) -> dict:
+def describe_rank_failure(exc: BaseException) -> dict:
     from convcheck.errors import ConvcheckError
 
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -31,7 +31,7 @@ def _find(directory: str, kind: str, what: str, magic_dims: str) -> Optional[str
     return None
 
 
-def _read_mnist(directory: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
+def read_mnist(directory: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     if input_shape != (1, 28, 28):
         raise UsageError(
             f"MNIST images are 1x28x28 but the model expects {'x'.join(map(str, input_shape))}"
@@ -117,7 +117,7 @@ def _check_npz_sizes(path: str) -> None:
                          f"{MAX_IDX_BYTES / 2**30:.0f} GiB convcheck reads")
 
 
-def _read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
+def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     if not os.path.isfile(path):
         raise UsageError(f"npz file {path} does not exist")
     _check_npz_sizes(path)

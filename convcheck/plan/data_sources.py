@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from convcheck.plan.seeded_data import _check_labels, _sample_source
+from convcheck.plan.seeded_data import check_labels, sample_source
 from convcheck.errors import UsageError
 from convcheck.plan.user_code import load_callable, one_line
 
@@ -109,8 +109,8 @@ def digits_source(*, input_shape, num_classes: int, batch_size: int, steps: int,
     x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).expand(-1, c, -1, -1)
     x = ((x - x.mean()) / x.std()).contiguous().numpy()
     y = d.target.astype(np.int64)
-    _check_labels(y, num_classes, "digits")
-    note, open_iter = _sample_source(x, y, "digits", batch_size, steps, seed, False)
+    check_labels(y, num_classes, "digits")
+    note, open_iter = sample_source(x, y, "digits", batch_size, steps, seed, False)
     return "digits", note, open_iter
 
 

@@ -34,7 +34,7 @@ import torch
 
 from convcheck.batch import batch_hash as _batch_hash
 from convcheck.errors import UsageError
-from convcheck.plan.data_files import _read_mnist, _read_npz
+from convcheck.plan.data_files import read_mnist, read_npz
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -101,7 +101,7 @@ def load_batches(
     seed: int,
 ) -> Batches:
     """Make ``num_batches`` batches of ``batch_size`` samples from ``source``."""
-    input_shape = _check_args(input_shape, num_classes, batch_size, num_batches)
+    input_shape = check_args(input_shape, num_classes, batch_size, num_batches)
     spec = "synthetic" if source is None else source.strip()
     kind, sep, arg = spec.partition(":")
     if kind == "synthetic" and not sep:
@@ -135,7 +135,7 @@ def batch_hash(x: torch.Tensor, y: torch.Tensor) -> str:
 # ---------------------------------------------------------------- helpers
 
 
-def _check_args(input_shape, num_classes, batch_size, num_batches) -> tuple[int, int, int]:
+def check_args(input_shape, num_classes, batch_size, num_batches) -> tuple[int, int, int]:
     try:
         shape = tuple(int(s) for s in input_shape)
     except (TypeError, ValueError):
@@ -159,7 +159,7 @@ def _finish(source: str, batches: list[Batch], note: Optional[str]) -> Batches:
     )
 
 
-def _generator(seed: int, *salt) -> torch.Generator:
+def seeded_generator(seed: int, *salt) -> torch.Generator:
     """A CPU generator seeded from ``seed`` and ``salt`` (stable across runs and platforms)."""
     key = ":".join(str(s) for s in ("convcheck", seed) + salt).encode()
     g = torch.Generator(device="cpu")
@@ -178,7 +178,7 @@ def _coarse(side: int) -> int:
 def _prototype(shape: tuple[int, int, int], seed: int, label: int) -> torch.Tensor:
     """Smooth zero-mean unit-std pattern for one class: coarse noise, upsampled."""
     c, h, w = shape
-    g = _generator(seed, "prototype", label)
+    g = seeded_generator(seed, "prototype", label)
     coarse = torch.randn(1, c, _coarse(h), _coarse(w), generator=g, dtype=torch.float64)
     p = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
     return (p - p.mean()) / p.std().clamp_min(1e-12)
@@ -193,7 +193,7 @@ def _synthetic_source(shape, num_classes, batch_size, seed):
     """(note, open_iter): ``open_iter()`` yields the synthetic batches from the first, without end."""
     note = None
     if num_classes > SYNTHETIC_MAX_CLASSES:
-        pool = torch.randperm(num_classes, generator=_generator(seed, "samples"))[:SYNTHETIC_MAX_CLASSES].sort().values
+        pool = torch.randperm(num_classes, generator=seeded_generator(seed, "samples"))[:SYNTHETIC_MAX_CLASSES].sort().values
         note = (
             f"synthetic labels use {SYNTHETIC_MAX_CLASSES} of the {num_classes} classes "
             f"({', '.join(str(int(c)) for c in pool)}) so that a short run can learn them"
@@ -202,7 +202,7 @@ def _synthetic_source(shape, num_classes, batch_size, seed):
         pool = torch.arange(num_classes)
 
     def open_iter():
-        g = _generator(seed, "samples")
+        g = seeded_generator(seed, "samples")
         if num_classes > SYNTHETIC_MAX_CLASSES:
             torch.randperm(num_classes, generator=g)  # the draw that chose the pool
         prototypes: dict[int, torch.Tensor] = {}  # made lazily: only classes that occur
@@ -221,16 +221,16 @@ def _synthetic_source(shape, num_classes, batch_size, seed):
 
 
 def _sample(source, x, y, origin, batch_size, num_batches, seed, is_mnist) -> Batches:
-    note, open_iter = _sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist)
+    note, open_iter = sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist)
     return _finish(source, list(itertools.islice(open_iter(), num_batches)), note)
 
 
-def _sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist):
+def sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist):
     """(note, open_iter): batches of a seeded shuffle of the samples, cycling through it if short.
     Only the order (N integers) is held; each batch is gathered and converted when it is needed."""
     n = len(y)
     need = batch_size * num_batches
-    order = torch.randperm(n, generator=_generator(seed, "order")).numpy()
+    order = torch.randperm(n, generator=seeded_generator(seed, "order")).numpy()
     note = f"{origin} has only {n} samples; cycled through them to fill {need}" if need > n else None
 
     def open_iter():
@@ -246,14 +246,14 @@ def _sample_source(x, y, origin, batch_size, num_batches, seed, is_mnist):
 
 def open_builtin(source, *, input_shape, num_classes, batch_size, steps, seed):
     """``(source name, note, open_iter)`` of a built-in source: synthetic, mnist:DIR or npz:PATH."""
-    input_shape = _check_args(input_shape, num_classes, batch_size, steps)
+    input_shape = check_args(input_shape, num_classes, batch_size, steps)
     spec = "synthetic" if source is None else source.strip()
     kind, sep, arg = spec.partition(":")
     if kind == "synthetic" and not sep:
         note, open_iter = _synthetic_source(input_shape, num_classes, batch_size, seed)
         return "synthetic", note, open_iter
     x, y, origin, kind, path = _read_source(source, kind, arg, input_shape, num_classes)
-    note, open_iter = _sample_source(x, y, origin, batch_size, steps, seed, kind == "mnist")
+    note, open_iter = sample_source(x, y, origin, batch_size, steps, seed, kind == "mnist")
     return f"{kind}:{path}", note, open_iter
 
 
@@ -267,14 +267,14 @@ def _read_source(source, kind, arg, input_shape, num_classes):
         raise UsageError(f"data source {source!r} needs a path after '{kind}:'")
     path = os.path.abspath(os.path.expanduser(arg))
     if kind == "mnist":
-        x, y, origin = _read_mnist(path, input_shape)
+        x, y, origin = read_mnist(path, input_shape)
     else:
-        x, y, origin = _read_npz(path, input_shape)
-    _check_labels(y, num_classes, origin)
+        x, y, origin = read_npz(path, input_shape)
+    check_labels(y, num_classes, origin)
     return x, y, origin, kind, path
 
 
-def _check_labels(y: np.ndarray, num_classes: int, origin: str) -> None:
+def check_labels(y: np.ndarray, num_classes: int, origin: str) -> None:
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= num_classes:
         raise UsageError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from convcheck.plan.seeded_data import _check_args, _generator
+from convcheck.plan.seeded_data import check_args, seeded_generator
 from convcheck.errors import UsageError
 
 SEGMENTATION_NOISE = 0.3
@@ -26,7 +26,7 @@ REGRESSION_NOISE = 0.05
 def task_source(task: str, *, input_shape, num_classes: int, batch_size: int, steps: int, seed: int):
     """``(source name, note, open_iter)`` of the synthetic data for ``task``."""
     if task == "segmentation":
-        shape = _check_args(input_shape, num_classes, batch_size, steps)
+        shape = check_args(input_shape, num_classes, batch_size, steps)
         return "synthetic", None, lambda: _segmentation(shape, num_classes, batch_size, seed)
     if task == "regression":
         if len(input_shape) != 1 or input_shape[0] < 1:
@@ -37,7 +37,7 @@ def task_source(task: str, *, input_shape, num_classes: int, batch_size: int, st
 
 def _segmentation(shape, num_classes: int, batch_size: int, seed: int):
     c, h, w = shape
-    g = _generator(seed, "segmentation")
+    g = seeded_generator(seed, "segmentation")
     while True:
         coarse = torch.randn(batch_size, 1, max(2, h // 8), max(2, w // 8), generator=g, dtype=torch.float64)
         field = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[:, 0]
@@ -52,9 +52,9 @@ def _segmentation(shape, num_classes: int, batch_size: int, seed: int):
 
 
 def _regression(features: int, outputs: int, batch_size: int, seed: int):
-    g = _generator(seed, "regression-weights")
+    g = seeded_generator(seed, "regression-weights")
     weight = torch.randn(features, outputs, generator=g, dtype=torch.float64) / features**0.5
-    g = _generator(seed, "regression")
+    g = seeded_generator(seed, "regression")
     while True:
         x = torch.randn(batch_size, features, generator=g, dtype=torch.float64)
         y = x @ weight + 0.5 * torch.sin(x[:, :1]) + REGRESSION_NOISE * torch.randn(

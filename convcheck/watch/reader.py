@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from convcheck.bundle import reader as _r
+from convcheck.bundle import reader as bundle_reader
 from convcheck.bundle.schema import MANIFEST, MAX_MANIFEST_BYTES, NPZ_SLACK, SCHEMAS, STORAGE, WATCH_SCHEMA
 from convcheck.errors import UsageError
 from convcheck.watch.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
 
-_Bad = _r._Bad
+_Bad = bundle_reader.BadField
 _NUM = (int, float)
 LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "mean": _NUM, "std": _NUM,
                 "zeros": _NUM, "nan": int, "inf": int, "dtype": str, "calls": int}
@@ -34,7 +34,7 @@ LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "
 def schema_of(path) -> str | None:
     """The bundle's ``schema`` field (or None when it has no readable manifest): which reader to use."""
     try:
-        m = json.loads(_r._Source(Path(path)).read(MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+        m = json.loads(bundle_reader.BundleFiles(Path(path)).read(MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
     except (_Bad, UnicodeDecodeError, ValueError, RecursionError):
         return None
     s = m.get("schema") if isinstance(m, dict) else None
@@ -46,33 +46,33 @@ def _check_manifest(m) -> None:
         raise _Bad(f"manifest is {type(m).__name__}, expected an object")
     if m.get("schema") != WATCH_SCHEMA:
         raise _Bad(f"schema {m.get('schema')!r:.60} is not {WATCH_SCHEMA!r}")
-    if not _r._get(m, "complete", bool, "manifest"):
+    if not bundle_reader.get_field(m, "complete", bool, "manifest"):
         raise _Bad("is incomplete: the watched run stopped before its `with convcheck.watch(...)` block ended "
                    "(killed, or the block raised); diff reads finished runs only")
-    steps = _r._get(m, "steps", int, "manifest")
+    steps = bundle_reader.get_field(m, "steps", int, "manifest")
     if not 0 <= steps <= 10**8:
         raise _Bad(f"steps = {steps} is outside 0..10^8")
-    model = _r._get(m, "model", dict, "manifest")
-    _r._get(model, "class", str, "model")
-    for i, p in enumerate(_r._get(model, "parameters", list, "model")):
+    model = bundle_reader.get_field(m, "model", dict, "manifest")
+    bundle_reader.get_field(model, "class", str, "model")
+    for i, p in enumerate(bundle_reader.get_field(model, "parameters", list, "model")):
         if not isinstance(p, dict):
             raise _Bad(f"model.parameters[{i}] is {type(p).__name__}, expected an object")
-        _r._get(p, "name", str, f"model.parameters[{i}]")
-        _r._shape(p.get("shape"), f"model.parameters[{i}].shape")
-    if not all(isinstance(n, str) for n in _r._get(model, "layers", list, "model")):
+        bundle_reader.get_field(p, "name", str, f"model.parameters[{i}]")
+        bundle_reader.shape_field(p.get("shape"), f"model.parameters[{i}].shape")
+    if not all(isinstance(n, str) for n in bundle_reader.get_field(model, "layers", list, "model")):
         raise _Bad("model.layers holds a non-string")
-    _r._get(m, "fingerprint", dict, "manifest")
-    _r._get(m, "math_flags", dict, "manifest")
-    _r._get(m, "scaler", bool, "manifest")
-    if not all(isinstance(n, str) for n in _r._get(m, "notes", list, "manifest")):
+    bundle_reader.get_field(m, "fingerprint", dict, "manifest")
+    bundle_reader.get_field(m, "math_flags", dict, "manifest")
+    bundle_reader.get_field(m, "scaler", bool, "manifest")
+    if not all(isinstance(n, str) for n in bundle_reader.get_field(m, "notes", list, "manifest")):
         raise _Bad("notes holds a non-string")
-    p = _r._get(m, "first_nonfinite", dict, "manifest", optional=True)
+    p = bundle_reader.get_field(m, "first_nonfinite", dict, "manifest", optional=True)
     if p is not None:
         for key, kind in (("layer", str), ("step", int), ("direction", str), ("kind", str)):
-            _r._get(p, key, kind, "first_nonfinite")
+            bundle_reader.get_field(p, key, kind, "first_nonfinite")
         if p["direction"] not in ("forward", "backward"):
             raise _Bad(f"first_nonfinite.direction is {p['direction']!r:.40}, not forward or backward")
-    _check_snapshots(_r._get(m, "snapshots", list, "manifest"))
+    _check_snapshots(bundle_reader.get_field(m, "snapshots", list, "manifest"))
 
 
 def _check_snapshots(snaps: list) -> None:
@@ -81,41 +81,41 @@ def _check_snapshots(snaps: list) -> None:
         where = f"snapshots[{i}]"
         if not isinstance(e, dict):
             raise _Bad(f"{where} is {type(e).__name__}, expected an object")
-        f = _r._safe_member(_r._get(e, "file", str, where))
+        f = bundle_reader.safe_member(bundle_reader.get_field(e, "file", str, where))
         if not f.startswith("snapshots/") or not f.endswith(".npz") or f in files:
             raise _Bad(f"{where}.file {f!r:.60} is not a fresh snapshots/*.npz name")
         files.add(f)
-        _r._get(e, "step", int, where)
-        for j, a in enumerate(_r._get(e, "arrays", list, where)):
+        bundle_reader.get_field(e, "step", int, where)
+        for j, a in enumerate(bundle_reader.get_field(e, "arrays", list, where)):
             if not isinstance(a, dict):
                 raise _Bad(f"{where}.arrays[{j}] is not an object")
-            _r._get(a, "key", str, f"{where}.arrays[{j}]")
-            _r._shape(a.get("shape"), f"{where}.arrays[{j}].shape")
-            _r._dtype(a.get("dtype"), f"{where}.arrays[{j}].dtype")
+            bundle_reader.get_field(a, "key", str, f"{where}.arrays[{j}]")
+            bundle_reader.shape_field(a.get("shape"), f"{where}.arrays[{j}].shape")
+            bundle_reader.dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
 
 
 def _check_step(rec, i: int) -> dict:
     where = f"{STEPS} line {i + 1}"
     if not isinstance(rec, dict):
         raise _Bad(f"{where} is {type(rec).__name__}, expected an object")
-    if _r._get(rec, "step", int, where) != i:
+    if bundle_reader.get_field(rec, "step", int, where) != i:
         raise _Bad(f"{where} is step {rec['step']}, expected step {i} (steps 0..N-1 in order)")
-    _r._get(rec, "loss", _NUM, where, optional=True)
-    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in _r._get(rec, "lr", list, where)):
+    bundle_reader.get_field(rec, "loss", _NUM, where, optional=True)
+    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in bundle_reader.get_field(rec, "lr", list, where)):
         raise _Bad(f"{where}.lr holds a non-number")
-    for h in _r._get(rec, "batch_sha256", list, where):
-        _r._sha(h, f"{where}.batch_sha256")
-    for n, v in _r._get(rec, "grad_norms", dict, where).items():
+    for h in bundle_reader.get_field(rec, "batch_sha256", list, where):
+        bundle_reader.sha_field(h, f"{where}.batch_sha256")
+    for n, v in bundle_reader.get_field(rec, "grad_norms", dict, where).items():
         if not isinstance(v, _NUM) or isinstance(v, bool):
             raise _Bad(f"{where}.grad_norms[{n!r:.40}] is not a number")
-    for name, row in _r._get(rec, "layers", dict, where).items():
+    for name, row in bundle_reader.get_field(rec, "layers", dict, where).items():
         if not isinstance(row, dict):
             raise _Bad(f"{where}.layers[{name!r:.40}] is not an object")
         for col, kind in LAYER_FIELDS.items():
-            _r._get(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in _r._tuple(kind))
+            bundle_reader.get_field(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in bundle_reader.kinds_of(kind))
         if row["dtype"] not in STORAGE:
             raise _Bad(f"{where}.layers[{name!r:.40}].dtype is {row['dtype']!r:.40}, not a floating dtype")
-    _r._get(rec, "scale", _NUM, where, optional=True)
+    bundle_reader.get_field(rec, "scale", _NUM, where, optional=True)
     return rec
 
 
@@ -135,7 +135,7 @@ class WatchedRun:
         if e is None:
             return None
         expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(e["arrays"])}
-        limit = sum(_r._nbytes(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
+        limit = sum(bundle_reader.nbytes_of(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
         try:
             data = self.source.read(e["file"], limit)
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -161,10 +161,10 @@ def open_watched(path: str | os.PathLike) -> WatchedRun:
     """The watched run at ``path`` (folder or zip), manifest and every step checked."""
     path = Path(path)
     try:
-        source = _r._Source(path)
+        source = bundle_reader.BundleFiles(path)
         manifest = _json(source.read(MANIFEST, MAX_MANIFEST_BYTES), MANIFEST)
         _check_manifest(manifest)
-        _r._check_fingerprint(manifest["fingerprint"])
+        bundle_reader.check_fingerprint(manifest["fingerprint"])
         lines = source.read(STEPS, MAX_STEPS_BYTES).decode("utf-8", errors="strict").splitlines()
         if len(lines) != manifest["steps"]:
             raise _Bad(f"{STEPS} holds {len(lines)} steps, the manifest says {manifest['steps']}")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from convcheck.bundle import reader
-from convcheck.bundle.reader import _Bad, check_manifest, open_bundle
+from convcheck.bundle.reader import BadField, check_manifest, open_bundle
 from convcheck.errors import UsageError
 
 JSON = st.recursive(
@@ -38,7 +38,7 @@ def _paths(obj, prefix=()):
 def test_any_json_is_a_manifest_or_bad(value):
     try:
         check_manifest(value)
-    except _Bad:
+    except BadField:
         pass
 
 
@@ -56,7 +56,7 @@ def test_one_field_replaced_is_a_manifest_or_bad(bundles, data):
     node[path[-1]] = value
     try:
         check_manifest(m)
-    except _Bad:
+    except BadField:
         pass
 
 

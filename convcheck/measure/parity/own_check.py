@@ -24,7 +24,7 @@ from convcheck.measure.parity.judge_pass import JudgeCall
 from convcheck.measure.parity.own_code import (
     FirstNonfinite,
     RoundOperands,
-    _Diverged,
+    Diverged,
     child_attribute,
     judge_points,
     rounds_operands,
@@ -50,7 +50,7 @@ class OwnCodeCheck:
 
     def __init__(self, call: ParentCall, jc: JudgeCall, calls: dict, device):
         if jc.children != [c.key for c in call.children] or any(calls[c.key].full is None for c in call.children):
-            raise _Diverged("the children were called differently from the judge's run")
+            raise Diverged("the children were called differently from the judge's run")
         self.module = call.module
         self.args = tuple(cast_struct(j, a, device) for j, a in zip(jc.inputs, call.inputs))
         self.kwargs = {k: cast_struct(v, call.kwargs.get(k), device) for k, v in jc.kwargs.items()}
@@ -74,7 +74,7 @@ class OwnCodeCheck:
         with torch.no_grad():
             got = run_own_code(self.module, self.args, self.kwargs, self.children())
         if len(got) != len(self.want):
-            raise _Diverged("another number of values than in the judge's run")
+            raise Diverged("another number of values than in the judge's run")
         points = [(i, g, self.want[i]) for i, g in enumerate(got) if g is not None]
         if not points or any(tuple(g.shape) != tuple(w.shape) for _, g, w in points):
             return None

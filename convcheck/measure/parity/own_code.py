@@ -41,7 +41,7 @@ _REPLAY_CLASSES: dict[type, type] = {}
 def _replay_forward(self, *args, **kwargs):
     i = self._replay_next
     if i >= len(self._replay_outputs):
-        raise _Diverged(f"'{self._replay_name}' called more often than in the recorded run")
+        raise Diverged(f"'{self._replay_name}' called more often than in the recorded run")
     self._replay_next += 1
     self._replay_sink(i, self, args)
     return self._replay_hand_out(self._replay_outputs[i])
@@ -67,13 +67,13 @@ def _bookkeeping():
         _BOOKKEEPING[0] -= 1
 
 
-class _Diverged(Exception):
+class Diverged(Exception):
     """The own code took another path than in the recorded run (nothing to compare)."""
 
 
 # What a replay may raise on code it cannot re-run on recorded values (it is then not measured):
 # another path, an attribute a replayed child lacks, a shape or dtype the code did not expect.
-REPLAY_FAILURES = (_Diverged, RuntimeError, TypeError, AttributeError, IndexError, KeyError, ValueError)
+REPLAY_FAILURES = (Diverged, RuntimeError, TypeError, AttributeError, IndexError, KeyError, ValueError)
 
 
 def _without_hooks(m: nn.Module) -> None:
@@ -117,7 +117,7 @@ class Replay:
         for attr, outs in outputs.items():
             child = module._modules.get(attr)
             if child is None:
-                raise _Diverged(f"'{attr}' is not a direct child")
+                raise Diverged(f"'{attr}' is not a direct child")
             stub = _shell(child, convert)
             stub.__class__ = _replay_class(type(child))
             stub._replay_outputs = outs
@@ -169,7 +169,7 @@ def run_own_code(module: nn.Module, args: tuple, kwargs: dict, children: list[tu
     """Run ``module``'s own code once: ``children`` are ``(attribute, make)`` per child call in call
     order, ``make()`` the value that call hands back (a new tensor: the code may change it in
     place). Returns what it produced: the tensors it fed each child call, then its output; None
-    for a value passed on unchanged (nothing of its own). Raises ``_Diverged`` when the code takes
+    for a value passed on unchanged (nothing of its own). Raises ``Diverged`` when the code takes
     another path."""
     outputs: dict[str, list] = {}
     for attr, make in children:
@@ -178,7 +178,7 @@ def run_own_code(module: nn.Module, args: tuple, kwargs: dict, children: list[tu
         replay = Replay(module, outputs, convert)
     out = replay(args, kwargs)
     if [(a, i) for a, i, _ in replay.fed] != _call_indices([attr for attr, _ in children]):
-        raise _Diverged("the children were called in another order")
+        raise Diverged("the children were called in another order")
     return [t for _, _, fed in replay.fed for t in fed] + replay._own(tensors_in(out))
 
 
