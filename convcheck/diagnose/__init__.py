@@ -44,17 +44,23 @@ from convcheck.diagnose import rules  # noqa: E402,I001 - importing the rules re
 from convcheck.diagnose.rules import ok_verdict
 from convcheck.targets.executors import load_plugins
 
-load_plugins()  # the executors' own rules (V009, convcheck.ddp.rules)
+
+def _with_plugins() -> list:
+    """``RULES`` with the executors' own rules registered (V009, ``convcheck.ddp.rules``): loaded when a
+    verdict is first asked for, not when this package is imported (a plugin's modules import it)."""
+    load_plugins()
+    return RULES
 
 
 def __getattr__(name: str):
     if name == "RULE_IDS":  # {id: name} of every rule registered now (a plugin's included)
-        return {r.id: r.name for r in RULES}
+        return {r.id: r.name for r in _with_plugins()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def diagnose(result) -> Verdict:
     """Turn one comparison's evidence into a verdict."""
+    _with_plugins()
     return decide(gather(result), ok_verdict)
 
 
