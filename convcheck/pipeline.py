@@ -21,7 +21,7 @@ from convcheck.measure.parity import ParityResult
 from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
-                              out_of_memory_explained, plan)
+                              out_of_memory_explained, plan, threads_chosen)
 from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
@@ -47,6 +47,7 @@ class CompareResult:
     recipe: Recipe | None = None  # the loss, optimizer and schedule as built
     batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
     loss_batch_ratio: float = float("nan")  # loss(batch) / mean(loss(halves)): ~1 averaged, ~2 summed
+    threads: object | None = None  # the plan's ThreadChoice (convcheck.plan.threads); None when rebuilt from bundles
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -105,17 +106,20 @@ def compare(
         timings = {"setup_s": run.setup_s}
         with out_of_memory_explained():
             first = run.data.first()
-            parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
-            loss_ratio = measure_loss_reduction(run, first)
-            arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
-            training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
+            t0 = time.perf_counter()
+            with threads_chosen(run, first) as threads:
+                timings["threads_s"] = time.perf_counter() - t0
+                parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
+                loss_ratio = measure_loss_reduction(run, first)
+                arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
+                training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
         env = audit_environment(env_findings, fingerprint)
         return decide_verdict(CompareResult(
             model=run.model, config=cfg, parity=parity, training=training, data_source=run.data.source,
             batch_hashes=run.data.hashes, init_hash=hash_state_dict(run.initial_state),
             data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
             fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
-            batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio,
+            batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio, threads=threads,
         ))
 
 

@@ -54,6 +54,7 @@ class CompareConfig:
     clip_grad_norm: float | None = None
     ddp_sync_bn: bool = False  # data-parallel targets: convert BatchNorm to SyncBatchNorm (issue 12)
     ddp_no_broadcast_buffers: bool = False  # data-parallel targets: DistributedDataParallel(broadcast_buffers=False)
+    threads: int | None = None  # torch's intra-op threads; None: the caller's setting, else the faster of 1 and the default
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1, STEPS_MAX)
@@ -84,6 +85,8 @@ class CompareConfig:
                     or (value is None and name == "loss")):
                 raise UsageError(f"{name} must be a name, FILE.py:factory or a callable, got {value!r}")
         _need_int("workers", self.workers, 0)
+        if self.threads is not None:
+            _need_int("threads", self.threads, 1, THREADS_MAX)
         if self.data is not None and not isinstance(self.data, str) and not callable(self.data):
             raise UsageError(f"data must be a source (mnist:DIR, npz:PATH, digits, FILE.py:factory) or a "
                              f"factory, not {type(self.data).__name__}")
@@ -103,6 +106,7 @@ def _need_real(what: str, value, ok, expected: str) -> None:
 STEPS_MAX = 10_000_000
 BATCH_MAX = 1 << 20
 ENVELOPE_MAX = 64
+THREADS_MAX = 1024
 
 
 def _need_int(what: str, value, least: int, most: int | None = None) -> None:

@@ -97,6 +97,7 @@ def summary_dict(result) -> dict:
         },
         "verdict": verdict.to_dict() if hasattr(verdict, "to_dict") else None,
         "timings": result.timings,
+        "threads": result.threads.to_dict() if getattr(result, "threads", None) is not None else None,
     })
 
 
