@@ -67,7 +67,7 @@ from convcheck.pipeline import compare, initial_state, model_builder  # noqa: E4
 from convcheck.plan.seeded_data import load_batches  # noqa: E402
 from convcheck.plan.models import resolve_model  # noqa: E402
 from convcheck.measure.parity import run_parity  # noqa: E402
-from convcheck.measure.parity import checks as parity_checks, floor as parity_floor  # noqa: E402
+from convcheck.measure.parity import checks as parity_checks, floor as parity_floor, own_check  # noqa: E402
 from convcheck.targets.spec import Target, default_judge, default_targets  # noqa: E402
 from convcheck.measure.train import TrainConfig, make_arms, run_training  # noqa: E402
 from convcheck.plan.config import CompareConfig  # noqa: E402
@@ -189,8 +189,16 @@ class Replays:
             self.calls.append((copy.deepcopy(ref), ref_args(args), judge.reference(grad_output).clone()))
             return real_fb(ref, args, grad_output, j)
 
+        real_own = own_check.OwnCodeCheck._measured
+        self.own_code = 0
+
+        def own_measured(check, *a, **kw):  # counted, not replayed: its float64 run stays in parity's figure
+            self.own_code += 1
+            return real_own(check, *a, **kw)
+
         patched = [(parity_floor, "reference_call", call), (parity_checks, "reference_call", call),
-                   (parity_floor, "reference_forward_backward", forward_backward)]
+                   (parity_floor, "reference_forward_backward", forward_backward),
+                   (own_check.OwnCodeCheck, "_measured", own_measured)]
         saved = [(m, a, getattr(m, a)) for m, a, _ in patched]
         try:
             for m, a, fn in patched:
@@ -464,7 +472,7 @@ class Bench:
                                   target, floors=(str(JUDGE), str(target), key))
             out["parity"][spec] = dict(seconds=_median(samples), samples=samples, replays_s=_median(
                 self.replay_samples[key]), replay_samples=self.replay_samples[key],
-                replays=dict(forward=rp.forward, forward_backward=rp.backward))
+                replays=dict(forward=rp.forward, forward_backward=rp.backward, own_code=rp.own_code))
             del self.replays[key]
 
         # lockstep training on all arms
@@ -579,7 +587,8 @@ def _rows(results: dict) -> tuple[list[dict], list[dict]]:
                 p.update(floor_with_replays_s=floor + replays, vs_floor_with_replays=p["seconds"] / (floor + replays))
                 n = p["replays"]
                 note += (f"; + {replays:.3f}s float64 replays ({n['forward']} forward, "
-                         f"{n['forward_backward']} forward+backward)")
+                         f"{n['forward_backward']} forward+backward"
+                         + (f"; {n['own_code']} own-code replays not counted" if n.get("own_code") else "") + ")")
             trows.append(dict(model=name, what=f"parity {spec}", seconds=p["seconds"], vs_bare=p["seconds"] / b,
                               vs_floor=p["seconds"] / floor, vs_floor_replays=p.get("vs_floor_with_replays"),
                               note=note))

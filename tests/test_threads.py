@@ -146,3 +146,20 @@ def test_measure_choice_keeps_the_faster_count(slow_at, kept):
     assert choice.threads == kept and choice.source == "measured"
     assert choice.reason == f"measured faster than {slow_at}"
     assert torch.get_num_threads() == 2  # measure_choice leaves the default; the stage sets the choice
+
+
+def test_the_probe_changes_no_figure(measured, monkeypatch):
+    """A run whose probe ran (then kept 1 thread) gives bitwise the figures of a run told --threads 1."""
+    told = convcheck.compare("lenet", "cpu,cpu:bf16", threads=1, **FAST)
+    probing = stages.measure_choice  # the counting wrapper: the real probe runs
+
+    def probe_then_one(steps, default):
+        probing(steps, default)
+        return ThreadChoice(1, "kept for the test", "measured")
+
+    monkeypatch.setattr(stages, "measure_choice", probe_then_one)
+    probed = convcheck.compare("lenet", "cpu,cpu:bf16", **FAST)
+    assert len(measured) == 1 and probed.threads.source == "measured"
+    assert probed.parity.layers.equals(told.parity.layers)
+    assert probed.training.curves.equals(told.training.curves)
+    assert probed.training.layer_grads.equals(told.training.layer_grads)
