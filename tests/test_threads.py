@@ -163,3 +163,18 @@ def test_the_probe_changes_no_figure(measured, monkeypatch):
     assert probed.parity.layers.equals(told.parity.layers)
     assert probed.training.curves.equals(told.training.curves)
     assert probed.training.layer_grads.equals(told.training.layer_grads)
+
+
+def test_measure_choice_takes_more_rounds_where_one_step_does_not_settle_it():
+    """0.25 s at the default against 0.2 s at one thread (not 1.5x apart): the alternating rounds run
+    (three: the budget allows them), and the faster median is kept."""
+    calls = []
+
+    def step():
+        calls.append(torch.get_num_threads())
+        time.sleep(0.25 if torch.get_num_threads() == 2 else 0.2)
+
+    torch.set_num_threads(2)
+    choice = measure_choice([step], 2)
+    assert calls == [1, 1, 2] + [2, 1, 1, 2, 2, 1]  # warm-up, one each, then three rounds alternating
+    assert choice.threads == 1 and len(choice.step_s) == 2

@@ -4,8 +4,8 @@ On a machine whose cores are shared (another job keeping one of two cores busy),
 intra-op threads can make every step wait for the busy core: a LeNet compare took 9.7-10.5 s at the
 default against 6.1-6.2 s at one thread (issue 28). Unless the user set the count (``--threads N``,
 ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, or ``torch.set_num_threads`` called before convcheck), the
-plan times one bare training step of the judge and of each target at 1 thread and at the default,
-alternately, on the first batch and on throwaway copies of the model, and keeps the faster
+plan times one bare training step of the judge and of each target at 1 thread and at the default
+on the first batch and on throwaway copies of the model, and keeps the faster
 (``measure_choice``). The same count then serves every arm and the judge; the caller's count is put
 back afterwards (the plugin and the API run in the user's process). Results at a given thread count
 are unchanged; the count itself is reported (header line, summary.json), so a run is repeated
@@ -24,8 +24,9 @@ from typing import Callable, Sequence
 import torch
 
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-# Rounds of the alternating probe (after one warm-up step at each count): fewer for a slow step, so that
-# the probe stays a few steps' worth of a run.
+# One count's step this many times the other's settles the choice after one step each; else up to
+# PROBE_ROUNDS_MAX alternating rounds, fewer for a slow step, so that the probe stays a few steps of a run.
+CLEAR = 1.5
 PROBE_ROUNDS_MAX = 3
 PROBE_BUDGET_S = 2.0
 
@@ -94,19 +95,22 @@ def given_choice(requested: int | None) -> ThreadChoice | None:
 
 
 def measure_choice(steps: Sequence[Callable[[], None]], default: int) -> ThreadChoice:
-    """``steps`` (the judge's and each target's bare step) timed together at 1 thread and at ``default``,
-    alternately after a warm-up at each; the faster median is kept (the default where they tie). Leaves
-    torch at ``default`` threads."""
-    counts = (default, 1)
-    times: dict[int, list[float]] = {n: [] for n in counts}
+    """``steps`` (the judge's and each target's bare step) timed together at 1 thread and at ``default``;
+    the faster is kept (the default where they tie). One-thread steps first: a warm-up (the first
+    call's one-time costs land there), then one step at each count; where one is ``CLEAR`` times the
+    other that settles it (a busy core makes the default's step several times slower: one is enough),
+    else more rounds alternate, as ``PROBE_BUDGET_S`` allows, and the medians decide. Leaves torch at
+    ``default`` threads."""
     try:
-        warm = []
-        for n in counts:
-            warm.append(_timed(n, steps))
-        rounds = max(1, min(PROBE_ROUNDS_MAX, int(PROBE_BUDGET_S / max(sum(warm), 1e-9))))
-        for r in range(rounds):
-            for n in (counts if r % 2 == 0 else counts[::-1]):
-                times[n].append(_timed(n, steps))
+        _timed(1, steps)
+        times = {1: [_timed(1, steps)], default: [_timed(default, steps)]}
+        one, other = times[1][0], times[default][0]
+        if max(one, other) < CLEAR * min(one, other):
+            times[default] = []  # that first step at the default was its warm-up
+            rounds = max(1, min(PROBE_ROUNDS_MAX, int(PROBE_BUDGET_S / max(one + other, 1e-9))))
+            for r in range(rounds):
+                for n in ((default, 1) if r % 2 == 0 else (1, default)):
+                    times[n].append(_timed(n, steps))
     finally:
         torch.set_num_threads(default)
     medians = {n: statistics.median(v) for n, v in times.items()}
