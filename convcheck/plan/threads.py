@@ -88,7 +88,7 @@ def given_choice(requested: int | None) -> ThreadChoice | None:
     if default is None:
         return ThreadChoice(current, "kept: torch's default cannot be told from a caller's setting here", "kept")
     if current != default:
-        return ThreadChoice(current, f"set by torch.set_num_threads (the default here is {default})", "caller")
+        return ThreadChoice(current, f"set by torch.set_num_threads; torch's default here is {default}", "caller")
     if current == 1:
         return ThreadChoice(1, "one core here", "single")
     return None
