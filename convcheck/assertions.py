@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from convcheck.report.text import fmt
 from convcheck.measure.table_schema import named
+from convcheck.report.verification import verification_lines
 
 
 def failure_message(result, max_rows: int = 5) -> str:
@@ -30,6 +31,7 @@ def failure_message(result, max_rows: int = 5) -> str:
             lines.append(f"{name} did not converge (loss {fmt(info.first_loss)} -> {fmt(info.final_loss)})")
     if v is not None:
         lines += [f"remedy: {r}" for r in v.remedies[:2]]
+    lines += verification_lines(result, snippet=False)
     return "\n".join(lines) or "convcheck: parity failed"
 
 

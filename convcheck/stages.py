@@ -11,6 +11,7 @@ sequence or reaches into another module's private helpers::
         training = measure_training(run, make_arms(...), progress=stage)
         env = audit_environment()
         result = decide_verdict(CompareResult(...))
+        checked = verify(run, result)                # the verdict's remedies applied and re-run
 
 Each stage returns an immutable value (``ResolvedRun``, ``Plan``, ``Environment``; ``ParityResult`` and
 ``TrainResult`` come from ``parity`` and ``train``). The guards (``caller_rng_kept``, ``guarded``,
@@ -307,6 +308,22 @@ def audit_environment(findings=None, fingerprint=None) -> Environment:
         fingerprint = fingerprint or collect()
         findings = audit(fingerprint)
     return Environment(fingerprint, tuple(findings))
+
+
+def verify(plan: Plan, result, mode: bool | None = None):
+    """``result``'s verdict checked by running its remedies: the failing arm re-run (same seed, weights,
+    batches and steps) with each fitting action applied (``convcheck.verify``) -> an immutable
+    ``Verification``. ``mode``: False runs nothing, None (default) one re-run of one in-process arm at most,
+    True every fitting action."""
+    from convcheck.verify import verify_verdict
+
+    cfg = plan.config
+    training = result.training
+    arms = len(training.arms)
+    train_s = (getattr(result, "timings", None) or {}).get("train_s", float("nan"))
+    return verify_verdict(result.verdict, build=plan.build, data=plan.data, recipe=plan.recipe, steps=cfg.steps,
+                          seed=cfg.seed, training=training, targets=cfg.targets, judge=cfg.judge, mode=mode,
+                          tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms))
 
 
 def decide_verdict(result):

@@ -87,7 +87,7 @@ def test_json_on_stdout(capsys):
                           "--json", "--no-save", *FAST)
     assert code in (0, 1)
     s = json.loads(out)  # stdout is the JSON and nothing else
-    assert s["schema"] == "convcheck.summary/1"
+    assert s["schema"] == "convcheck.summary/2"
     assert s["model"]["name"] == "lenet"
     assert s["targets"] == ["cpu", "cpu:emulate-tf32"]
     assert s["judge"] == "cpu:float64"
@@ -110,7 +110,7 @@ def test_out_dir_files(capsys, tmp_path):
     assert {"curves.csv", "env.json", "layers.csv", "summary.json"} <= set(names)
     assert not [n for n in names if n.startswith(".") or n.endswith(".tmp")]  # no stray temp files
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert summary["schema"] == "convcheck.summary/1" and summary["seed"] == 3
+    assert summary["schema"] == "convcheck.summary/2" and summary["seed"] == 3
     assert summary["targets"] == ["cpu", "cpu:float64"]
     with open(out_dir / "layers.csv", newline="") as f:
         layers = list(csv.DictReader(f))

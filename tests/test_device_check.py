@@ -106,6 +106,13 @@ def test_cpu_only_run_says_no_gpu_records_every_step_and_exits_0(tmp_path):
     if steps["pytest-gpu"]["status"] == "ok":  # the GPU tests collect, and skip, here
         assert " -m gpu " in steps["pytest-gpu"]["command"]
     assert steps["nvidia-smi"]["status"] in ("ok", "unavailable")
+    # issue 29: the rounding check ran on the CPU emulations (the GPU targets join where there is one)
+    rounding = steps["tf32-rounding"]
+    assert rounding["status"] == "ok" and not rounding["gpu"], rounding
+    summary29 = rounding["results"]["summary"]
+    assert summary29["cpu:emulate-tf32"]["matched"] == ["RNA"] and summary29["cpu:emulate-tf32-rz"]["matched"] == ["RZ"]
+    assert summary29["cpu:emulate-tf32"]["1024.5 @ 1.0"] == 1025.0 and summary29["cpu"]["matched"] == ["float32"]
+    assert "tf32-rounding (no GPU): cpu:emulate-tf32 1024.5@1.0=1025 matched RNA" in proc.stdout
 
     log = (out / "log.txt").read_text()
     assert "no CUDA GPU: skipping GPU steps" in log
@@ -115,7 +122,7 @@ def test_cpu_only_run_says_no_gpu_records_every_step_and_exits_0(tmp_path):
         names = set(tar.getnames())
     for member in ("probe.json", "env.json", "env.txt", "fingerprint.json", "steps.json", "log.txt",
                    "compare-lenet-cpu_emulate-tf32/summary.json", "compare-lenet-cpu_emulate-tf32/layers.csv",
-                   "compare-lenet-cpu_emulate-tf32/curves.csv"):
+                   "compare-lenet-cpu_emulate-tf32/curves.csv", "tf32-rounding.json"):
         assert f"device-check/{member}" in names, sorted(names)
     assert all(n.startswith("device-check") for n in names)
     from convcheck.env import load
@@ -200,3 +207,56 @@ def test_gpu_plan_has_every_step_the_issue_lists(dc):
     order = [s.name for s in dc.plan(True, [])]
     assert order.index("bench-resnet50-bare") < order.index("compare-resnet50-gpu-judge")
     assert ("compare-resnet50-gpu-judge", "bench-resnet50-bare") in dc.BENCH_PAIRS
+
+
+# --- issue 29: which rounding TF32 uses ------------------------------------------------------------
+
+def test_both_plans_check_the_tf32_rounding_before_the_compares(dc):
+    for gpu in (True, False):
+        order = [s.name for s in dc.plan(gpu, [])]
+        step = next(s for s in dc.plan(gpu, []) if s.name == "tf32-rounding")
+        assert step.kind == "rounding" and not step.gpu and "scripts/tf32_rounding.py" in step.argv
+        assert order.index("tf32-rounding") < min(i for i, n in enumerate(order) if n.startswith("compare-"))
+
+
+def _rounding_script():
+    loader = importlib.machinery.SourceFileLoader("tf32_rounding", str(REPO / "scripts" / "tf32_rounding.py"))
+    spec = importlib.util.spec_from_loader("tf32_rounding", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_the_rounding_check_names_each_emulations_rounding_element_by_element(capsys):
+    script = _rounding_script()
+    assert script.main(["--targets", "cpu:emulate-tf32,cpu:emulate-tf32-rz,cpu", "--size", "32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    s = report["summary"]
+    assert s["cpu:emulate-tf32"]["1024.5 @ 1.0"] == 1025.0 and s["cpu:emulate-tf32"]["matched"] == ["RNA"]
+    assert s["cpu:emulate-tf32-rz"]["1024.5 @ 1.0"] == 1024.0 and s["cpu:emulate-tf32-rz"]["matched"] == ["RZ"]
+    assert s["cpu"]["1024.5 @ 1.0"] == 1024.5 and s["cpu"]["matched"] == ["float32"]
+    rz = report["targets"]["cpu:emulate-tf32-rz"]["cases"]
+    # the exact cases tell the roundings apart (a third of their values are ties, another third near ties)
+    assert all(rz[n]["exact_fraction"]["RNE"] < 0.9 and rz[n]["exact_fraction"]["RNA"] < 0.9
+               for n in rz if rz[n]["kind"] == "exact")
+    # one term per output: truncation shrinks every result, ties away never does
+    ties = report["targets"]["cpu:emulate-tf32"]["cases"]
+    assert all(rz[n]["mean_signed_rel_error"] < 0 < ties[n]["mean_signed_rel_error"]
+               for n in rz if rz[n]["kind"] == "exact")
+    assert all(c["closest"] == ["RZ"] for c in rz.values() if c["kind"] == "random")
+
+
+def test_the_rounding_check_refuses_a_target_it_cannot_run_in_one_line(capsys):
+    script = _rounding_script()
+    assert script.main(["--targets", "cpu:nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tf32_rounding: target 'cpu:nonsense': unknown mode") and err.count("\n") == 1
+
+
+def test_the_digest_says_which_rounding_each_target_matched(dc):
+    rec = {"name": "tf32-rounding", "kind": "rounding", "results": {
+        "gpu": "NVIDIA H200", "summary": {"cuda:tf32": {"1024.5 @ 1.0": 1025.0, "matched": ["RNA"]},
+                                          "cuda:no-tf32": {"1024.5 @ 1.0": 1024.5, "matched": ["float32"]}}}}
+    (line,) = dc.digest([rec])
+    assert line == ("tf32-rounding (NVIDIA H200): cuda:tf32 1024.5@1.0=1025 matched RNA; "
+                    "cuda:no-tf32 1024.5@1.0=1024.5 matched float32")

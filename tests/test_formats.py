@@ -16,8 +16,11 @@ from convcheck.numerics.formats import (
     FORMATS,
     FP8_E4M3,
     FP8_E5M2,
+    RNA,
     RNE,
+    RZ,
     TF32,
+    TF32_RZ,
     coarsest,
     format_named,
     format_of_dtype,
@@ -49,8 +52,11 @@ def test_tf32_by_definition():
     assert TF32.largest == (2 - 2.0**-10) * 2.0**127 and TF32.smallest_subnormal == 2.0**-136
 
 
-def test_every_format_rounds_to_nearest_even_and_only_e4m3_saturates():
-    assert all(f.rounding == RNE for f in FORMATS)
+def test_formats_with_a_dtype_round_to_nearest_even_tf32_ties_away_or_truncates_and_only_e4m3_saturates():
+    assert all(f.rounding == RNE for f in WITH_DTYPE)  # torch's casts
+    assert TF32.rounding == RNA and TF32_RZ.rounding == RZ  # NVIDIA; ROCm gfx942 xf32
+    assert TF32_RZ.same_values(TF32) and not TF32_RZ.same_values(FLOAT16) and format_named("tf32-rz") is TF32_RZ
+    assert TF32_RZ.unit_roundoff == 2 * TF32.unit_roundoff == 2.0**-10  # truncation: a whole ulp
     assert [f.name for f in FORMATS if f.saturates] == [FP8_E4M3.name]
     assert FP8_E4M3.largest == 448.0 and FP8_E5M2.largest == 57344.0
 
@@ -83,6 +89,8 @@ def test_fp8_rounding_ties_range_and_non_finite():
     assert e5m2[:4].tolist() == [1.0, math.inf, 57344.0, -math.inf] and math.isnan(e5m2[4])
 
 
-def test_round_to_rounds_only_to_nearest_even():
-    with pytest.raises(ValueError, match="ties to even"):
-        round_to(torch.ones(2, dtype=F64), replace(TF32, rounding="RNA"))
+def test_round_to_refuses_a_rounding_it_cannot_do():
+    with pytest.raises(ValueError, match="torch's cast, which rounds RNE, not RZ"):
+        round_to(torch.ones(2, dtype=F64), replace(FLOAT16, rounding=RZ))
+    with pytest.raises(ValueError, match="unknown rounding 'RU'"):
+        replace(TF32, rounding="RU")

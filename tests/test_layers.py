@@ -17,17 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # From the ground up. A name is a package (every module under it) or a top-level module.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "exit_codes", "files", "seeding", "batch", "capture", "numerics"),
+    ("errors", "exit_codes", "files", "seeding", "batch", "capture", "discovery", "numerics"),
     ("env",),
     ("targets",),
     ("plan",),
     ("measure",),
-    ("diagnose",),
+    ("diagnose", "verify"),
     ("ddp",),
     ("report",),
     ("stages",),
     ("pipeline",),
-    ("bundle",),
+    ("bundle", "watch"),
     ("assertions",),
     ("cli", "pytest_plugin", "__main__"),
 ]

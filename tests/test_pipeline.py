@@ -102,7 +102,7 @@ def test_summary_schema(lenet_run):
     s = r.to_summary()
     assert s == summary_dict(r)
     json.dumps(s, allow_nan=False)  # plain JSON: no NaN, no objects
-    assert s["schema"] == SUMMARY_SCHEMA == "convcheck.summary/1"
+    assert s["schema"] == SUMMARY_SCHEMA == "convcheck.summary/2"
     assert s["model"]["name"] == "lenet"
     assert s["targets"] == ["cpu", "cpu:emulate-tf32"]
     assert s["judge"] == "cpu:float64"

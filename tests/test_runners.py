@@ -39,7 +39,7 @@ def test_every_mode_has_exactly_one_class_per_device():
             for device in cls.devices:
                 assert (device, mode) not in seen, (cls, seen.get((device, mode)))
                 seen[(device, mode)] = cls
-    assert len(runner_classes()) == 8
+    assert len(runner_classes()) == 9
 
 
 @pytest.mark.parametrize("spec, cls", [

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from convcheck.errors import ConvcheckError, TargetUnavailable, UsageError
+from convcheck.numerics.formats import RNE, TF32
 from convcheck.numerics.metrics import rel_l2
 from convcheck.targets.spec import (
     CPU_JUDGE,
@@ -269,7 +271,7 @@ def test_round_to_tf32_relative_error_at_most_half_an_ulp():
     assert int((r.view(torch.int32) & 0x1FFF).abs().sum()) == 0
 
 
-def test_round_to_tf32_ties_to_even():
+def test_round_to_tf32_ties_to_even_when_asked():
     one = 1.0
     cases = {
         one + 2.0**-11: one,                        # halfway, lower neighbour even
@@ -281,7 +283,11 @@ def test_round_to_tf32_ties_to_even():
     }
     x = torch.tensor(list(cases), dtype=torch.float32)
     expected = torch.tensor(list(cases.values()), dtype=torch.float32)
-    assert torch.equal(round_to_tf32(x), expected)
+    assert torch.equal(round_to_tf32(x, replace(TF32, rounding=RNE)), expected)
+    # the default, NVIDIA's: ties away from zero (the two halfway cases with an even lower neighbour go up)
+    away = expected.clone()
+    away[0], away[4] = one + 2.0**-10, -(one + 2.0**-10)
+    assert torch.equal(round_to_tf32(x), away)
 
 
 def test_round_to_tf32_keeps_inf_nan_and_zero():

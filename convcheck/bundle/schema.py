@@ -18,6 +18,10 @@ which holds it exactly; ``dtype`` in the index is the dtype the run had.
 from __future__ import annotations
 
 SCHEMA = "convcheck.bundle/1"
+# A watched run (``convcheck.watch``, issue 25): another kind of bundle, versioned on its own; its files
+# are described in ``convcheck/watch/layout.py``. ``convcheck diff`` tells the two kinds by this field.
+WATCH_SCHEMA = "convcheck.watch/1"
+SCHEMAS = {SCHEMA: "recorded", WATCH_SCHEMA: "watched"}
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # curves and parity rows of a large model are a few MB
 MAX_TOTAL_BYTES = 16 * 1024**3  # what a bundle's index may claim in all

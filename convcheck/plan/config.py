@@ -54,6 +54,9 @@ class CompareConfig:
     clip_grad_norm: float | None = None
     ddp_sync_bn: bool = False  # data-parallel targets: convert BatchNorm to SyncBatchNorm (issue 12)
     ddp_no_broadcast_buffers: bool = False  # data-parallel targets: DistributedDataParallel(broadcast_buffers=False)
+    # Re-run the failing arm with the verdict's remedies applied (issue 24): None (default) when that costs
+    # one training run of one arm (the first remedy only), True every remedy that fits, False nothing.
+    verify: bool | None = None
     threads: int | None = None  # torch's intra-op threads; None: the caller's setting, else the faster of 1 and the default
 
     def __post_init__(self):
@@ -72,6 +75,8 @@ class CompareConfig:
                 least = (lambda v: v >= 0) if name == "momentum" else (lambda v: v > 0)
                 _need_real(name.replace("_", " "), value, least, "a number of at least 0" if name == "momentum"
                            else "a positive number")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise UsageError(f"verify must be True, False or None (the default: one re-run), got {self.verify!r}")
         if not isinstance(self.nesterov, bool):
             raise UsageError(f"nesterov must be True or False, got {self.nesterov!r}")
         if self.betas is not None:

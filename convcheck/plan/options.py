@@ -15,7 +15,7 @@ from convcheck.plan.config import OPTIMIZERS, CompareConfig, default, with_optio
 OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "workers", "bound-factor",
                 "min-error",
                 "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
-                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "threads")
+                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "verify", "threads")
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:
@@ -52,6 +52,9 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
         help="ddp: targets: convert every BatchNorm to SyncBatchNorm in the data-parallel copies")
     opt("ddp-no-broadcast-buffers", action="store_true",
         help="ddp: targets: DistributedDataParallel(broadcast_buffers=False), as your own training may set it")
+    opt("verify", action=_boolean_optional(),
+        help="after a verdict other than ok, re-run the failing arm with each remedy applied and say which "
+             "verifies (--no-verify: nothing extra; default: the first remedy, one training run of one arm)")
     opt("seed", type=int, help="seed for weights and batches (default %(default)s)")
     opt("envelope", type=int,
         help="perturbed runs of the lower-precision target for the noise envelope; 0 turns it off "
@@ -69,6 +72,12 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "operands rounded to the target's precision) plus 4e-7 (default %(default)s)")
     opt("min-error", type=float,
         help="a flagged layer whose error stays below this is a note, not the verdict (default %(default)s)")
+
+
+def _boolean_optional():
+    import argparse
+
+    return argparse.BooleanOptionalAction
 
 
 def _betas(text: str) -> tuple[float, float]:

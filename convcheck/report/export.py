@@ -1,4 +1,4 @@
-"""Machine-readable output: ``summary.json`` (schema ``convcheck.summary/1``), ``layers.csv``,
+"""Machine-readable output: ``summary.json`` (schema ``convcheck.summary/2``), ``layers.csv``,
 ``curves.csv``; every file written to a temporary name and renamed into place."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from convcheck.files import atomic_write_bytes, atomic_write_text, write_error
 from convcheck.report.folder import REPORT_FILES
 from convcheck.report.shared import training_rule
 from convcheck.measure.table_schema import CurveRow, frame, named
+from convcheck.report.verification import verification_dict
 
-SUMMARY_SCHEMA = "convcheck.summary/1"
+# /2 (issue 24): "verification" added (the verify stage's result: status, line, attempts, cost_ratio)
+SUMMARY_SCHEMA = "convcheck.summary/2"
 
 
 def _clean(value):
@@ -96,6 +98,7 @@ def summary_dict(result) -> dict:
             "findings": [f.to_dict() if hasattr(f, "to_dict") else f for f in result.findings],
         },
         "verdict": verdict.to_dict() if hasattr(verdict, "to_dict") else None,
+        "verification": verification_dict(result),
         "timings": result.timings,
         "threads": result.threads.to_dict() if getattr(result, "threads", None) is not None else None,
     })

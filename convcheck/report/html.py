@@ -46,7 +46,7 @@ def render_html(result, images: dict[str, bytes]) -> str:
     parts.append(_layers_table(result))
     parts.append(_findings(result))
     parts.append(f"<p><small>initial weights sha256 {e(result.init_hash[:16])}…; "
-                 f"{len(result.batch_hashes)} batches hashed; schema convcheck.summary/1 in summary.json</small></p>")
+                 f"{len(result.batch_hashes)} batches hashed; schema convcheck.summary/2 in summary.json</small></p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 

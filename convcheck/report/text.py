@@ -17,6 +17,7 @@ from rich.table import Table
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
+from convcheck.report.verification import verification_lines
 from convcheck.measure.table_schema import named
 
 WORST_LAYERS = 8
@@ -215,3 +216,5 @@ def _verdict(c: Console, result) -> None:
         c.print(f"  evidence: {escape(str(e))}", soft_wrap=True)
     for r in v.remedies:
         c.print(f"  remedy:   {escape(str(r))}", soft_wrap=True)
+    for line in verification_lines(result):
+        c.print(f"  {escape(line)}", soft_wrap=True)

@@ -8,9 +8,7 @@ module (``@verdict_rule`` registers it) plus its test; ``lines`` holds the evide
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
+from convcheck.discovery import import_modules
 from convcheck.diagnose.rules.layer import layer_error, layer_remedies
 from convcheck.diagnose.rules.nondeterminism import self_difference, stochastic_layer
 from convcheck.diagnose.rules.numerics import numerics_remedies, precision_effect
@@ -23,10 +21,7 @@ from convcheck.diagnose.rules.stack import hardware_finding, version_finding
 def import_rule_modules() -> list[str]:
     """Import every module of this package (a rule module added beside these registers itself);
     returns their names."""
-    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
-    for name in names:
-        importlib.import_module(f"{__name__}.{name}")
-    return names
+    return import_modules(__name__, __path__)
 
 
 import_rule_modules()

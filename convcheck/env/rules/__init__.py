@@ -17,9 +17,7 @@ other module of this package is imported after them, by name, so a new family
 is one new module with ``@rule`` functions (``import_rule_families``).
 """
 
-import importlib
-import pkgutil
-
+from convcheck.discovery import import_modules
 from convcheck.env.rules.base import RULE_IDS, RULES, SEVERITIES, Finding, Rule, audit, rule
 from convcheck.env.rules import driver, libraries, mathmode, hardware  # noqa: E402,I001 - registration order
 from convcheck.env.rules.hardware import NVML_DOC, THROTTLE_BITS
@@ -29,10 +27,7 @@ from convcheck.env.rules.mathmode import tf32_state
 def import_rule_families() -> list[str]:
     """Import every module of this package (a family added beside the four registers its rules);
     returns their names."""
-    names = sorted(m.name for m in pkgutil.iter_modules(__path__))
-    for name in names:
-        importlib.import_module(f"{__name__}.{name}")
-    return names
+    return import_modules(__name__, __path__)
 
 
 import_rule_families()

@@ -131,9 +131,9 @@ class Runner:
 
     @property
     def tf32_like(self) -> bool:
-        """Matmul/conv operands rounded to TF32 (the remedy is to turn TF32 off)."""
+        """Matmul/conv operands rounded to TF32, however they round (the remedy is to turn TF32 off)."""
         p = self.precision
-        return coarsest((p.matmul.operand, p.conv.operand)) == TF32 and not self.half_compute
+        return coarsest((p.matmul.operand, p.conv.operand)).same_values(TF32) and not self.half_compute
 
     # -- availability -------------------------------------------------------------------
 

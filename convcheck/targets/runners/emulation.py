@@ -1,8 +1,10 @@
 """Formats emulated on the CPU: matmul and convolution operands rounded to a coarser format.
 
-TF32 (``EmulateTF32``: its 10-bit mantissa, on the bit pattern) and any format of the table
-with a torch dtype (``EmulateFormat``: FP8 E4M3/E5M2, through torch's cast, which saturates
-E4M3FN at 448 and overflows E5M2 to Inf). The sums stay float32, as tensor cores accumulate.
+Any format of the table (``EmulateFormat``), with the format's own rounding (``precision.round_to``):
+TF32 on the bit pattern, its 10-bit mantissa with NVIDIA's ties away from zero (``EmulateTF32``,
+``TF32``) or truncated as ROCm gfx942's xf32 (``TF32_RZ``); FP8 E4M3/E5M2 through torch's cast,
+which saturates E4M3FN at 448 and overflows E5M2 to Inf. The sums stay float32, as tensor cores
+accumulate. The floors of such a target round with the same format, so the same rounding.
 """
 
 from __future__ import annotations
@@ -10,23 +12,19 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convcheck.numerics.formats import NumberFormat
-from convcheck.targets.runners.precision import round_to
+from convcheck.numerics.formats import TF32, NumberFormat
+from convcheck.targets.runners.precision import check_rounding, round_to
 
 
-def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to TF32 (10 explicit mantissa bits), to nearest, ties to even.
+def round_to_tf32(t: torch.Tensor, fmt: NumberFormat = TF32) -> torch.Tensor:
+    """Round float32 values to TF32 (10 explicit mantissa bits) with ``fmt``'s rounding: NVIDIA's
+    ties away from zero (``TF32``, the default), truncation (``TF32_RZ``), or any other rounding
+    of the format (``dataclasses.replace(TF32, rounding=RNE)``). Other dtypes pass unchanged.
 
     TF32 tensor cores read float32 operands with their mantissa cut to 10 bits
     and accumulate in float32; rounding the operands reproduces that on a CPU.
     """
-    if t.dtype != torch.float32:
-        return t
-    bits = t.contiguous().view(torch.int32)
-    lsb = (bits >> 13) & 1
-    rounded = (bits + 0x0FFF + lsb) & ~0x1FFF
-    finite = torch.isfinite(t)
-    return torch.where(finite, rounded.view(torch.float32), t)
+    return round_to(t, fmt) if t.dtype == torch.float32 else t
 
 
 _TF32_OPS = None  # the matmul and convolution ops tensor cores run (forward and backward)
@@ -58,21 +56,22 @@ class EmulatedOperands(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class EmulateTF32(EmulatedOperands):
-    """TF32 tensor cores: float32 operands with their mantissa cut to 10 bits (``round_to_tf32``)."""
-
-    def round(self, t: torch.Tensor) -> torch.Tensor:
-        return round_to_tf32(t)
-
-
 class EmulateFormat(EmulatedOperands):
-    """Float32 operands rounded to ``fmt`` through its torch dtype, range included (FP8)."""
+    """Float32 operands rounded to ``fmt`` with its rounding: through its torch dtype, range
+    included (FP8), or on the bit pattern (TF32, RNE/RNA/RZ)."""
 
     def __init__(self, fmt: NumberFormat):
         super().__init__()
-        if fmt.dtype is None:
-            raise ValueError(f"{fmt} has no torch dtype to round through")
+        check_rounding(fmt)  # a rounding round_to cannot do fails here, not in the first matmul
         self.format = fmt
 
     def round(self, t: torch.Tensor) -> torch.Tensor:
         return round_to(t, self.format) if t.dtype == torch.float32 else t
+
+
+class EmulateTF32(EmulateFormat):
+    """TF32 tensor cores: float32 operands with their mantissa cut to 10 bits (``round_to_tf32``),
+    NVIDIA's ties away from zero unless another TF32 format is given (``TF32_RZ``)."""
+
+    def __init__(self, fmt: NumberFormat = TF32):
+        super().__init__(fmt)

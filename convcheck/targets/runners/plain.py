@@ -91,7 +91,8 @@ class EmulatedTF32Runner(Runner):
 
     modes = ("emulate-tf32",)
     devices = ("cpu",)
-    descriptions = {"emulate-tf32": "float32, matmul/conv inputs rounded to TF32 (10-bit mantissa)"}
+    descriptions = {"emulate-tf32": "float32, matmul/conv inputs rounded to TF32 (10-bit mantissa, to nearest, "
+                                    "ties away: NVIDIA)"}
     dtypes = {"emulate-tf32": _F32}
 
     @classmethod

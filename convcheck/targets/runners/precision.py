@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from convcheck.numerics.formats import FLOAT64, FORMATS, RNE, NumberFormat, coarsest, narrowest_range
+from convcheck.numerics.formats import FLOAT32, FLOAT64, FORMATS, RNA, RNE, RZ, NumberFormat, coarsest, narrowest_range
 
 OP_CLASSES = ("matmul", "conv", "elementwise")
 
@@ -80,26 +80,47 @@ def dtype_unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def round_to(t: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
-    """``t`` rounded to ``fmt`` (to nearest, ties to even), in ``t``'s own dtype.
+    """``t`` rounded to ``fmt`` with ``fmt``'s rounding, in ``t``'s own dtype.
 
     A format with a torch dtype is gone through, range included (float16 overflows past 65504 to
-    Inf, E4M3FN saturates at 448); one without (TF32) has its significand cut to its bits in
-    ``t``'s own dtype, ``t``'s range kept. A finer format than ``t``'s is a no-op.
+    Inf, E4M3FN saturates at 448); torch's casts round to nearest, ties to even, so such a format
+    rounds RNE only. One without (TF32) has its significand cut to its bits on the bit pattern, to
+    nearest with ties to even (RNE) or away from zero (RNA), or toward zero (RZ). On float32 that
+    is exact everywhere: TF32 shares float32's exponent, so its subnormals are float32's with the
+    same bits dropped (steps of 2^-136), a value rounding up past the largest finite becomes Inf
+    (never under RZ), NaN and Inf are kept. On float64 (the floors' references) ``t``'s range is
+    kept. A finer format than ``t``'s is a no-op.
     """
-    if fmt.rounding != RNE:
-        raise ValueError(f"round_to rounds to nearest, ties to even; {fmt} rounds {fmt.rounding}")
+    check_rounding(fmt)
     if not t.is_floating_point() or fmt.unit_roundoff <= dtype_unit_roundoff(t.dtype):
         return t
     if fmt.dtype is not None:
         return t.to(fmt.torch_dtype).to(t.dtype)
     bits = fmt.significand_bits
+    if t.dtype == torch.float32 and fmt.exponent_bits == FLOAT32.exponent_bits:
+        return _round_bits(t, bits, fmt.rounding)  # subnormals included (float32's grid, bits dropped)
     if t.dtype in _BIT_LAYOUT and not _has_subnormal(t):
-        return _round_bits(t, bits)
+        return _round_bits(t, bits, fmt.rounding)
     mantissa, exponent = torch.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= |mantissa| < 1
     # (torch.ldexp forms 2^exponent in the default dtype: float32 would flush small exponents)
-    rounded = torch.round(mantissa * 2.0**bits) * torch.exp2((exponent - bits).to(t.dtype))
+    rounded = _ROUNDERS[fmt.rounding](mantissa * 2.0**bits) * torch.exp2((exponent - bits).to(t.dtype))
     return torch.where(torch.isfinite(t), rounded, t)
 
+
+def check_rounding(fmt: NumberFormat) -> None:
+    """A ``ValueError`` for a rounding ``round_to`` cannot do: a format with a torch dtype is
+    rounded by torch's cast, which rounds to nearest, ties to even, only."""
+    if fmt.rounding not in _ROUNDERS:
+        raise ValueError(f"round_to: {fmt} rounds {fmt.rounding}, which it cannot do")
+    if fmt.dtype is not None and fmt.rounding != RNE:
+        raise ValueError(f"round_to: {fmt} goes through torch's cast, which rounds {RNE}, not {fmt.rounding}")
+
+
+def _ties_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.copysign(torch.floor(x.abs() + 0.5), x)  # exact: |x| < 2^bits, far below the dtype's precision
+
+
+_ROUNDERS = {RNE: torch.round, RNA: _ties_away, RZ: torch.trunc}  # on a scaled significand (frexp's form)
 
 _BIT_LAYOUT = {torch.float64: (torch.int64, 52), torch.float32: (torch.int32, 23)}  # integer view, mantissa bits
 
@@ -109,19 +130,25 @@ def _has_subnormal(t: torch.Tensor) -> bool:
     return bool(torch.any((t.abs() < torch.finfo(t.dtype).tiny) & (t != 0))) if t.numel() else False
 
 
-def _round_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+def _round_bits(t: torch.Tensor, bits: int, rounding: str = RNE) -> torch.Tensor:
     """``round_to``'s rounding on the bit pattern: keep ``bits`` significant bits (``bits - 1``
-    stored), to nearest, ties to even; a carry out of the mantissa raises the exponent, as the
-    rounding should. Four integer passes instead of ``frexp``/``round``/``exp2``'s eight float
-    ones (TF32 floors round every operand of every matmul/conv this way). The same values as
-    the ``frexp`` form for every normal number; NaN and Inf are kept."""
+    stored). The sign is its own bit, so the integer arithmetic acts on the magnitude: RNE adds
+    half a unit less one plus the kept bit's parity, RNA half a unit, RZ nothing, and the dropped
+    bits are cleared; a carry out of the mantissa raises the exponent, as the rounding should (the
+    largest exponent's carry is Inf). Four integer passes instead of ``frexp``/``round``/``exp2``'s
+    eight float ones (TF32 floors round every operand of every matmul/conv this way). The same
+    values as the ``frexp`` form for every normal number; NaN and Inf are kept."""
     int_dtype, mantissa_bits = _BIT_LAYOUT[t.dtype]
     drop = mantissa_bits - (bits - 1)
     if drop <= 0:
         return t
     raw = t.contiguous().view(int_dtype)
-    odd = (raw >> drop) & 1
-    half = (1 << (drop - 1)) - 1
-    rounded = ((raw + half + odd) & ~((1 << drop) - 1)).view(t.dtype)
-    return torch.where(torch.isfinite(t), rounded, t)
-
+    keep = ~((1 << drop) - 1)
+    if rounding == RZ:
+        rounded = raw & keep
+    elif rounding == RNA:
+        rounded = (raw + (1 << (drop - 1))) & keep
+    else:
+        odd = (raw >> drop) & 1
+        rounded = (raw + ((1 << (drop - 1)) - 1) + odd) & keep
+    return torch.where(torch.isfinite(t), rounded.view(t.dtype), t)

@@ -8,8 +8,8 @@ they may run is what the registered classes say.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from convcheck.discovery import import_modules
+
 
 from convcheck.errors import UsageError
 
@@ -29,11 +29,10 @@ def register(cls: type) -> type:
     return cls
 
 
-def import_kinds(package: str, path) -> None:
+def import_kinds(package: str, path) -> list[str]:
     """Import every module of ``package`` (found on ``path``), by name: a module that defines a
     ``@register``-ed class makes its kind known, with no list of modules to edit."""
-    for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
-        importlib.import_module(f"{package}.{info.name}")
+    return import_modules(package, path)
 
 
 def runner_classes() -> list[type]:

@@ -1,0 +1,308 @@
+"""Remedies as actions: what a verdict's remedy *does* to one arm's run, so that it can be re-run.
+
+An ``Action`` changes at most four things of the failing arm's run, each a pure function of the old one:
+the target (``TF32 off``: the same device without TF32), the model as built (``keep in float32``: one
+module's parameters and arithmetic in float32 inside a lower-precision model), the recipe (the
+optimizer's eps, the learning rate, gradient clipping) and the global flags while it runs (deterministic
+algorithms). ``actions_for(verdict, ...)`` derives the actions that fit a verdict from its fields
+(category, sub_cause, layer, target) and the recipe in use, most specific first; it never reads the
+rules' remedy texts. Each kind is one ``@action``-registered function (``ACTIONS``), so a new kind is one
+function here plus its test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.verdict import Verdict
+from convcheck.targets.spec import Target
+
+RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
+LR_FACTOR = 0.1  # "lower the learning rate (try 10x smaller)"
+CLIP_NORM = 1.0  # torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One remedy as something convcheck can apply: ``kind`` (registered), ``text`` (what a reader is told:
+    "with 'attn' in float32"), and what it changes: ``modules`` kept in float32, ``eps``, ``lr_factor``,
+    ``clip``, ``target`` (a target to run instead), ``deterministic``."""
+
+    kind: str
+    text: str
+    modules: tuple[str, ...] = ()
+    eps: float | None = None
+    lr_factor: float | None = None
+    clip: float | None = None
+    target: Target | None = None
+    deterministic: bool = False
+
+    # --- what the re-run does -------------------------------------------------------------------
+
+    @property
+    def changes_recipe(self) -> bool:
+        """Whether the judge trains differently too (a recipe change): then the judge is re-run with it."""
+        return self.eps is not None or self.lr_factor is not None or self.clip is not None
+
+    def target_for(self, target: Target) -> Target:
+        return self.target if self.target is not None else target
+
+    def wrap_build(self, build: Callable[[Target], nn.Module]) -> Callable[[Target], nn.Module]:
+        if not self.modules:
+            return build
+        modules = self.modules
+
+        def built(target: Target) -> nn.Module:
+            return keep_in_float32(build(target), modules, target)
+        return built
+
+    def recipe(self, recipe):
+        """The recipe with this action's optimizer and clipping changes (the same recipe when it has none)."""
+        if self.eps is None and self.lr_factor is None and self.clip is None:
+            return recipe
+        make, eps, factor = recipe.make_optimizer, self.eps, self.lr_factor
+
+        def make_optimizer(params):
+            opt = make(params)
+            for group in opt.param_groups:
+                if eps is not None and "eps" in group and group["eps"] < eps:
+                    group["eps"] = eps
+                if factor is not None:
+                    group["lr"] = group["lr"] * factor
+            return opt
+        clip = recipe.clip_grad_norm if self.clip is None else self.clip
+        # ``source=None``: the recipe no longer is what its config fields build (pickled field by field)
+        return dataclasses.replace(recipe, make_optimizer=make_optimizer, clip_grad_norm=clip, source=None)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The global flags this action sets, restored afterwards."""
+        if not self.deterministic:
+            yield
+            return
+        was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn)
+
+    def snippet(self) -> str:
+        """The change as the user would write it."""
+        if self.modules:
+            return float32_snippet(self.modules)
+        if self.eps is not None:
+            return f"optimizer = torch.optim.Adam(model.parameters(), lr=..., eps={self.eps:g})  # --eps {self.eps:g}"
+        if self.lr_factor is not None:
+            return f"lr = {self.lr_factor:g} * lr"
+        if self.clip is not None:
+            return (f"torch.nn.utils.clip_grad_norm_(model.parameters(), {self.clip:g})  # before optimizer.step()"
+                    f"; --clip-grad-norm {self.clip:g}")
+        if self.target is not None:
+            return "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False"
+        if self.deterministic:
+            return "torch.use_deterministic_algorithms(True)"
+        return ""
+
+
+def float32_snippet(modules) -> str:
+    """Ready to paste: the modules kept in float32 inside a lower-precision model (autocast or a cast
+    model) - what ``keep_in_float32`` does to the re-run's model."""
+    names = "(" + ", ".join(repr(m) for m in modules) + ("," if len(modules) == 1 else "") + ")"
+    return f"""import torch
+
+def keep_in_float32(model, names={names}):
+    \"\"\"Run these modules in float32 (autocast off, weights and inputs float32); the other
+    modules of a cast model get their inputs back in their own dtype.\"\"\"
+    kept = [model.get_submodule(n) for n in names]
+    for module in kept:
+        module.float()
+        forward = module.forward
+
+        def run(*args, _forward=forward, **kwargs):
+            args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+            with torch.autocast(args[0].device.type, enabled=False):
+                return _forward(*args, **kwargs)
+        module.forward = run
+    inside = {{id(m) for k in kept for m in k.modules()}}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if id(module) not in inside and own and own[0].dtype != torch.float32:
+            module.register_forward_pre_hook(
+                lambda m, args, _d=own[0].dtype: tuple(a.to(_d) if torch.is_tensor(a)
+                                                       and a.dtype == torch.float32 else a for a in args))
+    return model
+
+# model = keep_in_float32(model)  # after model.half() (or under autocast), before building the optimizer
+"""
+
+
+def keep_in_float32(model: nn.Module, names, target: Target) -> nn.Module:
+    """``model`` with the modules ``names`` in float32: their parameters, their inputs (cast), their
+    arithmetic (autocast off around them); their float32 outputs flow on, and every other module holding
+    lower-precision parameters of its own gets its float32 inputs cast back to its dtype (a pre-hook). So
+    two kept modules in a row pass float32 between them (an overflow between them stays in range)."""
+    kept = [model.get_submodule(n) for n in names]
+    device = target.device
+    for module in kept:
+        module.float()
+        forward = module.forward
+
+        def run(*args, _forward=forward, **kwargs):
+            args = tuple(_to32(a) for a in args)
+            kwargs = {k: _to32(v) for k, v in kwargs.items()}
+            with torch.autocast(device, enabled=False):
+                return _forward(*args, **kwargs)
+        module.forward = run
+    inside = {id(m) for k in kept for m in k.modules()}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if id(module) not in inside and own and own[0].dtype in (torch.float16, torch.bfloat16):
+            module.register_forward_pre_hook(_back_to(own[0].dtype))
+    return model
+
+
+def _back_to(dtype: torch.dtype):
+    def hook(module, args):
+        return tuple(a.to(dtype) if torch.is_tensor(a) and a.dtype == torch.float32 else a for a in args)
+    return hook
+
+
+def _to32(v):
+    return v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dtype != torch.float64 else v
+
+
+# --- which actions fit a verdict ------------------------------------------------------------------
+
+Deriver = Callable[["Context"], "Action | None"]
+ACTIONS: dict[str, Deriver] = {}
+
+
+def action(kind: str):
+    """Register a deriver: ``fn(context) -> Action | None`` (None: this kind does not fit the verdict)."""
+    def register(fn: Deriver) -> Deriver:
+        ACTIONS[kind] = fn
+        return fn
+    return register
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the derivers read: the verdict, the failing arm's target (None: no arm to re-run), whether
+    that arm is the judge, the model as built for it, and the recipe in use."""
+
+    verdict: Verdict
+    target: Target | None
+    is_judge: bool
+    model: nn.Module | None
+    recipe: object
+
+    @property
+    def sub_cause(self) -> str:
+        return self.verdict.sub_cause or ""
+
+
+_OVERFLOWS = set(S.NONFINITE_TENSORS) | {S.OUT_OF_RANGE, S.GRADSCALER_COLLAPSE, S.ILL_CONDITIONED,
+                                         S.GRADIENT_UNDERFLOW}
+_SETUP_STEP = {S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.OSCILLATING_LOSS, S.DEAD_RELUS}
+
+
+def _has_module(ctx: Context, name: str | None) -> bool:
+    if not name or ctx.model is None:
+        return False
+    try:
+        ctx.model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+@action("float32-module")
+def _float32_module(ctx: Context) -> Action | None:
+    """A layer or a NaN/Inf producer named in a 16-bit (cast or autocast) target: that module in float32."""
+    t, v = ctx.target, ctx.verdict
+    if t is None or ctx.is_judge or t.world is not None or not t.runner.half_compute:
+        return None
+    if v.category not in ("layer", "numerics") or not (v.category == "layer" or ctx.sub_cause in _OVERFLOWS):
+        return None
+    if not _has_module(ctx, v.layer):
+        return None
+    return Action("float32-module", f"with '{v.layer}' in float32", modules=(v.layer,))
+
+
+def _optimizer_has(recipe, key: str) -> bool:
+    probe = torch.zeros(1, requires_grad=True)
+    try:
+        opt = recipe.make_optimizer([probe])
+    except Exception:  # noqa: BLE001 - a factory that wants the model's own parameters: unknown
+        return False
+    return all(key in g for g in opt.param_groups)
+
+
+@action("optimizer-eps")
+def _optimizer_eps(ctx: Context) -> Action | None:
+    """Weights made NaN/Inf by the optimizer step in a 16-bit model: the optimizer's eps raised to 1e-4."""
+    if ctx.target is None or ctx.sub_cause != S.NONFINITE_WEIGHTS or not _optimizer_has(ctx.recipe, "eps"):
+        return None
+    return Action("optimizer-eps", f"with the optimizer's eps raised to {RAISED_EPS:g}", eps=RAISED_EPS)
+
+
+@action("lower-lr")
+def _lower_lr(ctx: Context) -> Action | None:
+    """Exploding gradients, a NaN loss, oscillation, dead ReLUs, weights the step makes NaN: 10x lower lr."""
+    if ctx.target is None or ctx.sub_cause not in _SETUP_STEP | {S.NONFINITE_WEIGHTS}:
+        return None
+    return Action("lower-lr", f"with the learning rate {1 / LR_FACTOR:g}x lower", lr_factor=LR_FACTOR)
+
+
+@action("clip-gradients")
+def _clip(ctx: Context) -> Action | None:
+    """Exploding gradients or a NaN loss: gradients clipped to norm 1 (unless clipped tighter already)."""
+    if ctx.target is None or ctx.sub_cause not in (S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.NONFINITE_WEIGHTS):
+        return None
+    current = getattr(ctx.recipe, "clip_grad_norm", None)
+    if current is not None and current <= CLIP_NORM:
+        return None
+    return Action("clip-gradients", f"with gradients clipped to norm {CLIP_NORM:g}", clip=CLIP_NORM)
+
+
+@action("tf32-off")
+def _tf32_off(ctx: Context) -> Action | None:
+    """A TF32 target (or its emulation) with a layer error or drift: the same device without TF32."""
+    t = ctx.target
+    if t is None or ctx.is_judge or t.world is not None or not t.runner.tf32_like:
+        return None
+    if ctx.verdict.category not in ("layer", "numerics"):
+        return None
+    plain = Target(t.device, t.index, "no-tf32" if t.device == "cuda" else "float32")
+    return Action("tf32-off", f"with TF32 off ({plain})", target=plain)
+
+
+@action("deterministic")
+def _deterministic(ctx: Context) -> Action | None:
+    """Nondeterministic kernels: torch.use_deterministic_algorithms(True)."""
+    if ctx.target is None or ctx.verdict.category != "nondeterminism" or ctx.sub_cause != "nondeterministic kernels":
+        return None
+    return Action("deterministic", "with deterministic algorithms", deterministic=True)
+
+
+# most specific first: a module kept in float32 before a recipe change
+ORDER = ("float32-module", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
+
+
+def actions_for(ctx: Context) -> list[Action]:
+    """The actions that fit ``ctx.verdict``, in the order they are tried."""
+    kinds = list(ORDER) + [k for k in ACTIONS if k not in ORDER]
+    out = []
+    for kind in kinds:
+        a = ACTIONS[kind](ctx)
+        if a is not None:
+            out.append(a)
+    return out

@@ -1,0 +1,220 @@
+"""The verify stage's work: re-run the failing arm (same seed, weights, batches, steps) with each fitting
+action applied (``actions.actions_for``), until one makes it converge and track the judge.
+
+Which arm: the verdict's target; for a verdict about the setup (the judge fails too) the judge itself.
+What "verified" means: every loss finite and, for a target, the run converges where the judge does and
+ends within ``allowed`` of the judge's final loss (relative), ``allowed`` being the larger of
+``TRACK_MARGIN`` and the farthest finite envelope run's gap (the one-ulp runs show how far honest
+rounding moves the end) - or ends below the judge's (the remedy fixed what failed; the line says it does
+not track); for the judge, the run converges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.verdict import Verdict
+from convcheck.measure.train import TrainConfig, TrainResult, converged, run_training
+from convcheck.measure.train.arms import Arm
+from convcheck.numerics.thresholds import FRAGILE_MARGIN
+from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
+from convcheck.plan.user_code import one_line
+from convcheck.targets.spec import Target
+from convcheck.verify.actions import Action, Context, actions_for
+from convcheck.verify.bisect import candidates, ddmin
+from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
+
+TRACK_MARGIN = FRAGILE_MARGIN  # a re-run ending within 10% of the judge's final loss tracks it
+
+
+def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, seed: int, training: TrainResult,
+                   targets: Sequence[Target], judge: Target, mode: bool | None = None,
+                   tolerances: Tolerances = DEFAULT_TOLERANCES, arm_seconds: float = math.nan,
+                   actions: Sequence[Action] | None = None) -> Verification:
+    """``mode``: False runs nothing; None (the default) tries the first fitting action when that costs one
+    training run of one in-process arm; True tries every fitting action. ``actions`` replaces the derived
+    ones (a test plants a wrong diagnosis this way)."""
+    if mode is False:
+        return Verification(SKIPPED, "", reason="--no-verify")
+    if verdict is None or verdict.category == "ok":
+        return Verification(SKIPPED, "", reason="the verdict is ok")
+    target, is_judge = _failing(verdict, targets, judge)
+    if target is None:
+        return Verification(NO_ACTION, f"not verified: no arm of this run to re-run for a {verdict.category} verdict",
+                            reason="no arm")
+    if mode is None and target.world is not None:
+        return Verification(SKIPPED, "", reason=f"re-running {target} costs {target.world} processes, more than one "
+                                                "arm: --verify runs it")
+    if actions is None:
+        model = build(target)
+        actions = actions_for(Context(verdict, target, is_judge, model, recipe))
+        del model
+    actions = list(actions)
+    if not actions:
+        return Verification(NO_ACTION, "remedies not verified: none of them is one convcheck can apply and re-run",
+                            reason="no action")
+    if mode is None and actions[0].changes_recipe and not is_judge:
+        return Verification(SKIPPED, "", untried=tuple(a.text for a in actions),
+                            reason=f"'{actions[0].text}' changes the recipe, so the judge is re-run with it too: "
+                                   "two training runs, more than the default's one (--verify runs it)")
+    tried = actions[:1] if mode is None else actions
+    judge_losses = _losses(training, training.arm_of(judge).name)
+    allowed = max(TRACK_MARGIN, _envelope_gap(training, judge_losses))
+    attempts = []
+    for a in tried:
+        attempts.append(_attempt(a, target, judge, is_judge, build, data, recipe, steps, seed, tolerances,
+                                 judge_losses, allowed))
+        if attempts[-1].verified:
+            break
+    if mode is True and not attempts[-1].verified and _bisectable(verdict, target, is_judge):
+        attempts.append(_bisect(target, judge, build, data, recipe, steps, seed, tolerances, training,
+                                judge_losses, allowed))
+    untried = tuple(a.text for a in actions[len(attempts):]) if not any(a.verified for a in attempts) else ()
+    spent = sum(a.seconds for a in attempts)
+    ratio = spent / arm_seconds if arm_seconds and math.isfinite(arm_seconds) and arm_seconds > 0 else math.nan
+    ok = next((a for a in attempts if a.verified), None)
+    if ok is not None:
+        return Verification(VERIFIED, ok.line, tuple(attempts), (), cost_ratio=ratio)
+    if untried:
+        line = (f"{attempts[-1].line} ({len(untried)} more remedies not tried: "
+                f"{'; '.join(untried)}; --verify tries them)")
+    elif len(attempts) == 1:
+        line = f"{attempts[0].line}; no other remedy convcheck can apply: the diagnosis may be wrong (low confidence)"
+    else:
+        line = (f"not verified: none of the {len(attempts)} remedies convcheck can apply makes {attempts[0].arm} "
+                f"converge and track the judge ({'; '.join(a.text for a in attempts)}): the diagnosis may be "
+                "wrong (low confidence)")
+    return Verification(NOT_VERIFIED, line, tuple(attempts), untried, cost_ratio=ratio)
+
+
+# what a module's own precision causes (not weights an optimizer step breaks: every layer holds weights)
+_MODULE_CAUSES = (*S.NONFINITE_TENSORS, S.OUT_OF_RANGE, S.ILL_CONDITIONED, S.GRADSCALER_COLLAPSE)
+
+
+def _bisectable(verdict: Verdict, target: Target, is_judge: bool) -> bool:
+    """Precision bisection fits a 16-bit target whose trouble one module's precision causes (a layer error,
+    a NaN/Inf producer, an overflow), not weights the optimizer step makes NaN."""
+    return (not is_judge and target.world is None and target.runner.half_compute
+            and (verdict.category == "layer" or verdict.sub_cause in _MODULE_CAUSES))
+
+
+def _bisect(target: Target, judge: Target, build, data, recipe, steps: int, seed: int, tolerances: Tolerances,
+            training: TrainResult, judge_losses: list[float], allowed: float) -> Attempt:
+    """Delta debugging over the model's modules for the smallest set kept in float32 that makes the arm
+    track the judge; each probe runs up to two steps past the arm's first NaN/Inf (all steps without one),
+    the set found is confirmed by a full re-run (the attempt returned)."""
+    t0 = time.perf_counter()
+    outcome = training.outcomes.get(target)
+    bad = outcome.first_nonfinite_step if outcome is not None else None
+    short = steps if bad is None else min(steps, bad + 2)
+    names = candidates(build(target))
+    probes = [0]
+
+    def passes(kept: tuple[str, ...]) -> bool:
+        probes[0] += 1
+        a = Action("float32-module", "", modules=kept)
+        return _attempt(a, target, judge, False, build, data, recipe, short, seed, tolerances,
+                        judge_losses[:short], allowed).verified
+
+    found = ddmin(names, passes)
+    if found is None:
+        return Attempt("bisect", "with every module in float32", "", str(target), False,
+                       f"not verified: even with every module of the model in float32 ({probes[0]} probe), "
+                       f"{target} does not track the judge: the cause is not the precision of some modules",
+                       (), False, math.nan, allowed, time.perf_counter() - t0)
+    quoted = ", ".join(f"'{n}'" for n in found)
+    text = (f"with {quoted} in float32 (the smallest set: bisection over {len(names)} modules, "
+            f"{probes[0]} probes of {short} steps)")
+    done = _attempt(Action("float32-module", text, modules=found), target, judge, False, build, data, recipe, steps,
+                    seed, tolerances, judge_losses, allowed)
+    return dataclasses.replace(done, kind="bisect", seconds=time.perf_counter() - t0)
+
+
+def _failing(verdict: Verdict, targets: Sequence[Target], judge: Target) -> tuple[Target | None, bool]:
+    """The arm to re-run: the verdict's target, else (a setup verdict: the judge fails too) the judge."""
+    if verdict.target:
+        for t in (*targets, judge):
+            if str(t) == verdict.target:
+                return t, t == judge
+        return None, False
+    if verdict.category == "setup":
+        return judge, True
+    return None, False
+
+
+def _losses(training: TrainResult, arm: str) -> list[float]:
+    return [float(v) for v in training.arm_curve(arm)["loss"].tolist()]
+
+
+def _envelope_gap(training: TrainResult, judge_losses: list[float]) -> float:
+    """The farthest finite envelope run's final loss from the judge's, relative (0 without one)."""
+    if not judge_losses or not math.isfinite(judge_losses[-1]) or judge_losses[-1] == 0:
+        return 0.0
+    gaps = []
+    for a in training.arms:
+        if a.role == "envelope":
+            losses = _losses(training, a.name)
+            if losses and math.isfinite(losses[-1]):
+                gaps.append(abs(losses[-1] - judge_losses[-1]) / abs(judge_losses[-1]))
+    return max(gaps, default=0.0)
+
+
+def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, build, data, recipe, steps: int,
+             seed: int, tolerances: Tolerances, judge_losses: list[float], allowed: float) -> Attempt:
+    """One re-run. The arm alone (role "judge": its own reference, no distance to measure) when the action
+    leaves the judge's training as it was; with the judge beside it, both changed, when it changes the recipe."""
+    t = action.target_for(target)
+    name = "the float64 judge" if is_judge else str(target)
+    with_judge = action.changes_recipe and not is_judge
+    arms = [Arm(str(t), t, "target"), Arm(str(judge), judge, "judge")] if with_judge else [Arm(str(t), t, "judge")]
+    t0 = time.perf_counter()
+    try:
+        with action.applied():
+            result = run_training(action.wrap_build(build), data, arms,
+                                  TrainConfig(steps=steps, seed=seed, recipe=action.recipe(recipe)),
+                                  tolerances=tolerances)
+            if with_judge:
+                judge_losses = _losses(result, str(judge))
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - an action that cannot run on this model is not a verified remedy
+        return Attempt(action.kind, action.text, action.snippet(), name, False,
+                       f"not verified: {action.text}, the re-run failed ({one_line(exc)})", (), False,
+                       math.nan, allowed, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    losses = _losses(result, str(t))
+    conv = converged(losses, tolerances)
+    judge_final = judge_losses[-1] if judge_losses else math.nan
+    final = losses[-1] if losses else math.nan
+    gap = abs(final - judge_final) / abs(judge_final) if math.isfinite(judge_final) and judge_final else math.nan
+    change = f"({losses[0]:.4g} -> {final:.4g})" if losses else ""
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    judge_conv = converged(judge_losses, tolerances)
+    if bad is not None:
+        ok, why = False, f"{name} still goes NaN/Inf at step {bad}"
+    elif is_judge:
+        ok = conv
+        why = f"{name} converges {change}" if conv else f"{name} still does not converge {change}"
+    elif not conv and judge_conv:
+        ok, why = False, f"{name} still does not converge {change} while the judge does"
+    elif math.isfinite(gap) and gap > allowed and final < judge_final and (conv or not judge_conv):
+        # a remedy that leaves the arm ending lower than the judge fixed what failed; the rest is the
+        # format's own effect on the trajectory (float16 Adam's second moment underflows, say): said so
+        ok = True
+        why = (f"{name} {'converges' if conv else 'trains'} {change}, ending {gap:.0%} below the judge's "
+               f"{judge_final:.4g} (no worse than the judge; it does not track it within {allowed:.0%})")
+    elif not math.isfinite(gap) or gap > allowed:
+        ok, why = False, (f"{name} trains {change} but ends {gap:.0%} from the judge's {judge_final:.4g} "
+                          f"(allowed {allowed:.0%})")
+    else:
+        ok = True
+        how = "converges" if conv else "trains"
+        why = (f"{name} {how} {change} and tracks the judge (final loss within {gap:.1%} of the judge's "
+               f"{judge_final:.4g}; allowed {allowed:.0%})")
+    line = f"{'verified' if ok else 'not verified'}: {action.text}, {why}"
+    return Attempt(action.kind, action.text, action.snippet(), name, ok, line, tuple(losses), conv, gap, allowed,
+                   seconds)

@@ -1,0 +1,167 @@
+"""``convcheck diff RUN_A RUN_B`` on two watched runs: steps aligned by index, the first difference in
+the data, the step and layer where the two part beyond rounding, the first non-finite producer of each,
+the environments diffed; a ``Verdict`` in ``compare``'s categories (exit 0 ok, 1 otherwise).
+
+"Beyond rounding": at a step both runs snapshotted, a layer's input or output differs element by element
+by more than ``PART_FACTOR`` unit roundoffs of the coarser dtype (relative norm); at other steps, its output
+statistics (max |x|, mean, std) of the two runs differ by more than
+``PART_FACTOR`` unit roundoffs of the coarser of the two output dtypes (relative to the layer's std, or
+its max |x| when the std is 0); NaN/Inf present on one side only always parts. Replaying the snapshot
+layers through the float64 judge is not done here (issue 25's stretch goal).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from dataclasses import dataclass, field, replace
+
+from convcheck.diagnose.verdict import Verdict
+from convcheck.env.diff import diff as env_diff
+from convcheck.env.fingerprint import Fingerprint
+from convcheck.errors import UsageError
+from convcheck.watch.layout import UNIT_ROUNDOFF
+from convcheck.watch.reader import WatchedRun, open_watched
+from convcheck.watch.verdict import Parting, decide, producer_text
+
+PART_FACTOR = 16
+@dataclass(frozen=True)
+class WatchDiff:
+    a: str
+    b: str
+    steps: tuple[int, int]
+    data_step: int | None
+    parting: Parting | None
+    loss_step: int | None
+    producers: tuple[dict | None, dict | None]
+    env: list = field(default_factory=list)
+    flags: list = field(default_factory=list)
+    verdict: Verdict | None = None
+
+    def __bool__(self) -> bool:
+        return self.verdict is not None and self.verdict.category == "ok"
+
+    def lines(self) -> list[str]:
+        out = [f"watched runs: A = {self.a} ({self.steps[0]} steps), B = {self.b} ({self.steps[1]} steps)"]
+        out.append("data: " + ("the same batches at every aligned step" if self.data_step is None else
+                               f"different data from step {self.data_step} (batch hashes differ)"))
+        out.append("parting: " + ("none beyond rounding" if self.parting is None else
+                                  f"step {self.parting.step}, layer {self.parting.layer}: {self.parting.why}"))
+        for side, p in zip("AB", self.producers):
+            if p is not None:
+                out.append(f"first non-finite in {side}: {producer_text(p)}")
+        out += [f"version: {d.field}: {d.left} | {d.right}" for d in self.env]
+        out += [f"math flag: {k}: {va} | {vb}" for k, va, vb in self.flags]
+        v = self.verdict
+        out.append(f"verdict: {v.category}: {v.headline}")
+        out += [f"  - {e}" for e in v.evidence]
+        out += [f"  remedy: {r}" for r in v.remedies]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "steps": list(self.steps), "data_step": self.data_step,
+                "parting": None if self.parting is None else vars(self.parting), "loss_step": self.loss_step,
+                "first_nonfinite": list(self.producers), "env_diff": [d.to_dict() for d in self.env],
+                "math_flags_diff": [list(f) for f in self.flags], "verdict": self.verdict.to_dict()}
+
+
+def _rel(x: float, y: float, scale: float) -> float:
+    if x == y:
+        return 0.0
+    return abs(x - y) / scale if scale > 0 else math.inf
+
+
+def layer_distance(ra: dict, rb: dict) -> tuple[float, str]:
+    """``(distance in units of the coarser dtype's roundoff, why)`` between one layer's two rows."""
+    if (ra["nan"] + ra["inf"] > 0) != (rb["nan"] + rb["inf"] > 0):
+        side = "A" if ra["nan"] + ra["inf"] else "B"
+        return math.inf, f"non-finite values in {side} only"
+    u = max(UNIT_ROUNDOFF.get(ra["dtype"], 2.0**-24), UNIT_ROUNDOFF.get(rb["dtype"], 2.0**-24))
+    scale = max(ra["std"], rb["std"]) or max(ra["max_abs"], rb["max_abs"])
+    parts = {"max |x|": _rel(ra["max_abs"], rb["max_abs"], max(ra["max_abs"], rb["max_abs"])),
+             "mean": _rel(ra["mean"], rb["mean"], scale), "std": _rel(ra["std"], rb["std"], scale)}
+    what, d = max(parts.items(), key=lambda kv: kv[1])
+    return d / u, f"{what} differs by {d:.3g} (relative), {d / u:.3g}x the roundoff of {_coarser(ra, rb)}"
+
+
+def _coarser(ra: dict, rb: dict) -> str:
+    return max((ra["dtype"], rb["dtype"]), key=lambda d: UNIT_ROUNDOFF.get(d, 0))
+
+
+def _dtypes_at(run: WatchedRun, step: int) -> dict[str, str]:
+    e = next(s for s in run["snapshots"] if s["step"] == step)
+    return {x["key"]: x["dtype"] for x in e["arrays"]}
+
+
+def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
+    """Element by element at a step both runs snapshotted: each leaf's first input, then its first output,
+    in the order the layers ran; an input that parts while the layer before did not was made by own code."""
+    sa, sb = a.snapshot(step), b.snapshot(step)
+    da, db = _dtypes_at(a, step), _dtypes_at(b, step)
+    for layer in a.steps[step]["layers"]:
+        for what, key in (("input", f"in/{layer}/0/0"), ("output", f"out/{layer}/0/0")):
+            if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
+                continue
+            x, y = sa[key].astype(np.float64), sb[key].astype(np.float64)
+            fa, fb = np.isfinite(x).all(), np.isfinite(y).all()
+            if fa != fb:
+                return Parting(step, layer, f"its {what} is non-finite in {'B' if fa else 'A'} only")
+            if not fa:
+                continue
+            norm = max(np.linalg.norm(x), np.linalg.norm(y))
+            d = float(np.linalg.norm(x - y) / norm) if norm else 0.0
+            u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
+            if d > PART_FACTOR * u:
+                coarser = max((da[key], db[key]), key=lambda t: UNIT_ROUNDOFF.get(t, 0))
+                origin = " (made by the own code that runs before it)" if what == "input" else ""
+                return Parting(step, layer, f"its {what}{origin} differs by {d:.3g} (relative, element by "
+                                            f"element), {d / u:.3g}x the roundoff of {coarser}")
+    return None
+
+
+def first_parting(a: WatchedRun, b: WatchedRun, steps: int) -> Parting | None:
+    snapped = {s["step"] for s in a["snapshots"]} & {s["step"] for s in b["snapshots"]}
+    for k in range(steps):
+        if k in snapped:
+            found = snapshot_parting(a, b, k)
+            if found is not None:
+                return found
+        la, lb = a.steps[k]["layers"], b.steps[k]["layers"]
+        for name in la:
+            if name in lb:
+                d, why = layer_distance(la[name], lb[name])
+                if d > PART_FACTOR:
+                    return Parting(k, name, why)
+    return None
+
+
+def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
+    return next((k for k in range(steps) if a.steps[k]["batch_sha256"] != b.steps[k]["batch_sha256"]), None)
+
+
+def _first_loss_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
+    for k in range(steps):
+        x, y = a.steps[k]["loss"], b.steps[k]["loss"]
+        if x is not None and y is not None and x != y and not (abs(x - y) <= 1e-3 * max(abs(x), abs(y))):
+            return k
+    return None
+
+
+def diff_watched(path_a, path_b) -> WatchDiff:
+    """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model."""
+    a, b = open_watched(path_a), open_watched(path_b)
+    pa = [(p["name"], p["shape"]) for p in a["model"]["parameters"]]
+    pb = [(p["name"], p["shape"]) for p in b["model"]["parameters"]]
+    if pa != pb:
+        first = next((x, y) for x, y in zip(pa + [None], pb + [None]) if x != y)
+        raise UsageError(f"the watched runs did not watch the same model: {a.path} has parameter {first[0]}, "
+                         f"{b.path} has {first[1]}")
+    steps = min(len(a.steps), len(b.steps))
+    env = env_diff(Fingerprint.from_dict(a["fingerprint"]), Fingerprint.from_dict(b["fingerprint"]))
+    fa, fb = a["math_flags"], b["math_flags"]
+    flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
+    result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
+                       first_parting(a, b, steps), _first_loss_difference(a, b, steps),
+                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags)
+    return replace(result, verdict=decide(result, a, b))

@@ -1,0 +1,187 @@
+"""Reading a watched run (``convcheck.watch/1``), trusting nothing in it.
+
+The same refusals as a recorded bundle's (``bundle/reader.py``: its member and size checks are reused):
+a folder or ``.zip`` of regular files, a manifest checked field by field, ``steps.jsonl`` checked line by
+line (steps 0..N-1 in order, every field its type), snapshot arrays read with ``allow_pickle=False``
+against their declared shapes. A run that did not finish (``complete: false``) is refused. Anything wrong
+is a one-line ``UsageError`` naming the run and the field.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tokenize
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from convcheck.bundle import reader as _r
+from convcheck.bundle.schema import MANIFEST, MAX_MANIFEST_BYTES, NPZ_SLACK, SCHEMAS, STORAGE, WATCH_SCHEMA
+from convcheck.errors import UsageError
+from convcheck.watch.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
+
+_Bad = _r._Bad
+_NUM = (int, float)
+LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "mean": _NUM, "std": _NUM,
+                "zeros": _NUM, "nan": int, "inf": int, "dtype": str, "calls": int}
+
+
+def schema_of(path) -> str | None:
+    """The bundle's ``schema`` field (or None when it has no readable manifest): which reader to use."""
+    try:
+        m = json.loads(_r._Source(Path(path)).read(MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+    except (_Bad, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    s = m.get("schema") if isinstance(m, dict) else None
+    return s if s in SCHEMAS else None
+
+
+def _check_manifest(m) -> None:
+    if not isinstance(m, dict):
+        raise _Bad(f"manifest is {type(m).__name__}, expected an object")
+    if m.get("schema") != WATCH_SCHEMA:
+        raise _Bad(f"schema {m.get('schema')!r:.60} is not {WATCH_SCHEMA!r}")
+    if not _r._get(m, "complete", bool, "manifest"):
+        raise _Bad("is incomplete: the watched run stopped before its `with convcheck.watch(...)` block ended "
+                   "(killed, or the block raised); diff reads finished runs only")
+    steps = _r._get(m, "steps", int, "manifest")
+    if not 0 <= steps <= 10**8:
+        raise _Bad(f"steps = {steps} is outside 0..10^8")
+    model = _r._get(m, "model", dict, "manifest")
+    _r._get(model, "class", str, "model")
+    for i, p in enumerate(_r._get(model, "parameters", list, "model")):
+        if not isinstance(p, dict):
+            raise _Bad(f"model.parameters[{i}] is {type(p).__name__}, expected an object")
+        _r._get(p, "name", str, f"model.parameters[{i}]")
+        _r._shape(p.get("shape"), f"model.parameters[{i}].shape")
+    if not all(isinstance(n, str) for n in _r._get(model, "layers", list, "model")):
+        raise _Bad("model.layers holds a non-string")
+    _r._get(m, "fingerprint", dict, "manifest")
+    _r._get(m, "math_flags", dict, "manifest")
+    _r._get(m, "scaler", bool, "manifest")
+    if not all(isinstance(n, str) for n in _r._get(m, "notes", list, "manifest")):
+        raise _Bad("notes holds a non-string")
+    p = _r._get(m, "first_nonfinite", dict, "manifest", optional=True)
+    if p is not None:
+        for key, kind in (("layer", str), ("step", int), ("direction", str), ("kind", str)):
+            _r._get(p, key, kind, "first_nonfinite")
+        if p["direction"] not in ("forward", "backward"):
+            raise _Bad(f"first_nonfinite.direction is {p['direction']!r:.40}, not forward or backward")
+    _check_snapshots(_r._get(m, "snapshots", list, "manifest"))
+
+
+def _check_snapshots(snaps: list) -> None:
+    files = set()
+    for i, e in enumerate(snaps):
+        where = f"snapshots[{i}]"
+        if not isinstance(e, dict):
+            raise _Bad(f"{where} is {type(e).__name__}, expected an object")
+        f = _r._safe_member(_r._get(e, "file", str, where))
+        if not f.startswith("snapshots/") or not f.endswith(".npz") or f in files:
+            raise _Bad(f"{where}.file {f!r:.60} is not a fresh snapshots/*.npz name")
+        files.add(f)
+        _r._get(e, "step", int, where)
+        for j, a in enumerate(_r._get(e, "arrays", list, where)):
+            if not isinstance(a, dict):
+                raise _Bad(f"{where}.arrays[{j}] is not an object")
+            _r._get(a, "key", str, f"{where}.arrays[{j}]")
+            _r._shape(a.get("shape"), f"{where}.arrays[{j}].shape")
+            _r._dtype(a.get("dtype"), f"{where}.arrays[{j}].dtype")
+
+
+def _check_step(rec, i: int) -> dict:
+    where = f"{STEPS} line {i + 1}"
+    if not isinstance(rec, dict):
+        raise _Bad(f"{where} is {type(rec).__name__}, expected an object")
+    if _r._get(rec, "step", int, where) != i:
+        raise _Bad(f"{where} is step {rec['step']}, expected step {i} (steps 0..N-1 in order)")
+    _r._get(rec, "loss", _NUM, where, optional=True)
+    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in _r._get(rec, "lr", list, where)):
+        raise _Bad(f"{where}.lr holds a non-number")
+    for h in _r._get(rec, "batch_sha256", list, where):
+        _r._sha(h, f"{where}.batch_sha256")
+    for n, v in _r._get(rec, "grad_norms", dict, where).items():
+        if not isinstance(v, _NUM) or isinstance(v, bool):
+            raise _Bad(f"{where}.grad_norms[{n!r:.40}] is not a number")
+    for name, row in _r._get(rec, "layers", dict, where).items():
+        if not isinstance(row, dict):
+            raise _Bad(f"{where}.layers[{name!r:.40}] is not an object")
+        for col, kind in LAYER_FIELDS.items():
+            _r._get(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in _r._tuple(kind))
+        if row["dtype"] not in STORAGE:
+            raise _Bad(f"{where}.layers[{name!r:.40}].dtype is {row['dtype']!r:.40}, not a floating dtype")
+    _r._get(rec, "scale", _NUM, where, optional=True)
+    return rec
+
+
+@dataclass
+class WatchedRun:
+    path: Path
+    manifest: dict
+    steps: list[dict]
+    source: object = field(repr=False)
+
+    def __getitem__(self, key):
+        return self.manifest[key]
+
+    def snapshot(self, step: int) -> dict[str, np.ndarray] | None:
+        """``{key: array}`` of the snapshot at ``step`` (None when not taken), each checked against its index."""
+        e = next((s for s in self.manifest["snapshots"] if s["step"] == step), None)
+        if e is None:
+            return None
+        expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(e["arrays"])}
+        limit = sum(_r._nbytes(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
+        try:
+            data = self.source.read(e["file"], limit)
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                if set(z.files) != set(expected):
+                    raise _Bad(f"{e['file']} holds other arrays than its index lists")
+                out = {}
+                for name, (key, shape, dtype) in expected.items():
+                    a = z[name]
+                    if a.dtype != np.dtype(STORAGE[dtype]) or tuple(a.shape) != shape:
+                        raise _Bad(f"{e['file']}: {key} is {a.dtype}{list(a.shape)}, the index says "
+                                   f"{STORAGE[dtype]}{list(shape)}")
+                    out[key] = a
+                return out
+        except _Bad as exc:
+            raise UsageError(f"watched run {self.path}: {exc}") from None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError, SyntaxError,
+                tokenize.TokenError, RecursionError, zlib.error) as exc:
+            raise UsageError(f"watched run {self.path}: {e['file']} is not a plain array file "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+def open_watched(path: str | os.PathLike) -> WatchedRun:
+    """The watched run at ``path`` (folder or zip), manifest and every step checked."""
+    path = Path(path)
+    try:
+        source = _r._Source(path)
+        manifest = _json(source.read(MANIFEST, MAX_MANIFEST_BYTES), MANIFEST)
+        _check_manifest(manifest)
+        _r._check_fingerprint(manifest["fingerprint"])
+        lines = source.read(STEPS, MAX_STEPS_BYTES).decode("utf-8", errors="strict").splitlines()
+        if len(lines) != manifest["steps"]:
+            raise _Bad(f"{STEPS} holds {len(lines)} steps, the manifest says {manifest['steps']}")
+        steps = []
+        for i, line in enumerate(lines):
+            if len(line) > MAX_LINE_BYTES:
+                raise _Bad(f"{STEPS} line {i + 1} is longer than a step's record ever is")
+            steps.append(_check_step(_json(line.encode("utf-8"), f"{STEPS} line {i + 1}"), i))
+    except UnicodeDecodeError:
+        raise UsageError(f"watched run {path}: {STEPS} is not UTF-8 text") from None
+    except _Bad as exc:
+        raise UsageError(f"watched run {path}: {exc}") from None
+    return WatchedRun(path, manifest, steps, source)
+
+
+def _json(data: bytes, what: str):
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _Bad(f"{what} is not JSON ({str(exc).splitlines()[0][:80]})") from None

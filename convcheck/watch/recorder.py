@@ -1,0 +1,311 @@
+"""``convcheck.watch(model, optimizer, out=...)``: the user's own loop recorded, its numerics untouched.
+
+Forward hooks on every module (statistics of each leaf's output, the first non-finite producer, the
+batch hash at the model's own call), a gradient hook on each leaf's output (the backward producer),
+and the optimizer's step pre/post hooks (gradient norms, the step's end). Every hook only reads
+detached tensors and draws no random number; all of them are removed on exit, normal or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from convcheck.watch import stats as _stats
+from convcheck.watch.layout import DEFAULT_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, prepare_out
+from convcheck.watch.snapshots import SnapshotTaker
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (CPU and every accelerator) with ``seed``."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _floats(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _floats(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _floats(o)]
+    return []
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    return []
+
+
+def batch_hash(args, kwargs) -> str:
+    """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received."""
+    h = hashlib.sha256()
+    for t in _tensors(args) + _tensors(kwargs):
+        c = t.detach().to("cpu").contiguous()
+        h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()
+
+
+def _nonfinite(ts) -> bool:
+    return any(not _stats.finite(t) for t in ts)
+
+
+def math_flags() -> dict:
+    """Every switch that makes two runs of the same code differ, as set when the watch starts."""
+    b = torch.backends
+    return {"cudnn.benchmark": bool(b.cudnn.benchmark), "cudnn.deterministic": bool(b.cudnn.deterministic),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "matmul.allow_tf32": bool(b.cuda.matmul.allow_tf32), "cudnn.allow_tf32": bool(b.cudnn.allow_tf32),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
+
+
+class Watch:
+    """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
+                 snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
+        if not (isinstance(max_bytes, int) and max_bytes > 0):
+            raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.out, self.force = Path(out), force
+        self.snapshot_steps = {int(s) for s in snapshot_steps}
+        self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
+        self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
+        self.leaves = {m for m in self.names if not any(True for _ in m.children())}
+        self.params = [(n, p) for n, p in model.named_parameters()]
+        self.handles: list = []
+        self.step_index, self.written, self.explicit = 0, 0, False
+        self.producer: dict | None = None
+        self.notes: list[str] = []
+        self.truncated = False
+        self.snapshot_index: list[dict] = []
+        self._reset()
+
+    # --- per-step state -------------------------------------------------------
+    def _reset(self) -> None:
+        self.layers: dict[str, dict] = {}
+        self.order: list[str] = []
+        self.hashes: list[str] = []
+        self.grad_norms: dict[str, float] | None = None
+        self.lr_used: list[float] | None = None
+        self.last_leaf: tuple | None = None
+        self.stepped = self.pending = False
+        self.taker = SnapshotTaker(self.names) if self._snapshotting(self.step_index) else None
+
+    def _snapshotting(self, step: int) -> bool:
+        return step in self.snapshot_steps
+
+    # --- entering and leaving ---------------------------------------------------
+    def __enter__(self) -> "Watch":
+        prepare_out(self.out, self.force)
+        from convcheck.env.collector import collect
+
+        self.fingerprint = collect().to_dict()
+        self.flags = math_flags()
+        self.steps_file = open(self.out / STEPS, "w", encoding="utf-8")
+        self._write_manifest(complete=False)
+        self._install()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if self.pending:
+            self._end_step(loss=None)
+        if self.layers or self.hashes:
+            self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
+        self.steps_file.close()
+        if exc_type is not None:
+            self.notes.append(f"the watched block stopped with {exc_type.__name__}")
+        self._write_manifest(complete=exc_type is None)
+        return False
+
+    def _install(self) -> None:
+        m = self.model
+        self.handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for mod in self.names:
+            self.handles.append(mod.register_forward_hook(self._forward))
+        if self.optimizer is not None:
+            self.handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self.handles.append(self.optimizer.register_step_post_hook(self._post_step))
+
+    # --- hooks ------------------------------------------------------------------
+    def _recording(self) -> bool:
+        return torch.is_grad_enabled() and self.model.training and not self.truncated
+
+    def _root_pre(self, module, args, kwargs):
+        if self.pending:
+            self._end_step(loss=None)
+        if self._recording():
+            self.hashes.append(batch_hash(args, kwargs))
+            if self.taker is not None and not self.taker.params:
+                self.taker.take_params(self.params)
+        return None
+
+    def _forward(self, module, args, output):
+        if not self._recording():
+            return None
+        name = self.names[module]
+        outs = _floats(output)
+        row = None
+        if module in self.leaves:
+            for t in outs[:1]:
+                row = _stats.measure(t)
+                self.layers[name] = _stats.merge(self.layers.get(name), row)
+            if name not in self.order:
+                self.order.append(name)
+        if self.taker is not None and module in self.leaves:
+            self.taker.take_call(name, _floats(args), outs)
+        if self.producer is None:
+            if row is not None:
+                bad = row["nan"] + row["inf"] > 0 or _nonfinite(outs[1:])
+                self.last_leaf = (outs[0], bool(bad))
+            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1:
+                bad = self.last_leaf[1]  # a container handing on its last leaf's output: already measured
+            else:
+                bad = _nonfinite(outs)
+            if outs and bad and not _nonfinite(_floats(args)):
+                self._found(name, "forward", "module" if module in self.leaves else "own code")
+            elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
+                outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
+        return None
+
+    def _grad_hook(self, name: str):
+        def hook(grad):
+            if self.producer is None and not _stats.finite(grad):
+                after = self.order.index(name) + 1 if name in self.order else len(self.order)
+                consumer = self.order[after] if after < len(self.order) else "the loss"
+                self._found(consumer, "backward", "module" if consumer != "the loss" else "own code",
+                            detail=f"gradient into {name}'s output")
+            return None
+        return hook
+
+    def _found(self, layer: str, direction: str, kind: str, detail: str | None = None) -> None:
+        self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,
+                         "detail": detail}
+        if self.snapshot_nonfinite and self.taker is None:
+            self.taker = SnapshotTaker(self.names, partial=f"started at the first non-finite {direction} value")
+            self.snapshot_steps.add(self.step_index)
+
+    def _pre_step(self, optimizer, args, kwargs):
+        self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
+        self.grad_norms = self._norms()
+        if self.taker is not None:
+            self.taker.take_grads(self.params)
+        return None
+
+    def _post_step(self, optimizer, args, kwargs):
+        self.stepped = True
+        self.pending = not self.explicit  # ended at the next forward (or w.step, or exit)
+        return None
+
+    def _norms(self) -> dict[str, float]:
+        return {n: float(torch.linalg.vector_norm(p.grad.detach(), dtype=_stats.reduce_dtype(p.grad)))
+                for n, p in self.params if p.grad is not None}
+
+    # --- the user's call -----------------------------------------------------------
+    def step(self, loss=None) -> None:
+        """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
+        self.explicit = True
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (None if loss is None else float(loss))
+        if value is not None and not math.isfinite(value) and self.producer is None:
+            self._found("the loss", "forward", "own code")
+        if self.grad_norms is None:
+            self.grad_norms = self._norms()
+            if self.taker is not None and not self.taker.grads:
+                self.taker.take_grads(self.params)
+        self._end_step(loss=value)
+
+    def _end_step(self, loss) -> None:
+        record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
+                  "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
+                  "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
+        if self.scaler is not None:
+            record["scale"] = float(self.scaler.get_scale())
+            record["skipped"] = not self.stepped
+        if self.taker is not None:
+            self._write_snapshot()
+        line = json.dumps(record) + "\n"
+        if not self.truncated:
+            if self.written + len(line) > self.max_bytes:
+                self._cap(f"the per-step record of step {self.step_index}")
+            else:
+                self.steps_file.write(line)
+                self.steps_file.flush()
+                self.written += len(line)
+                self.recorded = self.step_index + 1
+        self.step_index += 1
+        self._reset()
+
+    def _lrs(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].detach())
+                for g in self.optimizer.param_groups if "lr" in g]
+
+    def _write_snapshot(self) -> None:
+        size = self.taker.nbytes()
+        if self.written + size > self.max_bytes:
+            self.notes.append(f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: it would "
+                              f"pass max_bytes={self.max_bytes} ({self.max_bytes / 1e6:.1f} MB)")
+            print(f"convcheck.watch: {self.notes[-1]}", file=sys.stderr)
+            return
+        entry = self.taker.write(self.out / SNAPSHOTS, self.step_index)
+        self.written += entry["bytes"]
+        self.snapshot_index.append(entry)
+
+    def _cap(self, what: str) -> None:
+        self.truncated = True
+        self.notes.append(f"recording stopped at step {self.step_index}: {what} would pass "
+                          f"max_bytes={self.max_bytes} ({self.max_bytes / 1e6:.1f} MB); raise max_bytes to keep more")
+        print(f"convcheck.watch: {self.notes[-1]}", file=sys.stderr)
+
+    def _write_manifest(self, complete: bool) -> None:
+        from convcheck.files import atomic_write_text
+
+        manifest = {
+            "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
+            "model": {"class": type(self.model).__name__,
+                      "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
+                                     for n, p in self.params],
+                      "layers": [self.names[m] for m in self.names if m in self.leaves]},
+            "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
+            "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,
+            "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
+            "max_bytes": self.max_bytes, "truncated": self.truncated,
+        }
+        atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
+          max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False) -> Watch:
+    """``with convcheck.watch(model, optimizer, out="runs/gpu") as w:`` around the user's loop.
+
+    Records at each ``optimizer.step()`` (or at ``w.step(loss)`` once the loop calls it, which also
+    records the loss); ``scaler``: a ``torch.amp.GradScaler`` whose scale and skipped steps to record;
+    ``snapshot_steps``: the steps whose every layer input/output, parameter and gradient is saved (and the
+    step where anything first turns non-finite, unless ``snapshot_nonfinite=False``); ``max_bytes``: the
+    most the run may write; ``force``: replace an earlier watched run in ``out``."""
+    return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
+                 snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force)

@@ -1,0 +1,43 @@
+"""Models for the verified-remedy tests (tests/test_verify.py) and the README's verified run: each has a
+problem one of convcheck's remedy actions fixes. Self-contained (the CLI loads this file by its path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class NaiveSoftmax(nn.Module):
+    """A softmax with a temperature, written without subtracting the max: exp(10 x) passes float16's
+    65504 once x > 1.1 (float32 holds it), and Inf / Inf is NaN."""
+
+    def forward(self, x):
+        e = torch.exp(x * 10.0)
+        return e / e.sum(dim=-1, keepdim=True)
+
+
+def softmax_net() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), NaiveSoftmax(), nn.Linear(64, 10))
+
+
+class Scale(nn.Module):
+    """Multiplies by a constant (a rescaling a user's model does: harmless in float32)."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def two_overflows_net() -> nn.Module:
+    """Two places where activations pass float16's range (scaled up, then back down): both must stay in
+    float32; the verdict names the first."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), Scale(1e5), Scale(1e-5), nn.ReLU(), nn.Linear(64, 64),
+                         Scale(1e5), Scale(1e-5), nn.Linear(64, 10))
+
+
+def mlp() -> nn.Module:
+    """A plain MLP: with Adam's default eps in a float16 model its weights go NaN at the first step."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))

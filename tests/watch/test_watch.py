@@ -1,0 +1,143 @@
+"""convcheck.watch on real training loops: the numerics untouched, what the bundle holds, its rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import convcheck
+from convcheck.errors import UsageError
+from convcheck.watch.reader import open_watched
+
+from .loops import dataset, offset_run
+
+
+class SmallCNN(nn.Module):
+    """BatchNorm (running stats), in-place ReLU, dropout (draws from the RNG), pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.3)
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        h = nn.functional.max_pool2d(self.relu(self.bn(self.conv(x))), 2)
+        return self.fc(self.drop(h.flatten(1)))
+
+
+def _train(watch_out=None, steps=5, explicit=True):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+
+    def loop(w):
+        for _ in range(steps):
+            x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(0, 5, (6,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            if w is not None and explicit:
+                w.step(loss)
+            losses.append(loss.item())
+
+    if watch_out is None:
+        loop(None)
+    else:
+        with convcheck.watch(model, opt, out=watch_out) as w:
+            loop(w)
+    return model, losses
+
+
+def test_a_watched_run_is_bitwise_identical_to_an_unwatched_one(tmp_path):
+    bare, bare_losses = _train()
+    watched, watched_losses = _train(tmp_path / "run")
+    assert watched_losses == bare_losses
+    for (n, p), (_, q) in zip(bare.state_dict().items(), watched.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in watched.modules())  # removed on exit
+
+
+def test_the_bundle_of_a_real_training_loop(tmp_path):
+    _train(tmp_path / "run", steps=5)
+    run = open_watched(tmp_path / "run")
+    assert run["complete"] and run["steps"] == 5 and len(run.steps) == 5
+    assert [s["lr"] for s in run.steps] == [[0.05], [0.05], [0.025], [0.025], [0.0125]]
+    s0 = run.steps[0]
+    assert s0["loss"] is not None and len(s0["batch_sha256"]) == 1
+    assert set(s0["grad_norms"]) == {n for n, _ in SmallCNN().named_parameters()}
+    assert list(s0["layers"]) == ["conv", "bn", "relu", "drop", "fc"]
+    relu = s0["layers"]["relu"]
+    assert relu["zeros"] > 0.2 and relu["nan"] == relu["inf"] == 0 and relu["min_nonzero"] > 0
+    assert run["math_flags"]["deterministic_algorithms"] is False and run["first_nonfinite"] is None
+    snap = run.snapshot(0)  # default: the first step
+    assert {"in/conv/0/0", "out/fc/0/0", "param/conv.weight", "grad/fc.bias"} <= set(snap)
+    assert snap["in/conv/0/0"].shape == (6, 3, 8, 8) and run.snapshot(1) is None
+
+
+def test_without_step_calls_it_records_at_the_optimizer_step(tmp_path):
+    _train(tmp_path / "run", steps=3, explicit=False)
+    run = open_watched(tmp_path / "run")
+    assert run["steps"] == 3 and all(s["loss"] is None and s["stepped"] for s in run.steps)
+
+
+def test_a_nonfinite_forward_is_found_live_and_snapshotted(tmp_path):
+    from .loops import attention_run
+
+    attention_run(tmp_path / "fp16", half=True)
+    run = open_watched(tmp_path / "fp16")
+    p = run["first_nonfinite"]
+    assert (p["layer"], p["step"], p["direction"], p["kind"]) == ("att", 4, "forward", "own code")
+    snap = run.snapshot(4)
+    assert snap is not None and "grad/head.weight" in snap
+
+
+def test_it_never_overwrites_without_force(tmp_path):
+    offset_run(tmp_path / "run", steps=1)
+    with pytest.raises(UsageError, match="not empty; pass force=True"):
+        offset_run(tmp_path / "run", steps=1)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="is not empty$"):
+        with convcheck.watch(nn.Linear(2, 2), out=tmp_path / "other", force=True):
+            pass
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
+    model = nn.Linear(10, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = dataset().tensors
+    with convcheck.watch(model, opt, out=tmp_path / "run", max_bytes=3000) as w:
+        for i in range(20):
+            loss = nn.functional.cross_entropy(model(x[i:i + 4]), y[i:i + 4])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    err = capsys.readouterr().err
+    assert "would pass max_bytes=3000" in err
+    run = open_watched(tmp_path / "run")
+    assert run["truncated"] and 0 < run["steps"] < 20
+    assert any("max_bytes=3000" in n for n in run["notes"])
+
+
+def test_a_run_that_raised_is_refused_by_the_reader(tmp_path):
+    model = nn.Linear(10, 2)
+    with pytest.raises(RuntimeError):
+        with convcheck.watch(model, out=tmp_path / "run"):
+            model(torch.randn(3, 10))
+            raise RuntimeError("the user's loop failed")
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"] is False
+    with pytest.raises(UsageError, match="is incomplete"):
+        open_watched(tmp_path / "run")
