@@ -14,7 +14,10 @@ For each model it times, in one process and on the same seeded batches:
             floor that target's arithmetic costs whatever convcheck does);
             ``bare x N``: N consecutive bare steps from fresh weights.
 * parity    ``convcheck.measure.parity.run_parity`` for one target (``cpu``,
-            ``cpu:bf16``, ``cpu:emulate-tf32``) against the float64 judge.
+            ``cpu:bf16``, ``cpu:emulate-tf32``) against the float64 judge; against two floors
+            (issue 28): bare@judge + bare@target, and that plus the bare float64 replays of
+            the rows that need one (``Replays``: every float64 layer call parity made, recorded
+            once with its operands as parity rounded them, re-run as plain torch calls).
 * training  ``convcheck.measure.train.run_training`` on ``make_arms(targets, envelope=K)``
             for N steps, against N bare steps x the number of arms, and against
             N x the sum of ``bare@<arm's target>`` (the dtype-matched floor).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import datetime as _dt
 import gc
@@ -63,6 +67,7 @@ from convcheck.pipeline import compare, initial_state, model_builder  # noqa: E4
 from convcheck.plan.seeded_data import load_batches  # noqa: E402
 from convcheck.plan.models import resolve_model  # noqa: E402
 from convcheck.measure.parity import run_parity  # noqa: E402
+from convcheck.measure.parity import checks as parity_checks, floor as parity_floor, own_check  # noqa: E402
 from convcheck.targets.spec import Target, default_judge, default_targets  # noqa: E402
 from convcheck.measure.train import TrainConfig, make_arms, run_training  # noqa: E402
 from convcheck.plan.config import CompareConfig  # noqa: E402
@@ -157,6 +162,70 @@ class BareModel:
 
     def time_step(self) -> float:
         return _timed(self.step, self.target)
+
+
+class Replays:
+    """The float64 replays one ``run_parity`` of ``target`` makes (the measured floors and the intrinsic
+    references: ``floor.reference_call`` / ``floor.reference_forward_backward``), recorded in one
+    untimed parity run with their operands as parity passed them (already rounded to the target's
+    precision) and a float64 copy of the layer, then re-run bare: ``ref(*args)`` under no_grad, or
+    forward + ``backward(grad_output)``. Outside convcheck's machinery, in this process: the floor
+    replays' own cost, which parity's floor counts (issue 28). A module's own code replayed in float64
+    (``own_check``, ResNets' ``out += identity``) is not recorded: that part stays in parity's figure."""
+
+    def __init__(self, build, batch, target: Target):
+        self.calls: list[tuple] = []
+        judge = JUDGE.runner
+        real_call, real_fb = parity_floor.reference_call, parity_floor.reference_forward_backward
+
+        def ref_args(args):
+            return tuple(judge.reference(a).clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+        def call(ref, args, j):
+            self.calls.append((copy.deepcopy(ref), ref_args(args), None))
+            return real_call(ref, args, j)
+
+        def forward_backward(ref, args, grad_output, j):
+            self.calls.append((copy.deepcopy(ref), ref_args(args), judge.reference(grad_output).clone()))
+            return real_fb(ref, args, grad_output, j)
+
+        real_own = own_check.OwnCodeCheck._measured
+        self.own_code = 0
+
+        def own_measured(check, *a, **kw):  # counted, not replayed: its float64 run stays in parity's figure
+            self.own_code += 1
+            return real_own(check, *a, **kw)
+
+        patched = [(parity_floor, "reference_call", call), (parity_checks, "reference_call", call),
+                   (parity_floor, "reference_forward_backward", forward_backward),
+                   (own_check.OwnCodeCheck, "_measured", own_measured)]
+        saved = [(m, a, getattr(m, a)) for m, a, _ in patched]
+        try:
+            for m, a, fn in patched:
+                setattr(m, a, fn)
+            run_parity(build, batch, [target], judge=JUDGE, seed=SEED)
+        finally:
+            for m, a, fn in saved:
+                setattr(m, a, fn)
+        self.forward = sum(1 for c in self.calls if c[2] is None)
+        self.backward = len(self.calls) - self.forward
+
+    def run(self) -> None:
+        for ref, args, grad_output in self.calls:
+            if grad_output is None:
+                with torch.no_grad():
+                    ref(*args)
+                continue
+            for p in ref.parameters():
+                p.grad = None
+            args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                         for a in args)
+            with torch.enable_grad():
+                out = ref(*args)
+                (out[0] if isinstance(out, (tuple, list)) else out).backward(grad_output)
+
+    def time(self) -> float:
+        return _timed(self.run)
 
 
 def _host_tag() -> str:
@@ -325,6 +394,8 @@ class Bench:
         self.bare_samples: list[float] = []
         self.floor_models: dict[str, BareModel] = {}  # target spec -> the bare model in its precision
         self.floor_samples: dict[str, list[float]] = {}
+        self.replays: dict[str, Replays] = {}  # "replays@<target>" -> parity's float64 replays for it
+        self.replay_samples: dict[str, list[float]] = {}
         self.out: dict = dict(batch=self.batch, steps=self.steps, input_shape=list(self.resolved.input_shape),
                               params=sum(p.numel() for p in self.bare.model.parameters()))
 
@@ -355,6 +426,9 @@ class Bench:
         for spec in specs:
             if spec == "cpu":
                 self.bare_sample(n)
+                continue
+            if spec.startswith("replays@"):
+                self.replay_samples[spec].extend(self.replays[spec].time() for _ in range(n))
                 continue
             m = self.floor_models[spec]
             self.floor_samples[spec].extend(m.time_step() for _ in range(n))
@@ -389,9 +463,17 @@ class Bench:
         for spec in self.args.parity_targets:
             target = Target.parse(spec)
             _log(f"{self.name}: parity {spec}")
+            key = f"replays@{target}"
+            self.replays[key] = rp = Replays(self.build, self.batches[0], target)
+            rp.run()  # warm-up
+            self.replay_samples[key] = []
+            self.floor_sample([key], 2)
             samples = self.repeat(lambda: run_parity(self.build, self.batches[0], [target], judge=JUDGE, seed=SEED),
-                                  target, floors=(str(JUDGE), str(target)))
-            out["parity"][spec] = dict(seconds=_median(samples), samples=samples)
+                                  target, floors=(str(JUDGE), str(target), key))
+            out["parity"][spec] = dict(seconds=_median(samples), samples=samples, replays_s=_median(
+                self.replay_samples[key]), replay_samples=self.replay_samples[key],
+                replays=dict(forward=rp.forward, forward_backward=rp.backward, own_code=rp.own_code))
+            del self.replays[key]
 
         # lockstep training on all arms
         pair = [Target.parse(s) for s in self.args.train_targets]
@@ -498,8 +580,18 @@ def _rows(results: dict) -> tuple[list[dict], list[dict]]:
         judge = r["bare_at"][str(JUDGE)]
         for spec, p in r["parity"].items():
             floor = judge + r["bare_at"].get(str(Target.parse(spec)), b)
+            replays = p.get("replays_s")
+            p.update(floor_s=floor, vs_floor=p["seconds"] / floor)
+            note = "floor = bare@judge + bare@target"
+            if replays is not None:
+                p.update(floor_with_replays_s=floor + replays, vs_floor_with_replays=p["seconds"] / (floor + replays))
+                n = p["replays"]
+                note += (f"; + {replays:.3f}s float64 replays ({n['forward']} forward, "
+                         f"{n['forward_backward']} forward+backward"
+                         + (f"; {n['own_code']} own-code replays not counted" if n.get("own_code") else "") + ")")
             trows.append(dict(model=name, what=f"parity {spec}", seconds=p["seconds"], vs_bare=p["seconds"] / b,
-                              vs_floor=p["seconds"] / floor, note="floor = bare@judge + bare@target"))
+                              vs_floor=p["seconds"] / floor, vs_floor_replays=p.get("vs_floor_with_replays"),
+                              note=note))
         tr = r["training"]
         n_arms, steps = len(tr["arms"]), r["steps"]
         naive = bn * n_arms
@@ -539,9 +631,9 @@ def _fmt(v, spec: str) -> str:
 
 
 def _tables(trows, mrows, markdown: bool) -> str:
-    t_head = ["model", "measurement", "seconds", "x bare", "x floor", "note"]
+    t_head = ["model", "measurement", "seconds", "x bare", "x floor", "x floor+replays", "note"]
     t_body = [[r["model"], r["what"], _fmt(r["seconds"], ".3f"), _fmt(r["vs_bare"], ".2f"),
-               _fmt(r["vs_floor"], ".2f"), r["note"]] for r in trows]
+               _fmt(r["vs_floor"], ".2f"), _fmt(r.get("vs_floor_replays"), ".2f"), r["note"]] for r in trows]
     m_head = ["model", "memory probe", "peak RSS +MiB", "x bare", "note"]
     m_body = [[r["model"], r["what"], _fmt(r["mib"], ".1f"), _fmt(r["vs_bare"], ".2f"), r["note"]] for r in mrows]
     out = [_table(t_head, t_body, markdown)]
@@ -575,7 +667,9 @@ def _markdown(results: dict, trows, mrows) -> str:
         "Ratios: `x bare` is against one bare float32 step of the same model in the same process "
         "(for `bare x N` and training: N bare steps x arms; for memory: a bare float32 forward/backward "
         "in a fresh child process, its model made inside the measurement as parity makes its own). `x floor` is against the bare model run in each target's own "
-        "precision (parity: one judge step + one target step; training: N x the sum over arms).",
+        "precision (parity: one judge step + one target step; training: N x the sum over arms). "
+        "`x floor+replays` (parity, issue 28) adds to that floor the bare float64 replays of the rows that "
+        "need one (every float64 layer call parity made, re-run as plain torch calls in this process).",
         "",
         _tables(trows, mrows, markdown=True),
         "",

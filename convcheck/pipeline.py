@@ -7,6 +7,7 @@ recipe, weights, data) -> measure (parity, training) -> evidence (environment au
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from convcheck.measure.parity import ParityResult
 from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
-                              out_of_memory_explained, plan, verify)
+                              out_of_memory_explained, plan, threads_chosen, verify)
 from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
@@ -49,6 +50,7 @@ class CompareResult:
     batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
     loss_batch_ratio: float = float("nan")  # loss(batch) / mean(loss(halves)): ~1 averaged, ~2 summed
     verification: object | None = None  # a convcheck.verify.Verification: the verdict's remedies re-run
+    threads: object | None = None  # the plan's ThreadChoice (convcheck.plan.threads); None when rebuilt from bundles
 
     @property
     def targets(self) -> tuple[Target, Target]:
@@ -105,22 +107,26 @@ def compare(
         run = plan(model, cfg, input_shape=input_shape, num_classes=num_classes)
         cfg = run.config
         timings = {"setup_s": run.setup_s}
-        with out_of_memory_explained():
-            first = run.data.first()
-            parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
-            loss_ratio = measure_loss_reduction(run, first)
-            arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
-            training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
-        env = audit_environment(env_findings, fingerprint)
-        result = decide_verdict(CompareResult(
-            model=run.model, config=cfg, parity=parity, training=training, data_source=run.data.source,
-            batch_hashes=run.data.hashes, init_hash=hash_state_dict(run.initial_state),
-            data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
-            fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
-            batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio,
-        ))
-        with out_of_memory_explained():
-            checked = _timed(timings, "verify_s", lambda: verify(run, result, cfg.verify))
+        with contextlib.ExitStack() as chosen:  # one thread count for the measures and the verification
+            with out_of_memory_explained():
+                first = run.data.first()
+                t0 = time.perf_counter()
+                threads = chosen.enter_context(threads_chosen(run, first))
+                timings["threads_s"] = time.perf_counter() - t0
+                parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
+                loss_ratio = measure_loss_reduction(run, first)
+                arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
+                training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
+            env = audit_environment(env_findings, fingerprint)
+            result = decide_verdict(CompareResult(
+                model=run.model, config=cfg, parity=parity, training=training, data_source=run.data.source,
+                batch_hashes=run.data.hashes, init_hash=hash_state_dict(run.initial_state),
+                data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
+                fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
+                batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio, threads=threads,
+            ))
+            with out_of_memory_explained():
+                checked = _timed(timings, "verify_s", lambda: verify(run, result, cfg.verify))
         return dataclasses.replace(result, verification=checked)
 
 

@@ -48,6 +48,7 @@ from convcheck.plan.recipe import Recipe, build_recipe
 from convcheck.measure.loss_probe import loss_reduction_probe
 from convcheck.targets.runners import preserved_global_flags
 from convcheck.plan.stream import DataStream
+from convcheck.plan.threads import ThreadChoice, bare_step, given_choice, measure_choice
 from convcheck.targets.spec import Target, default_judge, default_targets, parse_judge, parse_targets
 from convcheck.measure.train import TrainConfig, TrainResult, run_training
 from convcheck.measure.train.arms import Arm
@@ -227,6 +228,30 @@ def _resolved_model(model: ModelArg, input_shape, num_classes, need_io: bool) ->
         raise UsageError(f"model {name!r}: pass input_shape=(C, H, W) and num_classes for a model object")
     return ResolvedModel(name=name, factory=factory, input_shape=tuple(input_shape) if input_shape else None,
                          num_classes=int(num_classes) if num_classes else None, source="object")
+
+
+@contextlib.contextmanager
+def threads_chosen(plan: Plan, batch, targets: Sequence[Target] | None = None) -> Iterator[ThreadChoice]:
+    """torch's intra-op threads for the measuring stages, the same for every arm and the judge: the
+    user's setting (``--threads``, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, ``torch.set_num_threads``),
+    else the faster of 1 and the default, timed once on ``batch`` with a bare step of the judge and of each
+    target (``convcheck.plan.threads``). A target whose work runs in other processes keeps the count as it
+    is. The caller's count is put back afterwards, however the stages end."""
+    cfg = plan.config
+    targets = list(cfg.targets if targets is None else targets)
+    caller = torch.get_num_threads()
+    try:
+        choice = given_choice(cfg.threads)
+        if choice is None and any(t.runner.executor != "in-process" for t in targets):
+            choice = ThreadChoice(caller, "kept: the ranks of a data-parallel target set their own", "kept")
+        if choice is None:
+            with caller_rng_kept():  # the probe's steps draw no number the measured steps would see
+                steps = [bare_step(plan.build, t, batch, plan.recipe) for t in [cfg.judge, *targets]]
+                choice = measure_choice(steps, caller)
+        torch.set_num_threads(choice.threads)
+        yield choice
+    finally:
+        torch.set_num_threads(caller)
 
 
 # --- measure --------------------------------------------------------------------------------------

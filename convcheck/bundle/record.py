@@ -10,6 +10,7 @@ training steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import fnmatch
@@ -124,13 +125,15 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
                fingerprint=None) -> dict:
     """Run ``target_spec`` against the judge and write the bundle into ``folder``; returns the manifest."""
     from convcheck.env import collect
-    from convcheck.stages import caller_rng_kept, guarded, measure_parity, measure_training, prepare, resolve
+    from convcheck.stages import (caller_rng_kept, guarded, measure_parity, measure_training, prepare, resolve,
+                                  threads_chosen)
 
-    with caller_rng_kept(), guarded(None, cfg.steps):
+    with caller_rng_kept(), guarded(None, cfg.steps), contextlib.ExitStack() as stack:
         run = prepare(resolve(model_spec, dataclasses.replace(cfg, targets=target_spec), input_shape=input_shape,
                               num_classes=num_classes, targets_needed=1))
         cfg, (target,) = run.config, run.config.targets
         first = run.data.first()
+        stack.enter_context(threads_chosen(run, first))  # one count for the target, its envelope and the judge
         parity = measure_parity(run, first)
         writer = BundleWriter(folder)
         torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass

@@ -57,6 +57,7 @@ class CompareConfig:
     # Re-run the failing arm with the verdict's remedies applied (issue 24): None (default) when that costs
     # one training run of one arm (the first remedy only), True every remedy that fits, False nothing.
     verify: bool | None = None
+    threads: int | None = None  # torch's intra-op threads; None: the caller's setting, else the faster of 1 and the default
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1, STEPS_MAX)
@@ -89,6 +90,8 @@ class CompareConfig:
                     or (value is None and name == "loss")):
                 raise UsageError(f"{name} must be a name, FILE.py:factory or a callable, got {value!r}")
         _need_int("workers", self.workers, 0)
+        if self.threads is not None:
+            _need_int("threads", self.threads, 1, THREADS_MAX)
         if self.data is not None and not isinstance(self.data, str) and not callable(self.data):
             raise UsageError(f"data must be a source (mnist:DIR, npz:PATH, digits, FILE.py:factory) or a "
                              f"factory, not {type(self.data).__name__}")
@@ -108,6 +111,7 @@ def _need_real(what: str, value, ok, expected: str) -> None:
 STEPS_MAX = 10_000_000
 BATCH_MAX = 1 << 20
 ENVELOPE_MAX = 64
+THREADS_MAX = 1024
 
 
 def _need_int(what: str, value, least: int, most: int | None = None) -> None:

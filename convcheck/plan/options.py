@@ -15,7 +15,7 @@ from convcheck.plan.config import OPTIMIZERS, CompareConfig, default, with_optio
 OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "workers", "bound-factor",
                 "min-error",
                 "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
-                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "verify")
+                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "verify", "threads")
 
 
 def declare_compare_options(addoption, prefix: str = "") -> None:
@@ -64,6 +64,9 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "(scikit-learn's 8x8 digits, upsampled), or FILE.py:factory returning a Dataset or an "
              "iterable of batches")
     opt("workers", type=int, metavar="N", help="DataLoader workers for a Dataset (default %(default)s)")
+    opt("threads", type=int, metavar="N",
+        help="torch's CPU threads for every arm and the judge (default: OMP_NUM_THREADS / MKL_NUM_THREADS or "
+             "torch.set_num_threads where set, else the faster of 1 and torch's default, timed on the first batch)")
     opt("bound-factor", type=float,
         help="flag a layer whose own error exceeds this many times its floor (the same layer in float64 on "
              "operands rounded to the target's precision) plus 4e-7 (default %(default)s)")

@@ -100,6 +100,7 @@ def summary_dict(result) -> dict:
         "verdict": verdict.to_dict() if hasattr(verdict, "to_dict") else None,
         "verification": verification_dict(result),
         "timings": result.timings,
+        "threads": result.threads.to_dict() if getattr(result, "threads", None) is not None else None,
     })
 
 

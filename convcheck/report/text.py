@@ -80,6 +80,8 @@ def render_compare(result, console: Console | None = None) -> None:
             f"seed {cfg.seed}  {cfg.steps} steps  batch {cfg.batch_size}  data {escape(str(result.data_source))}")
     c.print(f"recipe: {escape(recipe_line(result))}")
     c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
+    if getattr(result, "threads", None) is not None:
+        c.print(escape(result.threads.line()))
     for note in result.notes:
         c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
     _targets(c, result)
