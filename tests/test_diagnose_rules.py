@@ -198,10 +198,54 @@ def test_judge_fails_with_data_out_of_range_and_no_symptom():
     assert v.remedies == ["train longer or raise the learning rate", "check data, labels and loss"]
 
 
-def test_a_loss_still_falling_says_run_more_steps():
-    v = R.judge_fails(evidence(converged=(False, False, False), steps=12, still_falling={JUDGE: True}))
-    assert v.headline.startswith("training setup: no arm converges in 12 steps, but the loss is still falling (")
-    assert "run more steps" in v.headline and v.remedies[0] == "run more steps (--steps 24)"
+def diagnose_evidence(ev: Evidence) -> Verdict:
+    return decide(ev, ok_verdict)
+
+
+def test_a_judge_still_falling_is_no_setup_verdict_and_ok_notes_it():
+    """Issue 24 item 4: the old verdict here ("no arm converges in 12 steps, but the loss is still
+    falling: run more steps", exit 1) was wrong: the judge has not converged yet and the targets
+    track it, so no setup verdict; ``ok`` says so and how many steps would judge convergence."""
+    ev = evidence(converged=(False, False, False), steps=12, still_falling={JUDGE: True})
+    assert R.judge_fails(ev) is None
+    v = diagnose_evidence(ev)
+    assert v.category == "ok", v.headline
+    assert any("the float64 judge has not converged in 12 steps either" in e and "still falling" in e
+               and "--steps 24" in e for e in v.evidence)
+
+
+@pytest.mark.parametrize("steps", [5, 8])
+def test_a_short_run_whose_judge_has_not_converged_is_ok(steps):
+    v = diagnose_evidence(evidence(converged=(False, False, False), steps=steps))
+    assert v.category == "ok", v.headline
+
+
+def test_every_arm_nan_is_setup_at_any_run_length():
+    """Issue 24 item 4 / issue 27: every arm, the judge included, with a NaN loss is never ``ok``."""
+    nan = S.Symptom(S.NONFINITE_LOSS, JUDGE, "loss nan at step 0", step=0)
+    outcomes = {n: replace(outcome(n, False, first=math.nan, final=math.nan), first_nonfinite_step=0)
+                for n in ("cpu", "cpu:bf16", JUDGE)}
+    for steps in (1, 4, 30):
+        v = diagnose_evidence(evidence(steps=steps, outcomes=outcomes, judge_problems=(nan,)))
+        assert v.category == "setup", (steps, v.headline)
+        assert v.sub_cause == S.NONFINITE_LOSS and "the float64 judge included" in v.headline
+
+
+def test_a_target_nan_while_the_judge_is_finite_outranks_an_unconverged_judge():
+    """Issue 24 item 1: cpu:fp16 NaN from step 1, the judge falling but not converged in 10 steps."""
+    outcomes = {"cpu": outcome("cpu", False, 2.345, 2.199),
+                "cpu:fp16": replace(outcome("cpu:fp16", False, 2.345, math.nan), first_nonfinite_step=1),
+                JUDGE: outcome(JUDGE, False, 2.345, 2.199, role="judge")}
+    weights = S.Symptom(S.NONFINITE_WEIGHTS, "cpu:fp16", "the optimizer step after training step 0 made the "
+                        "weights of 'conv1' NaN/Inf", layer="conv1", step=1,
+                        extra={"optimizer": "AdamW", "eps": 1e-8, "finite_gradients": True})
+    ev = evidence("cpu:fp16", steps=10, outcomes=outcomes, target_symptoms=(weights,),
+                  target_facts={"cpu": TargetFacts(), "cpu:fp16": FP16}, still_falling={JUDGE: True})
+    assert R.judge_fails(ev) is None
+    v = diagnose_evidence(ev)
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert "the optimizer step makes the weights of 'conv1' NaN/Inf" in v.headline
+    assert "eps" in v.remedies[0]
 
 
 @pytest.mark.parametrize("losses, expected", [

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck.diagnose.detectors import training as S
-from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation
+from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation, training_producer
 from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import 
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
 # A layer that computes something else outranks what it causes downstream (gradient zeros in
 # the next layer, no convergence); among layer errors the largest comes first.
-_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
+_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_USER_CODE: 0, S.NONFINITE_BACKWARD: 1,
+                S.NONFINITE_WEIGHTS: 1, S.NONFINITE_LOSS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
 _CONFIG = CompareConfig()  # the defaults of the config facts
@@ -267,17 +268,32 @@ def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
     producer = training.nonfinite_producer.get(arm)
     if producer is not None and training.nonfinite_producer.get(judge) is None:
         step, layer = producer
-        if training.nonfinite_weights.get(arm):
-            curve = training.arm_curve(name)
-            before = curve[curve["step"] == step - 1]
-            finite = bool(len(before)) and not bool(before["nonfinite_grad"].any())
-            return [S.Symptom(S.NONFINITE_WEIGHTS, name, f"the optimizer step after training step {step - 1} "
-                              f"made the weights of '{layer}' NaN/Inf" + (" while its gradients were finite"
-                                                                          if finite else ""),
-                              layer=layer, step=step, extra={"finite_gradients": finite})]
-        return [S.Symptom(S.NONFINITE_FORWARD, name, f"'{layer}' turned finite inputs into NaN/Inf "
-                          f"at training step {step}", layer=layer, step=step)]
-    return []
+        detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
+        return [training_producer(name, step, layer, detail, fmt,
+                                    weights=bool(training.nonfinite_weights.get(arm)),
+                                    finite_gradients=_gradients_finite_before(training, name, step))]
+    return _nonfinite_loss(result, t)
+
+
+def _gradients_finite_before(training, name: str, step: int) -> bool:
+    curve = training.arm_curve(name)
+    before = curve[curve["step"] == step - 1]
+    return bool(len(before)) and not bool(before["nonfinite_grad"].any())
+
+
+def _nonfinite_loss(result, t) -> list[S.Symptom]:
+    """A target whose loss goes non-finite while the judge's stays finite, no producer named: the
+    target itself (a backward or an update no hook saw), never the setup."""
+    per, cfg = result.training.outcomes, result.config
+    info, judge_info = per.get(t), per.get(cfg.judge)
+    if info is None or info.first_nonfinite_step is None:
+        return []
+    if judge_info is None or judge_info.first_nonfinite_step is not None:
+        return []
+    step = info.first_nonfinite_step
+    return [S.Symptom(S.NONFINITE_LOSS, str(t), f"{t}'s loss or gradients are non-finite from training step {step} "
+                      f"while the float64 judge's stay finite (loss {judge_info.first_loss:.4g} -> "
+                      f"{judge_info.final_loss:.4g})", step=step)]
 
 
 def _layer_error(parity, name: str, flagged: str) -> S.Symptom:

@@ -27,6 +27,11 @@ def ok_verdict(ev: Evidence) -> Verdict:
     min_error = ev.tolerances.min_error
     evidence += [f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)"
                  for n, d in ev.self_difference.items() if d > 0]
+    judge = ev.judge_outcome
+    if ev.judgeable and judge is not None and not judge.converged:
+        evidence.append(f"the float64 judge has not converged in {ev.steps} steps either (loss {judge.first_loss:.4g} -> "
+                        f"{judge.final_loss:.4g}{', still falling' if ev.still_falling.get(ev.judge) else ''}) and the "
+                        f"targets track it: run --steps {2 * ev.steps} or more to judge convergence")
     if not ev.judgeable:
         evidence.append(f"convergence is not judged from {ev.steps} step; run --steps {CONVERGENCE_MIN_STEPS} "
                         "or more for that")
