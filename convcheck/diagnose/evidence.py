@@ -37,6 +37,8 @@ _TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_USER_CODE
                 S.NONFINITE_WEIGHTS: 1, S.NONFINITE_LOSS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
+_NONFINITE_KINDS = (S.NONFINITE_FORWARD, S.NONFINITE_BACKWARD, S.NONFINITE_WEIGHTS, S.NONFINITE_USER_CODE,
+                    S.NONFINITE_LOSS)
 _CONFIG = CompareConfig()  # the defaults of the config facts
 
 
@@ -199,7 +201,9 @@ def _target_symptoms(result) -> tuple[S.Symptom, ...]:
 
 def _rank(s: S.Symptom) -> tuple:
     size = -(s.value or 0.0) if s.name == S.LAYER_ERROR else 0.0  # the largest layer error first
-    return _TARGET_RANK.get(s.name, _UNRANKED), size
+    # among NaN/Inf producers of equal rank, the target that went non-finite first
+    step = s.step if s.step is not None and s.name in _NONFINITE_KINDS else 0
+    return _TARGET_RANK.get(s.name, _UNRANKED), step, size
 
 
 def _symptoms_of(result, t) -> list[S.Symptom]:

@@ -103,7 +103,8 @@ def backward_producer(fwd_rows: pd.DataFrame):
     return max(innermost, key=lambda r: r["order"]) if innermost else None
 
 
-_RECIPE_KEYS = ("callable", "optimizer", "eps", "loss", "lr", "operand_absmin")
+_RECIPE_KEYS = ("callable", "optimizer", "eps", "loss", "lr", "operand_absmin", "float64_magnitude",
+                "float64_operand_absmin")
 
 
 def training_producer(arm: str, step: int, name: str, detail: dict, fmt: NumberFormat, *, weights: bool,
@@ -121,7 +122,10 @@ def training_producer(arm: str, step: int, name: str, detail: dict, fmt: NumberF
     if op and overflow:
         size = f"; in float64 that {op} reaches {mag:.4g}, above the {fmt} maximum {fmt.largest:g}"
     elif op and detail.get("operand_absmin") == 0.0:
-        size = f"; its operand holds exact zeros at {arm}'s precision ({op} of 0)"
+        wide = detail.get("float64_operand_absmin")
+        size = (f"; its operand holds exact zeros at {arm}'s precision ({op} of 0)"
+                + (f", where the same loss in float64 on the same output has {wide:.3g}"
+                   if wide is not None and math.isfinite(wide) and wide > 0 else ""))
     elif op and math.isfinite(mag):
         size = f"; in float64 that {op} stays finite (largest {mag:.4g})"
     if weights:

@@ -71,8 +71,10 @@ def _user_code_headline(main: S.Symptom, narrow: NumberFormat | None, at: str) -
         return (f"{narrow} overflow in {op} in {where} on {main.arm}{at}: it produces the first Inf "
                 f"(values reach {main.value:.4g} > {narrow.largest:g})")
     if op and main.extra.get("operand_absmin") == 0.0:
+        wide = main.extra.get("float64_operand_absmin")
         return (f"{op} in {where} produces the first NaN/Inf on {main.arm}{at}: its operand rounds to exactly 0 "
-                f"at {main.arm}'s precision")
+                f"at {main.arm}'s precision" + (f" (in float64 it is {wide:.3g})"
+                                                if wide is not None and wide == wide and wide > 0 else ""))
     if op:
         return f"{op} in {where} produces the first NaN/Inf on {main.arm}{at} from the model's finite output"
     return f"{where} produces the first NaN/Inf on {main.arm}{at} from the model's finite output"

@@ -192,7 +192,35 @@ def loss_op(loss_fn, out, y, autocast) -> dict:
             fn(map_tensors(out, _fresh), y)
     except Exception:
         return {}
-    return _probe_detail(probe)
+    detail = _probe_detail(probe)
+    if probe.found is not None:  # the same loss in float64 on the same output: that op's values there
+        wide = OpValuesAt(probe.found[0])
+        try:
+            with torch.no_grad(), torch.autocast("cpu", enabled=False), wide:
+                fn(map_tensors(out, lambda t: t.detach().double()), y)
+            detail.update(float64_magnitude=wide.absmax, float64_operand_absmin=wide.operand_absmin)
+        except Exception:
+            pass
+    return detail
+
+
+class OpValuesAt(FirstNonfinite):
+    """The ``at``-th floating result's largest magnitude (``absmax``) and the smallest magnitude among
+    that op's floating operands (``operand_absmin``)."""
+
+    def __init__(self, at: int):
+        super().__init__(at=at)
+        self.operand_absmin = math.nan
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        before = self.index
+        out = super().__torch_function__(func, types, args, kwargs)
+        if before == self.at and self.index == self.at + 1:
+            ops = [t for t in tensors_in((list(args), list((kwargs or {}).values())))
+                   if t.is_floating_point() and t.numel()]
+            if ops:
+                self.operand_absmin = min(float(t.detach().abs().min()) for t in ops)
+        return out
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
