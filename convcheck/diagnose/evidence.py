@@ -148,11 +148,30 @@ def gather(result) -> Evidence:
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
                                                  judge, result.model.num_classes, cfg.lr))
-        + tuple(recipe_problems(result)),
+        + tuple(recipe_problems(result)) + _judge_producer(result),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), executor_findings=_executor_findings(training),
     )
+
+
+def _judge_producer(result) -> tuple[S.Symptom, ...]:
+    """The judge's own first NaN/Inf when a user callable that is not a module made it (the loss,
+    the schedule, the optimizer step): a setup problem, named by its producer."""
+    training = result.training
+    try:
+        arm = training.arm_of(result.config.judge)
+    except Exception:  # a result without the judge's arm (a bundle): nothing to name
+        return ()
+    producer = training.nonfinite_producer.get(arm)
+    detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
+    if producer is None or detail.get("callable") not in ("loss", "schedule", "optimizer"):
+        return ()
+    step, layer = producer
+    fmt = result.config.judge.runner.precision.narrowest
+    sym = training_producer(str(result.config.judge), step, layer, detail, fmt,
+                            weights=bool(training.nonfinite_weights.get(arm)), finite_gradients=True)
+    return (sym,)
 
 
 def _executor_findings(training) -> tuple:

@@ -106,5 +106,33 @@ def test_every_arm_nan_is_never_ok_on_a_short_run(steps):
     v = r.verdict
     assert all(not math.isfinite(o.final_loss) for o in r.training.outcomes.values())
     assert v.category == "setup", v.headline
-    assert "the float64 judge included" in v.headline and v.sub_cause == "non-finite loss"
+    assert "the float64 judge included" in v.headline
+    # the judge's own producer is named: the loss function, from the model's finite output
+    assert v.sub_cause == "non-finite in user code", v.sub_cause
+    assert "the loss function '_all_labels_ignored' makes the first NaN/Inf" in v.headline
     assert not r
+
+
+def test_groupnorm_cnn_with_adamw_factory_nan_in_float16_is_the_headline_on_a_short_run():
+    """Issue 24 item 1: cpu:fp16 NaN from step 1 (AdamW's eps 1e-8 is 0 in float16) while cpu and the
+    judge fall without converging in 10 steps: the NaN target is the verdict, not "run more steps"."""
+    r = compare(U.groupnorm_cnn, "cpu,cpu:fp16", steps=10, envelope=0, optimizer=U.adamw, **MNIST)
+    v = r.verdict
+    judge = r.training.outcomes[r.config.judge]
+    assert not judge.converged and math.isfinite(judge.final_loss)
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert v.headline.startswith("the optimizer step makes the weights of '0' NaN/Inf on cpu:fp16 after training "
+                                 "step 0"), v.headline
+    assert "AdamW's eps (1e-08) is 0 in float16" in v.remedies[0]
+    assert "in your optimizer factory" in v.remedies[0] and "--eps" not in v.remedies[0]
+
+
+def test_a_schedule_returning_nan_is_setup_naming_the_schedule():
+    """Issue 27: a schedule returning NaN made every arm NaN and was ``ok`` at 4 steps."""
+    r = compare(U.mlp, "cpu,cpu:fp16", steps=4, envelope=0, optimizer="sgd", lr=0.05, schedule=U.linear_warmup,
+                **MNIST)
+    v = r.verdict
+    assert v.category == "setup", v.headline
+    assert v.headline.startswith("training setup: the learning-rate schedule makes lr nan before training step 1")
+    assert "check the learning-rate schedule" in v.remedies[0]
+    assert not any("lower the learning rate" in rem for rem in v.remedies)

@@ -3,6 +3,7 @@ function, a hand-written attention. Each has its healthy counterpart (the stable
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -69,3 +70,22 @@ def attention_net(stable: bool = False, channels: int = 16) -> nn.Module:
 
 def stable_attention_net() -> nn.Module:
     return attention_net(stable=True)
+
+
+def groupnorm_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10))
+
+
+def adamw(params):
+    """The user's own optimizer factory: AdamW with its default eps 1e-8 (0 in float16)."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-8, weight_decay=1e-2)
+
+
+
+def linear_warmup(optimizer, steps):
+    """Linear warm-up over 1% of the run, written with numpy: a run under 100 steps has a warm-up of 0
+    steps, and 0/0 is NaN (numpy warns, it does not raise)."""
+    warmup = steps // 100
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(np.float64(s) / warmup, 1.0))

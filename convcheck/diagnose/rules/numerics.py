@@ -131,7 +131,14 @@ def _user_code_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     return out
 
 
-def _weights_remedies(t: TargetFacts | None, layer: str, main: S.Symptom | None = None) -> list[str]:
+def _named_optimizer(optimizer) -> bool:
+    """An optimizer given by a torch.optim class name (``--optimizer adamw``: ``--eps`` reaches it), not
+    the user's own factory (FILE.py:factory, a callable: its eps is set in the user's code)."""
+    return isinstance(optimizer, str) and ":" not in optimizer
+
+
+def _weights_remedies(t: TargetFacts | None, layer: str, main: S.Symptom | None = None, *,
+                      own_factory: bool = False) -> list[str]:
     """An optimizer step that makes weights NaN/Inf: in float16 weights, Adam's eps is the usual cause
     when the optimizer has an eps; an SGD step is the learning rate times a too large gradient."""
     extra = main.extra if main is not None else {}
@@ -142,8 +149,11 @@ def _weights_remedies(t: TargetFacts | None, layer: str, main: S.Symptom | None 
                 f"{t.compute_format if t else 'weights'}' format: lower the learning rate, clip gradients "
                 "(--clip-grad-norm), or keep float32 master weights (autocast instead of casting the model)"]
     if t is not None and t.half_storage and t.compute_format == "float16":
-        return ["the optimizer computes in the weights' float16: Adam/AdamW's eps (1e-8 by default) is 0 in float16, "
-                "so every zero gradient entry divides 0 by 0; use eps >= 1e-4 (--eps 1e-4), or keep float32 weights "
+        opt = str(extra.get("optimizer") or "Adam/AdamW")
+        how = (f"pass eps=1e-4 (or larger) to {opt} in your optimizer factory" if own_factory
+               else "use eps >= 1e-4 (--eps 1e-4)")
+        return [f"the optimizer computes in the weights' float16: {opt}'s eps ({extra.get('eps', '1e-8 by default')})"
+                f" is 0 in float16, so every zero gradient entry divides 0 by 0; {how}, or keep float32 weights "
                 "and compute in float16 under autocast (amp-fp16) with a GradScaler"]
     return [f"find what makes the update of '{layer}' NaN/Inf: the learning rate, the optimizer's eps at this "
             "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
@@ -189,7 +199,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         out.append(f"scale what '{layer}' produces into {narrow}'s range (below {narrow.largest:g}) before the "
                    "matmul/conv that reads it: normalise it, or give that operand a per-tensor scale as FP8 recipes do")
     if main.name == S.NONFINITE_WEIGHTS:
-        out.extend(_weights_remedies(t, layer, main))
+        out.extend(_weights_remedies(t, layer, main, own_factory=not _named_optimizer(ev.optimizer)))
     if main.name == S.GRADIENT_UNDERFLOW and float16:
         out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
     elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits

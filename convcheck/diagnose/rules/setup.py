@@ -26,7 +26,7 @@ SETUP_REMEDIES = {
     S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
     S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
 }
-SETUP_PRIORITY = [R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
+SETUP_PRIORITY = [S.NONFINITE_USER_CODE, R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
                   S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
                   S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
 SETUP_REMEDIES.update(R.REMEDIES)
@@ -72,6 +72,10 @@ def judge_fails(ev: Evidence) -> Verdict | None:
             sub_cause=S.NO_CONVERGENCE, symptoms=names)
     main = syms[0]
     headline = None
+    if main.name == S.NONFINITE_USER_CODE:
+        return judge_fails.verdict(
+            lines, headline=f"training setup: {_user_code_cause(main)} ({why})", remedies=_user_code_remedies(main),
+            layer=main.layer, sub_cause=main.name, symptoms=names)
     if main.name == S.EXPLODING_GRADIENTS:
         headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
     return judge_fails.verdict(
@@ -99,3 +103,30 @@ def fragile_envelope(ev: Evidence) -> Verdict | None:
         [f"{failed}/{ev.envelope_runs} perturbed runs did not converge", *training_lines(ev)],
         {"failed": failed, "runs": ev.envelope_runs},
         sub_cause="fragile setup", symptoms=[S.ENVELOPE_RUNS_FAIL])
+
+
+def _user_code_cause(main: S.Symptom) -> str:
+    """What a user callable of the step did on the judge too (the schedule, the loss, the optimizer step)."""
+    kind, op = main.extra.get("callable"), main.extra.get("op")
+    if kind == "schedule":
+        return (f"the learning-rate schedule makes lr {main.extra.get('lr')} before training step {main.step}, "
+                f"and the optimizer step then makes the weights NaN/Inf")
+    if kind == "loss":
+        return (f"{op + ' in ' if op else ''}the loss function '{main.extra.get('loss') or 'loss'}' makes the "
+                f"first NaN/Inf at training step {main.step} from the model's finite output")
+    return (f"the optimizer step ({main.extra.get('optimizer') or 'optimizer'}) makes the weights NaN/Inf after "
+            f"training step {main.step - 1} from finite gradients")
+
+
+def _user_code_remedies(main: S.Symptom) -> list[str]:
+    from convcheck.diagnose.rules.numerics import op_remedies
+
+    kind = main.extra.get("callable")
+    if kind == "schedule":
+        return ["check the learning-rate schedule: it returns NaN/Inf (a warm-up or decay length of 0 steps, "
+                "a log/pow of a non-positive value); print scheduler.get_last_lr() for the first steps"]
+    if kind == "loss":
+        return op_remedies(main.extra.get("op")) or [
+            "find what in the loss makes NaN/Inf from finite inputs: a mean over no element (every label "
+            "ignored), a division by zero, log or sqrt of a non-positive value"]
+    return ["check the optimizer's update: a division by a zero state (eps 0), a NaN hyper-parameter"]
