@@ -23,7 +23,7 @@ from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
-from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, OUTCOME_SPREADS
 from convcheck.numerics.tolerances import Tolerances
 
 if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import the training loop
@@ -83,6 +83,7 @@ class Evidence:
     # --- training: per-arm outcomes (targets and judge) and the envelope runs' summary
     outcomes: Mapping[str, ArmOutcome] = field(default_factory=dict)
     envelope: EnvelopeSummary | None = None
+    envelope_finals: tuple[float, ...] = ()  # the envelope runs' final losses
     still_falling: Mapping[str, bool] = field(default_factory=dict)  # per arm: its loss still falls at the end
     # --- symptoms
     target_symptoms: tuple[S.Symptom, ...] = ()  # ranked; the drift is not among them
@@ -125,6 +126,31 @@ class Evidence:
         drift = (self.drift,) if self.drift is not None and self.drift.name == S.DRIFT else ()
         return self.target_symptoms + drift
 
+    def outcome_changed(self, name: str) -> bool:
+        """Whether target ``name`` ends differently beyond what the envelope's own runs reach: another
+        convergence than the other target's, or a final loss outside the envelope runs' final losses
+        (widened as ``outcome_vs_envelope`` widens them; without an envelope, the other target's final
+        loss within OUTCOME_RELATIVE). A finding that changes nothing there is a note, not the verdict."""
+        info = self.outcomes.get(name)
+        if info is None or not math.isfinite(info.final_loss):
+            return True
+        others = [self.outcomes[n] for n in self.targets if n != name and n in self.outcomes]
+        if self.judgeable and any(o.converged != info.converged for o in others):
+            return True
+        finals = [v for v in self.envelope_finals if math.isfinite(v)]
+        if finals:
+            lo, hi = min(finals), max(finals)
+            margin = OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * abs(sum(finals) / len(finals))
+            return not lo - margin <= info.final_loss <= hi + margin
+        return any(abs(info.final_loss - o.final_loss) > OUTCOME_RELATIVE * abs(o.final_loss) + OUTCOME_ABSOLUTE
+                   for o in others)
+
+    def same_precision(self) -> bool:
+        """Whether the two targets compute at the same precision (they differ at most in reduction order:
+        data-parallel ranks, SyncBatchNorm, another BLAS)."""
+        facts = [self.target_facts.get(n) for n in self.targets if n != self.judge]
+        return len(facts) == 2 and None not in facts and facts[0] == facts[1]
+
     def findings_of(self, kind: str) -> list:
         """Critical and warn findings of one kind (``hardware``, ``version``, ...)."""
         return [f for f in self.findings if getattr(f, "kind", None) == kind
@@ -141,7 +167,7 @@ def gather(result) -> Evidence:
         targets=tuple(names), judge=judge, steps=cfg.steps, lr=cfg.lr, optimizer=cfg.optimizer,
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
         target_facts={str(t): _facts(t.runner) for t in cfg.targets},
-        outcomes=named(training.outcomes), envelope=training.envelope,
+        outcomes=named(training.outcomes), envelope=training.envelope, envelope_finals=_envelope_finals(training.curves),
         still_falling={str(t): S.still_falling(training.curves, str(t)) for t in training.outcomes},
         target_symptoms=symptoms, layer_notes=_layer_notes(result, symptoms),
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
@@ -153,6 +179,13 @@ def gather(result) -> Evidence:
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), executor_findings=_executor_findings(training),
     )
+
+
+def _envelope_finals(curves) -> tuple[float, ...]:
+    env = curves[curves["role"] == "envelope"]
+    if not len(env):
+        return ()
+    return tuple(float(v) for v in env[env["step"] == env["step"].max()]["loss"])
 
 
 def _judge_producer(result) -> tuple[S.Symptom, ...]:

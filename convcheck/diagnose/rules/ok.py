@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.rules.lines import layer_note_lines, training_lines
 from convcheck.diagnose.verdict import Verdict
@@ -22,7 +23,11 @@ def ok_verdict(ev: Evidence) -> Verdict:
                             f"result {m.floor:.2e} (a lower bound of its floor)")
     evidence += layer_note_lines(ev)
     if ev.drift is not None:
-        evidence.append(ev.drift.evidence)
+        evidence.append(ev.drift.evidence + ("; both targets compute at the same precision and end within the "
+                                             "envelope's own runs (final loss, convergence): a note, not a cause"
+                                             if ev.drift.name == S.DRIFT else ""))
+    evidence += [f"note ({f.arm}): {f.summary}; it does not change the outcome beyond the envelope's own runs "
+                 "(final loss, convergence)" for f in ev.executor_findings]
     evidence += [f"{f.id}: {f.message}" for f in ev.findings if getattr(f, "severity", "") in ("critical", "warn")]
     min_error = ev.tolerances.min_error
     evidence += [f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)"

@@ -55,8 +55,10 @@ def judge_fails(ev: Evidence) -> Verdict | None:
     judge_nan = judge.first_nonfinite_step is not None  # every arm NaN, the judge included: the setup
     if not judge_nan and (not ev.judgeable or judge.converged or ev.step0_symptoms):
         return None
-    if not judge_nan and any(info.first_nonfinite_step is not None for _, info in _target_outcomes(ev)):
-        return None  # a target goes non-finite while the judge stays finite: the target's own verdict
+    judge_explodes = any(p.name in (S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS) for p in ev.judge_problems)
+    if not (judge_nan or judge_explodes) and any(info.first_nonfinite_step is not None
+                                                 for _, info in _target_outcomes(ev)):
+        return None  # a target goes non-finite while the judge trains sanely: the target's own verdict
     targets_ok = all(info.converged for n, info in _target_outcomes(ev) if n != ev.judge)
     why = ("the float64 judge fails too, so the setup, not the device" if targets_ok
            else "every arm fails, the float64 judge included")
