@@ -318,13 +318,16 @@ def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
     training, name = result.training, str(t)
     fmt = t.runner.precision.narrowest
     nf = nonfinite_producer(result.parity.layers, name, fmt) or saturation(result.parity.layers, name, fmt)
-    if nf is not None:
-        return [nf]
     arm, judge = training.arm_of(t), training.arm_of(result.config.judge)
     producer = training.nonfinite_producer.get(arm)
+    detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
+    if (nf is not None and nf.name == S.NONFINITE_BACKWARD and producer is not None and producer[0] == 0
+            and detail.get("callable") == "loss"):
+        nf = None  # parity's first NaN gradient came from a loss that was NaN/Inf already: the loss is the producer
+    if nf is not None:
+        return [nf]
     if producer is not None and training.nonfinite_producer.get(judge) is None:
         step, layer = producer
-        detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
         return [training_producer(name, step, layer, detail, fmt,
                                     weights=bool(training.nonfinite_weights.get(arm)),
                                     finite_gradients=_gradients_finite_before(training, name, step))]

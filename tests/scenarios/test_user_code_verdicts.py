@@ -136,3 +136,15 @@ def test_a_schedule_returning_nan_is_setup_naming_the_schedule():
     assert v.headline.startswith("training setup: the learning-rate schedule makes lr nan before training step 1")
     assert "check the learning-rate schedule" in v.remedies[0]
     assert not any("lower the learning rate" in rem for rem in v.remedies)
+
+
+def test_focal_loss_overflowing_at_step_0_names_the_loss_not_a_layer():
+    """The same naive softmax overflowing float16 from the first step (logits near 20): the loss is the
+    producer, not the layer whose gradient parity's backward first sees NaN in."""
+    r = compare(U.sharpened_mlp, "cpu,cpu:fp16", steps=5, envelope=0, optimizer="sgd", lr=0.01, loss=U.focal_loss,
+                **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16" and v.layer is None, v.headline
+    assert v.headline.startswith("float16 overflow in exp in the loss function 'focal_loss' on cpu:fp16: it "
+                                 "produces the first Inf"), v.headline
+    assert "subtract the maximum before exp" in v.remedies[0]
