@@ -127,6 +127,7 @@ def test_groupnorm_cnn_with_adamw_factory_nan_in_float16_is_the_headline_on_a_sh
     assert "in your optimizer factory" in v.remedies[0] and "--eps" not in v.remedies[0]
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_a_schedule_returning_nan_is_setup_naming_the_schedule():
     """Issue 27: a schedule returning NaN made every arm NaN and was ``ok`` at 4 steps."""
     r = compare(U.mlp, "cpu,cpu:fp16", steps=4, envelope=0, optimizer="sgd", lr=0.05, schedule=U.linear_warmup,
