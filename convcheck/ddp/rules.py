@@ -23,9 +23,12 @@ def ddp_setup(ev: Evidence) -> Verdict | None:
     """A ``ddp:`` target trains another model than one device: a loss off by the world size, ranks that see
     the same samples, buffers that differ across ranks, random draws the shared masks miss (always: exact
     evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
-    envelope, or there is no envelope to tell). Sub-cause ``ddp``."""
+    envelope, or there is no envelope to tell) - and then only when it changes the outcome beyond what the
+    envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``); else it is a
+    note of the ``ok`` verdict. Sub-cause ``ddp``."""
     beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
-    found = [f for f in ev.executor_findings if isinstance(f, DDPFinding) and (f.exact or beyond)]
+    found = [f for f in ev.executor_findings if isinstance(f, DDPFinding)
+             and (f.exact or (beyond and ev.outcome_changed(f.arm)))]
     if not found:
         return None
     main = found[0]

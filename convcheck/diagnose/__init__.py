@@ -9,20 +9,27 @@ the registered rules (``rules``) by priority; the first that applies decides:
 id   prio  name             category         fires when
 ==== ===== ================ ================ ==================================================
 V001 10    stochastic-layer nondeterminism   a layer draws random numbers no mask is shared for
-V002 20    judge-fails      setup            the judge does not converge either (and one-step
-                                             parity names no target-only cause)
+V002 20    judge-fails      setup            the judge's loss is NaN/Inf too (any run length), or it
+                                             does not converge either with a training problem or
+                                             in a run long enough to say (one-step parity naming
+                                             no target-only cause, no target NaN while the judge
+                                             trains sanely); a judge merely not converged yet
+                                             (still falling, short run) is noted by ``ok``
 V003 30    fragile-envelope setup            every target converges, envelope runs fail
 V004 40    self-difference  nondeterminism   a target differs from itself run to run
 V005 50    hardware-finding hardware         a target symptom with a hardware finding
 V006 60    version-finding  version          a target symptom with a version finding
 V009 65    ddp-setup        setup            a ddp: target's loss is off by the world size, or its
-                                             per-rank BatchNorm statistics (drift beyond envelope);
-                                             registered by convcheck.ddp.rules
+                                             per-rank BatchNorm statistics (drift beyond envelope
+                                             and an outcome the envelope runs do not reach; else a
+                                             note); registered by convcheck.ddp.rules
 V007 70    layer-error      layer            the main target symptom: a layer's local error far
                                              above its bound
-V008 80    precision-effect numerics         any other target symptom (NaN/Inf producer,
-                                             GradScaler collapse, underflow, lost updates,
-                                             drift beyond the envelope, a failed outcome)
+V008 80    precision-effect numerics         any other target symptom (NaN/Inf producer: a module,
+                                             its own code's op, the loss, the optimizer step, the
+                                             schedule; GradScaler collapse, underflow, lost updates,
+                                             drift beyond the envelope (a note between same-precision
+                                             targets that end alike), a failed outcome)
 ==== ===== ================ ================ ==================================================
 
 When none fires the verdict is ``ok``. Diagnose never runs a model and never

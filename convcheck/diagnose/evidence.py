@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 from convcheck.diagnose.detectors import training as S
-from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation
+from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation, training_producer
 from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
-from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, OUTCOME_SPREADS
 from convcheck.numerics.tolerances import Tolerances
 
 if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import the training loop
@@ -33,9 +33,12 @@ if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import 
 # outcome symptoms rank last. The drift beyond the envelope is appended after the ranking.
 # A layer that computes something else outranks what it causes downstream (gradient zeros in
 # the next layer, no convergence); among layer errors the largest comes first.
-_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_BACKWARD: 1, S.NONFINITE_WEIGHTS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
+_TARGET_RANK = {S.NONFINITE_FORWARD: 0, S.OUT_OF_RANGE: 0, S.NONFINITE_USER_CODE: 0, S.NONFINITE_BACKWARD: 1,
+                S.NONFINITE_WEIGHTS: 1, S.NONFINITE_LOSS: 1, S.GRADSCALER_COLLAPSE: 2, S.LAYER_ERROR: 3,
                 S.ILL_CONDITIONED: 4, S.GRADIENT_UNDERFLOW: 5, S.SMALL_UPDATES_LOST: 6}
 _UNRANKED = 9
+_NONFINITE_KINDS = (S.NONFINITE_FORWARD, S.NONFINITE_BACKWARD, S.NONFINITE_WEIGHTS, S.NONFINITE_USER_CODE,
+                    S.NONFINITE_LOSS)
 _CONFIG = CompareConfig()  # the defaults of the config facts
 
 
@@ -80,6 +83,7 @@ class Evidence:
     # --- training: per-arm outcomes (targets and judge) and the envelope runs' summary
     outcomes: Mapping[str, ArmOutcome] = field(default_factory=dict)
     envelope: EnvelopeSummary | None = None
+    envelope_finals: tuple[float, ...] = ()  # the envelope runs' final losses
     still_falling: Mapping[str, bool] = field(default_factory=dict)  # per arm: its loss still falls at the end
     # --- symptoms
     target_symptoms: tuple[S.Symptom, ...] = ()  # ranked; the drift is not among them
@@ -122,6 +126,31 @@ class Evidence:
         drift = (self.drift,) if self.drift is not None and self.drift.name == S.DRIFT else ()
         return self.target_symptoms + drift
 
+    def outcome_changed(self, name: str) -> bool:
+        """Whether target ``name`` ends differently beyond what the envelope's own runs reach: another
+        convergence than the other target's, or a final loss outside the envelope runs' final losses
+        (widened as ``outcome_vs_envelope`` widens them; without an envelope, the other target's final
+        loss within OUTCOME_RELATIVE). A finding that changes nothing there is a note, not the verdict."""
+        info = self.outcomes.get(name)
+        if info is None or not math.isfinite(info.final_loss):
+            return True
+        others = [self.outcomes[n] for n in self.targets if n != name and n in self.outcomes]
+        if self.judgeable and any(o.converged != info.converged for o in others):
+            return True
+        finals = [v for v in self.envelope_finals if math.isfinite(v)]
+        if finals:
+            lo, hi = min(finals), max(finals)
+            margin = OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * abs(sum(finals) / len(finals))
+            return not lo - margin <= info.final_loss <= hi + margin
+        return any(abs(info.final_loss - o.final_loss) > OUTCOME_RELATIVE * abs(o.final_loss) + OUTCOME_ABSOLUTE
+                   for o in others)
+
+    def same_precision(self) -> bool:
+        """Whether the two targets compute at the same precision (they differ at most in reduction order:
+        data-parallel ranks, SyncBatchNorm, another BLAS)."""
+        facts = [self.target_facts.get(n) for n in self.targets if n != self.judge]
+        return len(facts) == 2 and None not in facts and facts[0] == facts[1]
+
     def findings_of(self, kind: str) -> list:
         """Critical and warn findings of one kind (``hardware``, ``version``, ...)."""
         return [f for f in self.findings if getattr(f, "kind", None) == kind
@@ -138,18 +167,44 @@ def gather(result) -> Evidence:
         targets=tuple(names), judge=judge, steps=cfg.steps, lr=cfg.lr, optimizer=cfg.optimizer,
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
         target_facts={str(t): _facts(t.runner) for t in cfg.targets},
-        outcomes=named(training.outcomes), envelope=training.envelope,
+        outcomes=named(training.outcomes), envelope=training.envelope, envelope_finals=_envelope_finals(training.curves),
         still_falling={str(t): S.still_falling(training.curves, str(t)) for t in training.outcomes},
         target_symptoms=symptoms, layer_notes=_layer_notes(result, symptoms),
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
                                                  judge, result.model.num_classes, cfg.lr))
-        + tuple(recipe_problems(result)),
+        + tuple(recipe_problems(result)) + _judge_producer(result),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), executor_findings=_executor_findings(training),
     )
+
+
+def _envelope_finals(curves) -> tuple[float, ...]:
+    env = curves[curves["role"] == "envelope"]
+    if not len(env):
+        return ()
+    return tuple(float(v) for v in env[env["step"] == env["step"].max()]["loss"])
+
+
+def _judge_producer(result) -> tuple[S.Symptom, ...]:
+    """The judge's own first NaN/Inf when a user callable that is not a module made it (the loss,
+    the schedule, the optimizer step): a setup problem, named by its producer."""
+    training = result.training
+    try:
+        arm = training.arm_of(result.config.judge)
+    except Exception:  # a result without the judge's arm (a bundle): nothing to name
+        return ()
+    producer = training.nonfinite_producer.get(arm)
+    detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
+    if producer is None or detail.get("callable") not in ("loss", "schedule", "optimizer"):
+        return ()
+    step, layer = producer
+    fmt = result.config.judge.runner.precision.narrowest
+    sym = training_producer(str(result.config.judge), step, layer, detail, fmt,
+                            weights=bool(training.nonfinite_weights.get(arm)), finite_gradients=True)
+    return (sym,)
 
 
 def _executor_findings(training) -> tuple:
@@ -198,7 +253,9 @@ def _target_symptoms(result) -> tuple[S.Symptom, ...]:
 
 def _rank(s: S.Symptom) -> tuple:
     size = -(s.value or 0.0) if s.name == S.LAYER_ERROR else 0.0  # the largest layer error first
-    return _TARGET_RANK.get(s.name, _UNRANKED), size
+    # among NaN/Inf producers of equal rank, the target that went non-finite first
+    step = s.step if s.step is not None and s.name in _NONFINITE_KINDS else 0
+    return _TARGET_RANK.get(s.name, _UNRANKED), step, size
 
 
 def _symptoms_of(result, t) -> list[S.Symptom]:
@@ -261,23 +318,41 @@ def _nonfinite_symptoms(result, t) -> list[S.Symptom]:
     training, name = result.training, str(t)
     fmt = t.runner.precision.narrowest
     nf = nonfinite_producer(result.parity.layers, name, fmt) or saturation(result.parity.layers, name, fmt)
-    if nf is not None:
-        return [nf]
     arm, judge = training.arm_of(t), training.arm_of(result.config.judge)
     producer = training.nonfinite_producer.get(arm)
+    detail = dict(getattr(training, "nonfinite_detail", {}).get(arm) or {})
+    if (nf is not None and nf.name == S.NONFINITE_BACKWARD and producer is not None and producer[0] == 0
+            and detail.get("callable") == "loss"):
+        nf = None  # parity's first NaN gradient came from a loss that was NaN/Inf already: the loss is the producer
+    if nf is not None:
+        return [nf]
     if producer is not None and training.nonfinite_producer.get(judge) is None:
         step, layer = producer
-        if training.nonfinite_weights.get(arm):
-            curve = training.arm_curve(name)
-            before = curve[curve["step"] == step - 1]
-            finite = bool(len(before)) and not bool(before["nonfinite_grad"].any())
-            return [S.Symptom(S.NONFINITE_WEIGHTS, name, f"the optimizer step after training step {step - 1} "
-                              f"made the weights of '{layer}' NaN/Inf" + (" while its gradients were finite"
-                                                                          if finite else ""),
-                              layer=layer, step=step, extra={"finite_gradients": finite})]
-        return [S.Symptom(S.NONFINITE_FORWARD, name, f"'{layer}' turned finite inputs into NaN/Inf "
-                          f"at training step {step}", layer=layer, step=step)]
-    return []
+        return [training_producer(name, step, layer, detail, fmt,
+                                    weights=bool(training.nonfinite_weights.get(arm)),
+                                    finite_gradients=_gradients_finite_before(training, name, step))]
+    return _nonfinite_loss(result, t)
+
+
+def _gradients_finite_before(training, name: str, step: int) -> bool:
+    curve = training.arm_curve(name)
+    before = curve[curve["step"] == step - 1]
+    return bool(len(before)) and not bool(before["nonfinite_grad"].any())
+
+
+def _nonfinite_loss(result, t) -> list[S.Symptom]:
+    """A target whose loss goes non-finite while the judge's stays finite, no producer named: the
+    target itself (a backward or an update no hook saw), never the setup."""
+    per, cfg = result.training.outcomes, result.config
+    info, judge_info = per.get(t), per.get(cfg.judge)
+    if info is None or info.first_nonfinite_step is None:
+        return []
+    if judge_info is None or judge_info.first_nonfinite_step is not None:
+        return []
+    step = info.first_nonfinite_step
+    return [S.Symptom(S.NONFINITE_LOSS, str(t), f"{t}'s loss or gradients are non-finite from training step {step} "
+                      f"while the float64 judge's stay finite (loss {judge_info.first_loss:.4g} -> "
+                      f"{judge_info.final_loss:.4g})", step=step)]
 
 
 def _layer_error(parity, name: str, flagged: str) -> S.Symptom:

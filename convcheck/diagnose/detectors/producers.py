@@ -13,7 +13,8 @@ import pandas as pd
 
 from convcheck.measure.layer_names import is_own_code, own_code_op
 from convcheck.numerics.formats import NumberFormat
-from convcheck.diagnose.detectors.training import NONFINITE_BACKWARD, NONFINITE_FORWARD, OUT_OF_RANGE, Symptom
+from convcheck.diagnose.detectors.training import (NONFINITE_BACKWARD, NONFINITE_FORWARD, NONFINITE_USER_CODE,
+                                                   NONFINITE_WEIGHTS, OUT_OF_RANGE, Symptom)
 
 
 def nonfinite_producer(layers: pd.DataFrame, target: str, fmt: NumberFormat) -> Symptom | None:
@@ -100,3 +101,49 @@ def backward_producer(fwd_rows: pd.DataFrame):
     rows = [r for _, r in cand.iterrows()]
     innermost = [r for r in rows if not any(inside(o, r) for o in rows)]
     return max(innermost, key=lambda r: r["order"]) if innermost else None
+
+
+_RECIPE_KEYS = ("callable", "optimizer", "eps", "loss", "lr", "operand_absmin", "float64_magnitude",
+                "float64_operand_absmin")
+
+
+def training_producer(arm: str, step: int, name: str, detail: dict, fmt: NumberFormat, *, weights: bool,
+                      finite_gradients: bool) -> Symptom:
+    """The first producer of NaN/Inf during training (``TrainResult.nonfinite_producer`` and its
+    ``nonfinite_detail``): a module (with the op of its own code that made it, and that op's float64
+    magnitude), the loss function (the same), or the update before (the optimizer step, the schedule)."""
+    kind = detail.get("callable", "module")
+    op, mag = detail.get("op"), detail.get("magnitude", math.nan)
+    mag = float(mag) if mag is not None else math.nan
+    overflow = bool(op) and math.isfinite(mag) and mag > fmt.largest
+    extra = {k: detail[k] for k in _RECIPE_KEYS if k in detail}
+    extra.update(op=op, overflow=overflow, format=fmt.name, callable=kind, finite_gradients=finite_gradients)
+    size = ""
+    if op and overflow:
+        size = f"; in float64 that {op} reaches {mag:.4g}, above the {fmt} maximum {fmt.largest:g}"
+    elif op and detail.get("operand_absmin") == 0.0:
+        wide = detail.get("float64_operand_absmin")
+        size = (f"; its operand holds exact zeros at {arm}'s precision ({op} of 0)"
+                + (f", where the same loss in float64 on the same output has {wide:.3g}"
+                   if wide is not None and math.isfinite(wide) and wide > 0 else ""))
+    elif op and math.isfinite(mag):
+        size = f"; in float64 that {op} stays finite (largest {mag:.4g})"
+    if weights:
+        lr = detail.get("lr")
+        if kind == "schedule":
+            return Symptom(NONFINITE_USER_CODE, arm, f"the learning-rate schedule set lr = {lr} before training step "
+                           f"{step}, and the optimizer step made the weights of '{name}' NaN/Inf", layer=name,
+                           step=step, extra=extra)
+        return Symptom(NONFINITE_WEIGHTS, arm, f"the optimizer step after training step {step - 1} made the weights "
+                       f"of '{name}' NaN/Inf" + (" while its gradients were finite" if finite_gradients else ""),
+                       layer=name, step=step, extra=extra)
+    if kind == "loss":
+        loss = detail.get("loss") or "loss"
+        what = (f"the loss function '{loss}' turns the model's finite output into NaN/Inf at training step {step}"
+                + (f"; {op} is its first op to do so" if op else "") + size)
+        return Symptom(NONFINITE_USER_CODE, arm, what, step=step, value=mag if op else None, extra=extra)
+    if op:
+        extra["own_code"] = True
+    what = f"'{name}' turned finite inputs into NaN/Inf at training step {step}" + (f" ({op} of its own code)"
+                                                                                      if op else "") + size
+    return Symptom(NONFINITE_FORWARD, arm, what, layer=name, step=step, value=mag if op else None, extra=extra)

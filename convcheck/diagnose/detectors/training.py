@@ -76,6 +76,9 @@ STOCHASTIC_LAYER = "stochastic layer"
 ENVELOPE_RUNS_FAIL = "envelope runs fail"
 SELF_DIFFERENCE = "self difference"
 
+# NaN/Inf made by a user callable of the training step that is not a module: the loss, the schedule
+NONFINITE_USER_CODE = "non-finite in user code"
+
 NONFINITE_TENSORS = (NONFINITE_FORWARD, NONFINITE_BACKWARD)
 
 

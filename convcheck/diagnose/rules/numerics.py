@@ -26,19 +26,25 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     if not ev.symptoms or ev.symptoms[0].name == S.LAYER_ERROR:
         return None
     main = ev.symptoms[0]
+    if main.name == S.DRIFT and drift_is_a_note(ev):
+        return None
     layer = main.layer
     headline = None
     facts = ev.target_facts.get(main.arm) or TargetFacts()
     op = main.extra.get("op")
     narrow = _narrow_format(facts, main)
-    if main.name in (S.NONFINITE_FORWARD, S.OUT_OF_RANGE) and main.extra.get("overflow") and narrow:
+    at = f" at training step {main.step}" if main.step else ""
+    if main.name == S.NONFINITE_USER_CODE:
+        headline = _user_code_headline(main, narrow, at)
+    elif main.name in (S.NONFINITE_FORWARD, S.OUT_OF_RANGE) and main.extra.get("overflow") and narrow:
         where = f"{op} in '{layer}' (its own code)" if op else f"'{layer}'"
         effect = ("it produces the first Inf" if main.name == S.NONFINITE_FORWARD
                   else f"the matmul/conv reading its values saturates them at {narrow.largest:g}")
-        headline = (f"{narrow} overflow in {where} on {main.arm}: {effect} "
+        headline = (f"{narrow} overflow in {where} on {main.arm}{at}: {effect} "
                     f"(values reach {main.value:.4g} > {narrow.largest:g})")
     elif main.name in S.NONFINITE_TENSORS and op:
-        headline = f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm} from finite inputs"
+        headline = (f"{op} in '{layer}' (its own code) produces the first NaN/Inf on {main.arm}{at} from finite "
+                    "inputs")
     elif main.name == S.NONFINITE_WEIGHTS:
         headline = (f"the optimizer step makes the weights of '{layer}' NaN/Inf on {main.arm} after training step "
                     f"{main.step - 1}" + (" (its gradients were finite)" if main.extra.get("finite_gradients") else ""))
@@ -56,11 +62,108 @@ def precision_effect(ev: Evidence) -> Verdict | None:
         sub_cause=main.name, symptoms=[s.name for s in ev.symptoms])
 
 
-def _weights_remedies(t: TargetFacts | None, layer: str) -> list[str]:
-    """An optimizer step that makes weights NaN/Inf: in float16 weights, Adam's eps is the usual cause."""
+def drift_is_a_note(ev: Evidence) -> bool:
+    """Drift beyond the one-ulp envelope between two targets of the same precision (they differ only in
+    reduction order: a data-parallel target, SyncBatchNorm) that changes neither target's outcome beyond
+    the envelope's own runs: rounding injected at every step, which a one-time one-ulp perturbation
+    underestimates; a note of the ``ok`` verdict, not a verdict."""
+    return ev.same_precision() and not any(ev.outcome_changed(n) for n in ev.targets if n != ev.judge)
+
+
+def _user_code_headline(main: S.Symptom, narrow: NumberFormat | None, at: str) -> str:
+    """NaN/Inf made by a user callable of the step that is not a module: the loss, the schedule."""
+    kind, op = main.extra.get("callable"), main.extra.get("op")
+    if kind == "schedule":
+        return (f"the learning-rate schedule makes lr {main.extra.get('lr')} on {main.arm} before training step "
+                f"{main.step}: the optimizer step then makes the weights of '{main.layer}' NaN/Inf")
+    where = f"the loss function '{main.extra.get('loss') or 'loss'}'"
+    if op and main.extra.get("overflow") and narrow:
+        return (f"{narrow} overflow in {op} in {where} on {main.arm}{at}: it produces the first Inf "
+                f"(values reach {main.value:.4g} > {narrow.largest:g})")
+    if op and main.extra.get("operand_absmin") == 0.0:
+        wide = main.extra.get("float64_operand_absmin")
+        return (f"{op} in {where} produces the first NaN/Inf on {main.arm}{at}: its operand rounds to exactly 0 "
+                f"at {main.arm}'s precision" + (f" (in float64 it is {wide:.3g})"
+                                                if wide is not None and wide == wide and wide > 0 else ""))
+    if op:
+        return f"{op} in {where} produces the first NaN/Inf on {main.arm}{at} from the model's finite output"
+    return f"{where} produces the first NaN/Inf on {main.arm}{at} from the model's finite output"
+
+
+# What makes each op of user code stable, by the op that produced the first NaN/Inf.
+_OP_REMEDIES = {
+    "exp": ["subtract the maximum before exp (x - x.amax(dim, keepdim=True)), or use torch.softmax / "
+            "F.log_softmax / torch.logsumexp, which do: exp of the raw values overflows"],
+    "log": ["take the log from logits, not from probabilities: F.log_softmax / F.cross_entropy for a softmax, "
+            "F.logsigmoid or F.binary_cross_entropy_with_logits for a sigmoid (log(1 - sigmoid(x)) = "
+            "logsigmoid(-x)); else clamp its operand (x.clamp_min(1e-4))"],
+    "div": ["guard the division: divide by d.clamp_min(eps) (eps >= 1e-4 at 16-bit precision)"],
+    "sqrt": ["add an eps inside the square root (torch.sqrt(x + 1e-4)), never sqrt of a value that rounds to 0"],
+    "rsqrt": ["add an eps inside the square root (torch.rsqrt(x + 1e-4))"],
+    "pow": ["scale the operand down before the power, or compute it in float32"],
+}
+_OP_ALIASES = {"true_divide": "div", "divide": "div", "truediv": "div", "log1p": "log", "log2": "log",
+               "log10": "log", "exp2": "exp", "expm1": "exp", "softmax": None}
+
+
+def op_remedies(op: str | None) -> list[str]:
+    """The stable form of ``op`` (``exp``: subtract the max; ``log``: from logits; ``div``: guard)."""
+    if not op:
+        return []
+    base = _OP_ALIASES.get(op.rstrip("_"), op.rstrip("_"))
+    return list(_OP_REMEDIES.get(base, [])) if base else []
+
+
+def _keep_float32(t: TargetFacts | None, what: str) -> str | None:
+    """Run ``what`` in float32 on this kind of target, or None where it already is."""
+    if t is None:
+        return None
+    if t.mixed_precision:
+        return (f"run {what} in float32: torch.autocast(device_type, enabled=False) around it and .float() on "
+                "its input")
+    if t.half_storage or t.half_compute:
+        return f"compute {what} in float32: cast its input with .float() (and its result back if needed)"
+    return None
+
+
+def _user_code_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
+    t = ev.target_facts.get(main.arm)
+    if main.extra.get("callable") == "schedule":
+        return ["check the learning-rate schedule: it returns NaN/Inf (a division by zero warm-up length, "
+                "a log/pow of a non-positive value); print schedule.get_last_lr() over the run"]
+    out = op_remedies(main.extra.get("op"))
+    keep = _keep_float32(t, f"the loss function '{main.extra.get('loss') or 'loss'}'")
+    if keep:
+        out.append(keep)
+    if not out:
+        out.append("find what in the loss makes NaN/Inf: its input range, a division by zero, log or sqrt of a "
+                   "non-positive value")
+    return out
+
+
+def _named_optimizer(optimizer) -> bool:
+    """An optimizer given by a torch.optim class name (``--optimizer adamw``: ``--eps`` reaches it), not
+    the user's own factory (FILE.py:factory, a callable: its eps is set in the user's code)."""
+    return isinstance(optimizer, str) and ":" not in optimizer
+
+
+def _weights_remedies(t: TargetFacts | None, layer: str, main: S.Symptom | None = None, *,
+                      own_factory: bool = False) -> list[str]:
+    """An optimizer step that makes weights NaN/Inf: in float16 weights, Adam's eps is the usual cause
+    when the optimizer has an eps; an SGD step is the learning rate times a too large gradient."""
+    extra = main.extra if main is not None else {}
+    opt = str(extra.get("optimizer") or "")
+    has_eps = extra.get("eps") is not None if "optimizer" in extra else True  # unknown: as before
+    if not has_eps:
+        return [f"the {opt or 'optimizer'} update of '{layer}' leaves the range of its "
+                f"{t.compute_format if t else 'weights'}' format: lower the learning rate, clip gradients "
+                "(--clip-grad-norm), or keep float32 master weights (autocast instead of casting the model)"]
     if t is not None and t.half_storage and t.compute_format == "float16":
-        return ["the optimizer computes in the weights' float16: Adam/AdamW's eps (1e-8 by default) is 0 in float16, "
-                "so every zero gradient entry divides 0 by 0; use eps >= 1e-4 (--eps 1e-4), or keep float32 weights "
+        opt = str(extra.get("optimizer") or "Adam/AdamW")
+        how = (f"pass eps=1e-4 (or larger) to {opt} in your optimizer factory" if own_factory
+               else "use eps >= 1e-4 (--eps 1e-4)")
+        return [f"the optimizer computes in the weights' float16: {opt}'s eps ({extra.get('eps', '1e-8 by default')})"
+                f" is 0 in float16, so every zero gradient entry divides 0 by 0; {how}, or keep float32 weights "
                 "and compute in float16 under autocast (amp-fp16) with a GradScaler"]
     return [f"find what makes the update of '{layer}' NaN/Inf: the learning rate, the optimizer's eps at this "
             "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
@@ -81,6 +184,10 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     float16 = t is not None and t.half_compute and t.compute_format == "float16"
     narrow = _narrow_format(t or TargetFacts(), main)
     op = main.extra.get("op")
+    if main.name == S.NONFINITE_USER_CODE:
+        return _user_code_remedies(ev, main)
+    if main.name in S.NONFINITE_TENSORS and op:
+        out.extend(op_remedies(op))
     if main.name in S.NONFINITE_TENSORS and op and narrow and main.extra.get("overflow"):
         out.append(f"{op} in '{layer}' overflows {narrow}: scale its operands down before it (attention "
                    f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
@@ -102,7 +209,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         out.append(f"scale what '{layer}' produces into {narrow}'s range (below {narrow.largest:g}) before the "
                    "matmul/conv that reads it: normalise it, or give that operand a per-tensor scale as FP8 recipes do")
     if main.name == S.NONFINITE_WEIGHTS:
-        out.extend(_weights_remedies(t, layer))
+        out.extend(_weights_remedies(t, layer, main, own_factory=not _named_optimizer(ev.optimizer)))
     if main.name == S.GRADIENT_UNDERFLOW and float16:
         out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
     elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.rules.lines import layer_note_lines, training_lines
 from convcheck.diagnose.verdict import Verdict
@@ -22,11 +23,20 @@ def ok_verdict(ev: Evidence) -> Verdict:
                             f"result {m.floor:.2e} (a lower bound of its floor)")
     evidence += layer_note_lines(ev)
     if ev.drift is not None:
-        evidence.append(ev.drift.evidence)
+        evidence.append(ev.drift.evidence + ("; both targets compute at the same precision and end within the "
+                                             "envelope's own runs (final loss, convergence): a note, not a cause"
+                                             if ev.drift.name == S.DRIFT else ""))
+    evidence += [f"note ({f.arm}): {f.summary}; it does not change the outcome beyond the envelope's own runs "
+                 "(final loss, convergence)" for f in ev.executor_findings]
     evidence += [f"{f.id}: {f.message}" for f in ev.findings if getattr(f, "severity", "") in ("critical", "warn")]
     min_error = ev.tolerances.min_error
     evidence += [f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)"
                  for n, d in ev.self_difference.items() if d > 0]
+    judge = ev.judge_outcome
+    if ev.judgeable and judge is not None and not judge.converged:
+        evidence.append(f"the float64 judge has not converged in {ev.steps} steps either (loss {judge.first_loss:.4g} -> "
+                        f"{judge.final_loss:.4g}{', still falling' if ev.still_falling.get(ev.judge) else ''}) and the "
+                        f"targets track it: run --steps {2 * ev.steps} or more to judge convergence")
     if not ev.judgeable:
         evidence.append(f"convergence is not judged from {ev.steps} step; run --steps {CONVERGENCE_MIN_STEPS} "
                         "or more for that")

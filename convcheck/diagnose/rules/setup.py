@@ -9,6 +9,7 @@ from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_lines, training_lines, where_in
 from convcheck.diagnose.verdict import Verdict
+from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 
 _LOWER_LR = "lower the learning rate (try 10x smaller)"
 _CLIP = "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
@@ -25,11 +26,14 @@ SETUP_REMEDIES = {
     S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
     S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
 }
-SETUP_PRIORITY = [R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
+SETUP_PRIORITY = [S.NONFINITE_USER_CODE, R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
                   S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
                   S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
 SETUP_REMEDIES.update(R.REMEDIES)
 _UNLISTED = 99
+# Below this many steps a judge with no training problem that has not converged is a run too short to
+# say (pytest users write 5- and 8-step runs): the targets are held against it, no setup verdict.
+SHORT_RUN_STEPS = 2 * CONVERGENCE_MIN_STEPS
 
 
 @verdict_rule(
@@ -38,14 +42,23 @@ _UNLISTED = 99
     remedies=("train longer or raise the learning rate", "check data, labels and loss"))
 def judge_fails(ev: Evidence) -> Verdict | None:
     """The float64 judge does not converge either (and one-step parity names no target-only
-    cause): the setup. The main symptom is the judge's first training problem in
-    ``SETUP_PRIORITY``; exploding gradients say "learning rate {lr} is too high, gradients
-    explode ({why})"; without any, "no arm converges in {steps} steps ({why})", or, when the judge's
-    loss is still falling, "..., but the loss is still falling (a -> b): run more steps" with more
-    steps as the remedy. Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
+    cause), or the judge's loss is NaN/Inf too (at any run length): the setup. A target that goes
+    non-finite while the judge stays finite is never this rule's (the target's symptom decides). The
+    main symptom is the judge's first training problem in ``SETUP_PRIORITY``; exploding gradients say
+    "learning rate {lr} is too high, gradients explode ({why})"; without any, "no arm converges in
+    {steps} steps ({why})" - unless the judge's loss is still falling or the run is shorter than
+    ``SHORT_RUN_STEPS``: then the judge has not converged yet and the targets are held against it
+    (no verdict here; ``ok`` notes it). Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
     judge = ev.judge_outcome
-    if not ev.judgeable or judge is None or judge.converged or ev.step0_symptoms:
+    if judge is None:
         return None
+    judge_nan = judge.first_nonfinite_step is not None  # every arm NaN, the judge included: the setup
+    if not judge_nan and (not ev.judgeable or judge.converged or ev.step0_symptoms):
+        return None
+    judge_explodes = any(p.name in (S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS) for p in ev.judge_problems)
+    if not (judge_nan or judge_explodes) and any(info.first_nonfinite_step is not None
+                                                 for _, info in _target_outcomes(ev)):
+        return None  # a target goes non-finite while the judge trains sanely: the target's own verdict
     targets_ok = all(info.converged for n, info in _target_outcomes(ev) if n != ev.judge)
     why = ("the float64 judge fails too, so the setup, not the device" if targets_ok
            else "every arm fails, the float64 judge included")
@@ -53,18 +66,18 @@ def judge_fails(ev: Evidence) -> Verdict | None:
                   key=lambda s: SETUP_PRIORITY.index(s.name) if s.name in SETUP_PRIORITY else _UNLISTED)
     lines = symptom_lines(syms, 4) + training_lines(ev)
     names = [s.name for s in syms]
-    if not syms and ev.still_falling.get(ev.judge):
-        return judge_fails.verdict(
-            lines, headline=f"training setup: no arm converges in {ev.steps} steps, but the loss is still falling "
-                            f"({judge.first_loss:.4g} -> {judge.final_loss:.4g}): run more steps ({why})",
-            remedies=[f"run more steps (--steps {2 * ev.steps})", "or raise the learning rate"],
-            sub_cause=S.NO_CONVERGENCE, symptoms=names)
+    if not syms and (ev.still_falling.get(ev.judge) or ev.steps < SHORT_RUN_STEPS):
+        return None  # the judge has not converged yet, nothing is wrong with it: the targets are judged by it
     if not syms:
         return judge_fails.verdict(
             lines, headline=f"training setup: no arm converges in {ev.steps} steps ({why})",
             sub_cause=S.NO_CONVERGENCE, symptoms=names)
     main = syms[0]
     headline = None
+    if main.name == S.NONFINITE_USER_CODE:
+        return judge_fails.verdict(
+            lines, headline=f"training setup: {_user_code_cause(main)} ({why})", remedies=_user_code_remedies(main),
+            layer=main.layer, sub_cause=main.name, symptoms=names)
     if main.name == S.EXPLODING_GRADIENTS:
         headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
     return judge_fails.verdict(
@@ -92,3 +105,30 @@ def fragile_envelope(ev: Evidence) -> Verdict | None:
         [f"{failed}/{ev.envelope_runs} perturbed runs did not converge", *training_lines(ev)],
         {"failed": failed, "runs": ev.envelope_runs},
         sub_cause="fragile setup", symptoms=[S.ENVELOPE_RUNS_FAIL])
+
+
+def _user_code_cause(main: S.Symptom) -> str:
+    """What a user callable of the step did on the judge too (the schedule, the loss, the optimizer step)."""
+    kind, op = main.extra.get("callable"), main.extra.get("op")
+    if kind == "schedule":
+        return (f"the learning-rate schedule makes lr {main.extra.get('lr')} before training step {main.step}, "
+                f"and the optimizer step then makes the weights NaN/Inf")
+    if kind == "loss":
+        return (f"{op + ' in ' if op else ''}the loss function '{main.extra.get('loss') or 'loss'}' makes the "
+                f"first NaN/Inf at training step {main.step} from the model's finite output")
+    return (f"the optimizer step ({main.extra.get('optimizer') or 'optimizer'}) makes the weights NaN/Inf after "
+            f"training step {main.step - 1} from finite gradients")
+
+
+def _user_code_remedies(main: S.Symptom) -> list[str]:
+    from convcheck.diagnose.rules.numerics import op_remedies
+
+    kind = main.extra.get("callable")
+    if kind == "schedule":
+        return ["check the learning-rate schedule: it returns NaN/Inf (a warm-up or decay length of 0 steps, "
+                "a log/pow of a non-positive value); print scheduler.get_last_lr() for the first steps"]
+    if kind == "loss":
+        return op_remedies(main.extra.get("op")) or [
+            "find what in the loss makes NaN/Inf from finite inputs: a mean over no element (every label "
+            "ignored), a division by zero, log or sqrt of a non-positive value"]
+    return ["check the optimizer's update: a division by a zero state (eps 0), a NaN hyper-parameter"]

@@ -81,6 +81,7 @@ def run_training(build, batches, arms: list[Arm], cfg: TrainConfig, *, tolerance
         rows, grad_rows, act_rows, arms, cfg, tolerances,
         nonfinite_producer={s.arm: s.producer for s in states},
         nonfinite_weights={s.arm: bool(getattr(s, "producer_weights", False)) for s in states},
+        nonfinite_detail={s.arm: dict(getattr(s, "producer_detail", None) or {}) for s in states},
         arm_evidence={s.arm: s.evidence for s in states if s.evidence is not None},
     )
 

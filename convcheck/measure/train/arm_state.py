@@ -10,7 +10,7 @@ import torch.nn as nn
 from convcheck.capture import SharedDropoutMasks, leaf_modules, named_modules
 from convcheck.numerics.thresholds import SATURATED_ABS
 from convcheck.measure.train.arms import Arm, perturb_
-from convcheck.measure.train.nonfinite import FirstProducer
+from convcheck.measure.train.nonfinite import FirstProducer, all_finite, loss_op
 from convcheck.measure.train.stats import Scratch, fraction_abs_above, fraction_le_zero, norms_and_zeros, seed_generators
 
 
@@ -46,6 +46,11 @@ class ArmState:
                        for n, m in leaf_modules(self.model)
                        if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
         self.first_producer = FirstProducer(self.model)
+        # (lr, gradients finite) of the last optimizer step while no producer was found
+        self._last_update: tuple[float, bool] | None = None
+        self._recipe_facts = dict(optimizer=type(self.opt).__name__,
+                                  eps=getattr(self.opt, "defaults", {}).get("eps"),
+                                  loss=str(getattr(recipe, "loss_name", "") or getattr(self.loss_fn, "__name__", "loss")))
 
     @property
     def step_index(self) -> int:
@@ -59,6 +64,20 @@ class ArmState:
     def producer_weights(self) -> bool:
         """Whether the producer's own weights were NaN/Inf when it ran (an optimizer step made them so)."""
         return self.first_producer.weights
+
+    @property
+    def producer_detail(self) -> dict:
+        """What the producer is (``callable``: a module, the loss, the optimizer step, the schedule),
+        the op of user code that made the first NaN/Inf and its float64 magnitude, where known."""
+        detail = dict(self.first_producer.detail)
+        if self.first_producer.weights and self._last_update is not None:
+            # a module's own weights were NaN/Inf when it ran: the step before made them so
+            lr, grads_finite = self._last_update
+            detail.update(callable="schedule" if not math.isfinite(lr) else "optimizer", lr=lr,
+                          gradients_finite=grads_finite)
+        if self.first_producer.weights or detail.get("callable") != "module":
+            detail.update(self._recipe_facts)
+        return detail
 
     @property
     def producer(self) -> tuple[int, str] | None:
@@ -97,13 +116,20 @@ class ArmState:
             # parity's probe names the layers that make such draws.
             seed_generators(rng_seed)
             self.opt.zero_grad(set_to_none=True)
-            _, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
+            out, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
             loss_value = float(loss.detach())
+            if (not math.isfinite(loss_value) and self.first_producer.found is None
+                    and all(all_finite(t) for t in _tensors(out))):
+                # every module's output is finite, the loss is not: the loss function made it
+                self.first_producer.blame_callable("loss", dict(
+                    callable="loss", **loss_op(self.loss_fn, out, runner.cast_input(y), runner.autocast)))
             runner.train_backward(loss, self.opt, self.scaler)
             stats = self._grad_stats()
             lr = self.opt.param_groups[0]["lr"]
             clipped = self._clip(stats["grad_norm"])
             scale, skipped = runner.optimizer_step(self.opt, self.scaler)
+            if self.first_producer.found is None:
+                self._last_update = (float(lr), math.isfinite(stats["grad_norm"]))
             if self.schedule is not None:
                 self.schedule.step()
         return dict(
@@ -158,3 +184,9 @@ class ArmState:
         lr = self.opt.param_groups[0]["lr"]
         update_ratio = lr * grad_norm / math.sqrt(weight_sq) if weight_sq > 0 else math.nan
         return dict(grad_norm=grad_norm, update_ratio=update_ratio, layer_norms=layer_norms, zero_fracs=zero_fracs)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    from convcheck.capture import tensors_in
+
+    return [t for t in tensors_in(obj) if t.is_floating_point()]

@@ -81,6 +81,9 @@ class TrainResult:
     nonfinite_producer: Mapping[Arm, tuple[int, str] | None] = field(default_factory=dict)
     # Per arm: whether that producer's own weights were already NaN/Inf (the optimizer step before made them so)
     nonfinite_weights: Mapping[Arm, bool] = field(default_factory=dict)
+    # Per arm: what the producer is (``callable``: module, loss, optimizer, schedule), the op of user
+    # code that made the first NaN/Inf and its float64 ``magnitude`` (``nonfinite.FirstProducer.detail``)
+    nonfinite_detail: Mapping[Arm, dict] = field(default_factory=dict)
     # Per arm whose executor gathers evidence of its own (a ``ddp:`` target's ranks): that evidence, opaque
     # here, read by the executor's ``findings`` (``convcheck.targets.executors``).
     arm_evidence: Mapping[Arm, object] = field(default_factory=dict)
@@ -88,7 +91,8 @@ class TrainResult:
     @classmethod
     def from_rows(cls, curves: list[dict], layer_grads: list[dict], activations: list[dict], arms, config: TrainConfig,
                   tolerances: Tolerances, *, nonfinite_producer: Mapping[Arm, tuple[int, str] | None],
-                  nonfinite_weights: Mapping[Arm, bool], arm_evidence: Mapping[Arm, object] | None = None) -> TrainResult:
+                  nonfinite_weights: Mapping[Arm, bool], nonfinite_detail: Mapping[Arm, dict] | None = None,
+                  arm_evidence: Mapping[Arm, object] | None = None) -> TrainResult:
         """The result of the three tables' rows (each arm's curve rows in step order): the tables, the
         outcomes, the envelope summary and the lower-precision target are all made here."""
         arms = tuple(arms)
@@ -99,7 +103,8 @@ class TrainResult:
             arms=arms, config=config, judge=judge.name if judge else "",
             outcomes=outcomes_from_rows(arms, curves, tolerances), envelope=envelope_summary(arms, table, tolerances),
             lower_precision=_lower_precision(arms), nonfinite_producer=dict(nonfinite_producer),
-            nonfinite_weights=dict(nonfinite_weights), arm_evidence=dict(arm_evidence or {}))
+            nonfinite_weights=dict(nonfinite_weights), nonfinite_detail=dict(nonfinite_detail or {}),
+            arm_evidence=dict(arm_evidence or {}))
 
     def arm_of(self, target: Target) -> Arm:
         """The arm that trained ``target`` (a target's or the judge's; not an envelope run)."""

@@ -1,0 +1,151 @@
+"""Issue 24, items 1-4: the verdict names the right cause in the user's own training code.
+
+Real small models and losses written as a user would (``user_code.py``), each really going NaN where
+the issue saw it: a focal loss with a naive softmax under float16 + SGD with momentum, a hand-written
+BCE ``log(1 - sigmoid)`` under bfloat16, a hand-written attention whose ``exp`` overflows float16
+mid-training; LeNet's short runs. Each with its healthy counterpart."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from convcheck.pipeline import compare
+
+from . import user_code as U
+
+MNIST = dict(input_shape=(1, 28, 28), num_classes=10, env_findings=[])
+
+
+def _no_adam_remedy(v) -> None:
+    assert not any("eps" in r or "Adam" in r for r in v.remedies), v.remedies
+
+
+def test_focal_loss_naive_softmax_overflows_float16_under_sgd():
+    r = compare(U.mlp, "cpu,cpu:fp16", steps=12, envelope=0, optimizer="sgd", lr=0.1, loss=U.focal_loss, **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert v.sub_cause == "non-finite in user code"
+    assert v.headline.startswith("float16 overflow in exp in the loss function 'focal_loss' on cpu:fp16 at "
+                                 "training step "), v.headline
+    step = int(v.headline.split("training step ")[1].split(":")[0])
+    assert step > 0  # mid-training: its one parity step is finite
+    value = float(v.headline.split("values reach ")[1].split(" >")[0])
+    assert value > 65504
+    assert "subtract the maximum before exp" in v.remedies[0] and "log_softmax" in v.remedies[0]
+    _no_adam_remedy(v)
+    assert not r  # a discrepancy: exit 1
+
+
+def test_stable_focal_loss_is_ok():
+    r = compare(U.mlp, "cpu,cpu:fp16", steps=12, envelope=0, optimizer="sgd", lr=0.1, loss=U.stable_focal_loss,
+                **MNIST)
+    assert r.verdict.category == "ok", r.verdict.headline
+    assert all(o.first_nonfinite_step is None for o in r.training.outcomes.values())
+
+
+def test_hand_bce_log_of_one_minus_sigmoid_in_bfloat16():
+    r = compare(U.mlp, "cpu,cpu:bf16", steps=20, envelope=0, optimizer="sgd", lr=0.3, loss=U.hand_bce, **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:bf16", v.headline
+    assert v.sub_cause == "non-finite in user code"
+    assert v.headline.startswith("log in the loss function 'hand_bce' produces the first NaN/Inf on cpu:bf16 at "
+                                 "training step "), v.headline
+    assert "its operand rounds to exactly 0 at cpu:bf16's precision (in float64 it is " in v.headline
+    assert "binary_cross_entropy_with_logits" in v.remedies[0] and "logsigmoid" in v.remedies[0]
+    assert any("float32" in rem for rem in v.remedies[1:])
+    _no_adam_remedy(v)
+    assert r.training.outcomes  # the float32 target and the judge stay finite
+    assert all(o.first_nonfinite_step is None for n, o in r.training.outcomes.items() if str(n) != "cpu:bf16")
+
+
+def test_stable_bce_is_ok():
+    r = compare(U.mlp, "cpu,cpu:bf16", steps=20, envelope=0, optimizer="sgd", lr=0.3, loss=U.stable_bce, **MNIST)
+    assert r.verdict.category == "ok", r.verdict.headline
+
+
+def test_hand_attention_exp_overflows_float16_mid_training():
+    r = compare(U.attention_net, "cpu,cpu:fp16", steps=12, envelope=0, optimizer="sgd", lr=0.05, **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16" and v.layer == "3", v.headline
+    assert v.headline.startswith("float16 overflow in exp in '3' (its own code) on cpu:fp16 at training step ")
+    step = int(v.headline.split("training step ")[1].split(":")[0])
+    assert step > 0
+    assert float(v.headline.split("values reach ")[1].split(" >")[0]) > 65504
+    assert "subtract the maximum before exp" in v.remedies[0]
+    assert any("1/sqrt(d)" in rem for rem in v.remedies)
+    _no_adam_remedy(v)
+
+
+def test_stable_attention_is_ok():
+    r = compare(U.stable_attention_net, "cpu,cpu:fp16", steps=12, envelope=0, optimizer="sgd", lr=0.05, **MNIST)
+    assert r.verdict.category == "ok", r.verdict.headline
+
+
+@pytest.mark.parametrize("steps, envelope", [(5, 0), (8, 2)])
+def test_healthy_lenet_short_runs_are_ok(steps, envelope):
+    """Issue 24 item 4: ``--steps 5 --envelope 0`` and ``--steps 8`` were setup verdicts (exit 1)."""
+    r = compare("lenet", "cpu,cpu:float64", steps=steps, envelope=envelope, env_findings=[])
+    v = r.verdict
+    assert v.category == "ok", v.headline
+    assert bool(r)
+
+
+def _all_labels_ignored(output, target):
+    """Every label is ignore_index: cross-entropy's mean over no sample is 0/0."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output, target * 0 - 100)
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_every_arm_nan_is_never_ok_on_a_short_run(steps):
+    """Issue 24 item 4 / issue 27: every arm, the judge included, NaN from the first step."""
+    r = compare("lenet", "cpu,cpu:float64", steps=steps, envelope=0, loss=_all_labels_ignored, env_findings=[])
+    v = r.verdict
+    assert all(not math.isfinite(o.final_loss) for o in r.training.outcomes.values())
+    assert v.category == "setup", v.headline
+    assert "the float64 judge included" in v.headline
+    # the judge's own producer is named: the loss function, from the model's finite output
+    assert v.sub_cause == "non-finite in user code", v.sub_cause
+    assert "the loss function '_all_labels_ignored' makes the first NaN/Inf" in v.headline
+    assert not r
+
+
+def test_groupnorm_cnn_with_adamw_factory_nan_in_float16_is_the_headline_on_a_short_run():
+    """Issue 24 item 1: cpu:fp16 NaN from step 1 (AdamW's eps 1e-8 is 0 in float16) while cpu and the
+    judge fall without converging in 10 steps: the NaN target is the verdict, not "run more steps"."""
+    r = compare(U.groupnorm_cnn, "cpu,cpu:fp16", steps=10, envelope=0, optimizer=U.adamw, **MNIST)
+    v = r.verdict
+    judge = r.training.outcomes[r.config.judge]
+    assert not judge.converged and math.isfinite(judge.final_loss)
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert v.headline.startswith("the optimizer step makes the weights of '0' NaN/Inf on cpu:fp16 after training "
+                                 "step 0"), v.headline
+    assert "AdamW's eps (1e-08) is 0 in float16" in v.remedies[0]
+    assert "in your optimizer factory" in v.remedies[0] and "--eps" not in v.remedies[0]
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_a_schedule_returning_nan_is_setup_naming_the_schedule():
+    """Issue 27: a schedule returning NaN made every arm NaN and was ``ok`` at 4 steps."""
+    r = compare(U.mlp, "cpu,cpu:fp16", steps=4, envelope=0, optimizer="sgd", lr=0.05, schedule=U.linear_warmup,
+                **MNIST)
+    v = r.verdict
+    assert v.category == "setup", v.headline
+    assert v.headline.startswith("training setup: the learning-rate schedule makes lr nan before training step 1")
+    assert "check the learning-rate schedule" in v.remedies[0]
+    assert not any("lower the learning rate" in rem for rem in v.remedies)
+
+
+def test_focal_loss_overflowing_at_step_0_names_the_loss_not_a_layer():
+    """The same naive softmax overflowing float16 from the first step (logits near 20): the loss is the
+    producer, not the layer whose gradient parity's backward first sees NaN in."""
+    r = compare(U.sharpened_mlp, "cpu,cpu:fp16", steps=5, envelope=0, optimizer="sgd", lr=0.01, loss=U.focal_loss,
+                **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16" and v.layer is None, v.headline
+    assert v.headline.startswith("float16 overflow in exp in the loss function 'focal_loss' on cpu:fp16: it "
+                                 "produces the first Inf"), v.headline
+    assert "subtract the maximum before exp" in v.remedies[0]

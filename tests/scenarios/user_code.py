@@ -1,0 +1,106 @@
+"""Training code written as a user would, with a NaN made in the user's own code (issue 24): a loss
+function, a hand-written attention. Each has its healthy counterpart (the stable formula)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def focal_loss(logits, target, gamma: float = 2.0):
+    """Focal loss with a naive softmax: exp(logits) / sum overflows float16 once a logit passes ~11."""
+    e = torch.exp(logits)
+    p = e / e.sum(dim=1, keepdim=True)
+    pt = p.gather(1, target[:, None]).squeeze(1)
+    return (-(1 - pt) ** gamma * torch.log(pt + 1e-4)).mean()
+
+
+def stable_focal_loss(logits, target, gamma: float = 2.0):
+    """The same loss from log_softmax: no exp of the raw logits."""
+    logp = F.log_softmax(logits.float(), dim=1).gather(1, target[:, None]).squeeze(1)
+    return (-(1 - logp.exp()) ** gamma * logp).mean()
+
+
+def hand_bce(logits, target):
+    """YOLO-style multi-label BCE written by hand: log(1 - sigmoid(z)) is log(0) = -inf in bfloat16 once
+    sigmoid rounds to 1 (z past ~6)."""
+    y = F.one_hot(target, logits.shape[1]).to(logits.dtype)
+    p = torch.sigmoid(logits)
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def stable_bce(logits, target):
+    y = F.one_hot(target, logits.shape[1]).to(logits.dtype)
+    return F.binary_cross_entropy_with_logits(logits, y)
+
+
+class HandAttention(nn.Module):
+    """Self-attention over the pixels of a feature map written by hand: softmax as exp(q.k) / sum,
+    energies neither scaled by 1/sqrt(d) nor shifted by their maximum."""
+
+    def __init__(self, channels: int, stable: bool = False):
+        super().__init__()
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.stable = stable
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        q = self.q(x).flatten(2).transpose(1, 2)
+        k = self.k(x).flatten(2)
+        energy = torch.bmm(q, k)
+        if self.stable:
+            att = torch.softmax(energy / c ** 0.5, dim=-1)
+        else:
+            e = torch.exp(energy)
+            att = e / e.sum(dim=-1, keepdim=True)
+        return x + torch.bmm(x.flatten(2), att.transpose(1, 2)).view(n, c, h, w)
+
+
+def attention_net(stable: bool = False, channels: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, channels, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         HandAttention(channels, stable), nn.Flatten(), nn.Linear(channels * 7 * 7, 10))
+
+
+def stable_attention_net() -> nn.Module:
+    return attention_net(stable=True)
+
+
+def groupnorm_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10))
+
+
+def adamw(params):
+    """The user's own optimizer factory: AdamW with its default eps 1e-8 (0 in float16)."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-8, weight_decay=1e-2)
+
+
+
+def linear_warmup(optimizer, steps):
+    """Linear warm-up over 1% of the run, written with numpy: a run under 100 steps has a warm-up of 0
+    steps, and 0/0 is NaN (numpy warns, it does not raise)."""
+    warmup = steps // 100
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(np.float64(s) / warmup, 1.0))
+
+
+class Sharpened(nn.Module):
+    """Logits divided by a small temperature (a user's "sharper" classifier): they start near 20."""
+
+    def __init__(self, body: nn.Module, temperature: float = 0.02):
+        super().__init__()
+        self.body, self.temperature = body, temperature
+
+    def forward(self, x):
+        return self.body(x) / self.temperature
+
+
+def sharpened_mlp() -> nn.Module:
+    return Sharpened(mlp())
