@@ -7,12 +7,14 @@ output is not a terminal or ``NO_COLOR`` is set.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
@@ -21,13 +23,44 @@ from convcheck.measure.table_schema import named
 
 WORST_LAYERS = 8
 CURVE_ROWS = 10
+PIPED_WIDTH = 140  # the width when the output is not a terminal and COLUMNS is not set
+NAME_MIN_WIDTH = 16  # a longer layer name wraps (folded) in a narrow table, never cut
 
 
-def make_console(file=None) -> Console:
+def output_width(file, environ=None) -> int | None:
+    """The width to render for: ``COLUMNS`` when it is set (a terminal or a pipe), else the terminal's own
+    width (None: rich asks it), else ``PIPED_WIDTH``."""
+    environ = os.environ if environ is None else environ
+    columns = environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) >= 40:
+        return int(columns)
+    return None if is_tty(file) else PIPED_WIDTH
+
+
+def make_console(file=None, width: int | None = None) -> Console:
     file = file or sys.stdout
     plain = is_plain(file)
     return Console(file=file, force_terminal=not plain, no_color=plain, highlight=False,
-                   width=None if is_tty(file) else 140, soft_wrap=False)
+                   width=width or output_width(file), soft_wrap=False)
+
+
+def _fit(c: Console, build, optional: list[str]) -> Table:
+    """The table ``build(dropped)`` that fits ``c``'s width, dropping the ``optional`` columns in order
+    (the least useful first) until it does; the last try is kept when nothing fits."""
+    dropped: list[str] = []
+    table = build(dropped)
+    unbounded = c.options.update(width=10_000)  # measured against the console's width, a minimum is capped
+    for name in optional:
+        if c.measure(table, options=unbounded).minimum <= c.width:
+            break
+        dropped.append(name)
+        table = build(dropped)
+    return table
+
+
+def _title(c: Console, text: str) -> None:
+    """A table's title on its own lines, wrapped at words to the console's width."""
+    c.print(f"[bold]{escape(text)}[/bold]" if not is_plain(c.file) else escape(text))
 
 
 def fmt(v, digits: int = 2) -> str:
@@ -77,7 +110,7 @@ def render_compare(result, console: Console | None = None) -> None:
           else "inputs from the data")
     c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {io})  "
             f"seed {cfg.seed}  {cfg.steps} steps  batch {cfg.batch_size}  data {escape(str(result.data_source))}")
-    c.print(f"recipe: {escape(recipe_line(result))}")
+    _wrapped_parts(c, "recipe: ", recipe_line(result).split("; "), "; ")
     c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
     for note in result.notes:
         c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
@@ -88,8 +121,23 @@ def render_compare(result, console: Console | None = None) -> None:
     _verdict(c, result)
 
 
+def _wrapped_parts(c: Console, lead: str, parts: list[str], sep: str) -> None:
+    """``lead`` + ``parts`` joined by ``sep``, broken between parts (never inside one) at the console's width."""
+    lines, line = [], lead
+    for i, part in enumerate(parts):
+        piece = part + (sep.rstrip() if i < len(parts) - 1 else "")
+        if line.strip() and line != lead and len(line) + len(piece) + 1 > c.width:
+            lines.append(line.rstrip())
+            line = " " * len(lead)
+        line += piece + " "
+    lines.append(line.rstrip())
+    for text in lines:
+        c.print(escape(text), soft_wrap=True)
+
+
 def _targets(c: Console, result) -> None:
-    t = Table(title="Targets", box=box.SIMPLE, title_justify="left", pad_edge=False)
+    _title(c, "Targets")
+    t = Table(box=box.SIMPLE, pad_edge=False)
     for col in ("arm", "target", "precision", "unit roundoff"):
         t.add_column(col)
     a, b = result.config.targets
@@ -98,36 +146,60 @@ def _targets(c: Console, result) -> None:
     c.print(t)
 
 
+LAYER_COLUMNS_DROPPED_FIRST = ("own", "propagated", "local", "kind", "floor")
+
+
 def _layers(c: Console, result) -> None:
     p = result.parity
     df = p.layers
     if not len(df):
         return
     worst = p.worst(WORST_LAYERS)
-    t = Table(title=f"One-step parity against the judge: each target's {WORST_LAYERS} worst of {len(df)} layer/gradient "
-                    "rows, by own error over floor (local = judge input through the target's layer; floor = the "
-                    "best at its precision)",
-              box=box.SIMPLE, title_justify="left", pad_edge=False)
-    # Names are what the reader acts on: never cut them short; numbers never wrap.
+    _title(c, f"One-step parity against the judge: each target's {WORST_LAYERS} worst of {len(df)} layer/gradient "
+              "rows, by own error over floor (local = judge input through the target's layer; floor = the best "
+              "at its precision)")
     names = [f"{r.layer if r.kind == 'forward' else r.param} ({r.module})" for r in worst.itertuples()]
-    numbers = ("local", "own", "floor", "own/floor", "propagated")
     nonfinite = bool((worst["nan"] + worst["inf"]).any())  # the column only when something is non-finite
-    for col in ("target", "kind", "layer (module)", *numbers, *(("nan/inf",) if nonfinite else ()), "flag"):
-        if col == "layer (module)":
-            longest = max([len(col)] + [len(n) for n in names])
-            t.add_column(col, min_width=min(longest, 40), overflow="fold")
-        else:
-            t.add_column(col, justify="right" if col in numbers else "left",
-                         no_wrap=True, min_width=len("FLAGGED") if col == "flag" else len(col))
-    for r, name in zip(worst.itertuples(), names):
-        flag = "[bold red]FLAGGED[/bold red]" if r.flagged else ""
-        cells = [fmt(r.local), fmt(r.intrinsic), fmt(r.floor), fmt(r.over_floor), fmt(r.propagated)]
-        t.add_row(escape(str(r.target)), "fwd" if r.kind == "forward" else "grad", escape(name), *cells,
-                  *((f"{r.nan}/{r.inf}",) if nonfinite else ()), flag)
+    own_measured = bool(worst["intrinsic"].notna().any())
+    # an unmeasured own error (all "-") goes first; the flag, the target, the name and own/floor never go
+    optional = [col for col in LAYER_COLUMNS_DROPPED_FIRST if col != "own" or not own_measured]
+    if not own_measured:
+        optional.insert(0, "own")
+    t = _fit(c, lambda dropped: _layer_table(worst, names, nonfinite, dropped), optional)
     c.print(t)
     firsts = ", ".join(f"{escape(tgt)}: [bold]{escape(layer or 'none')}[/bold]"
                        for tgt, layer in named(p.first_flagged).items())
     c.print(f"First flagged layer  {firsts}")
+
+
+def _layer_table(worst, names: list[str], nonfinite: bool, dropped: list[str]) -> Table:
+    numbers = [col for col in ("local", "own", "floor", "own/floor", "propagated") if col not in dropped]
+    columns = ["target", *(("kind",) if "kind" not in dropped else ()), "layer (module)", *numbers,
+               *(("nan/inf",) if nonfinite else ()), "flag"]
+    rows = []
+    for r, name in zip(worst.itertuples(), names):
+        values = {"local": r.local, "own": r.intrinsic, "floor": r.floor, "own/floor": r.over_floor,
+                  "propagated": r.propagated}
+        row = [escape(str(r.target))]
+        if "kind" in columns:
+            row.append("fwd" if r.kind == "forward" else "grad")
+        row.append(escape(name))
+        row += [fmt(values[col]) for col in numbers]
+        row += [f"{r.nan}/{r.inf}"] if nonfinite else []
+        row.append("[bold red]FLAGGED[/bold red]" if r.flagged else "")
+        rows.append(row)
+    t = Table(box=box.SIMPLE, pad_edge=False)
+    for i, col in enumerate(columns):
+        if col == "layer (module)":
+            # Names are what the reader acts on: never cut short; a narrow table wraps them
+            longest = max([len(col)] + [len(n) for n in names])
+            t.add_column(col, min_width=min(longest, NAME_MIN_WIDTH), overflow="fold")
+        else:
+            width = "FLAGGED" if col == "flag" else max([col] + [Text.from_markup(r[i]).plain for r in rows], key=len)
+            t.add_column(col, justify="right" if col in numbers else "left", no_wrap=True, min_width=len(width))
+    for row in rows:
+        t.add_row(*row)
+    return t
 
 
 def _curves(c: Console, result) -> None:
@@ -140,37 +212,49 @@ def _curves(c: Console, result) -> None:
     shown = steps[::stride]
     if steps[-1] not in shown:
         shown.append(steps[-1])
+    _title(c, "Loss per step (all arms start from the same weights and see the same batches)")
+    # the loss columns and the two the drift verdict reads stay; the targets' distance to the judge goes first
+    t = _fit(c, lambda dropped: _curve_table(result, shown, dropped), ["dist-judge", "envelope"])
+    c.print(t)
+
+
+def _curve_table(result, shown, dropped: list[str]) -> Table:
+    tr = result.training
+    curves = tr.curves
     main_arms = [a for a in tr.arms if a.role != "envelope"]
-    env_arms = [a for a in tr.arms if a.role == "envelope"]
-    t = Table(title="Loss per step (all arms start from the same weights and see the same batches)",
-              box=box.SIMPLE, title_justify="left", pad_edge=False)
-    t.add_column("step", justify="right")
-    for a in main_arms:
-        t.add_column(a.name, justify="right")
+    env_arms = [a for a in tr.arms if a.role == "envelope"] if "envelope" not in dropped else []
+    headers = ["step"] + [a.name for a in main_arms]
     if env_arms:
-        t.add_column(f"envelope {env_arms[0].reference} (min..max of {len(env_arms)})", justify="right")
-    for a in [x for x in main_arms if x.role == "target"]:
-        t.add_column(f"dist {a.name}-judge", justify="right")
+        headers.append(f"envelope {env_arms[0].reference} (min..max of {len(env_arms)})")
+    judge_dist = [x for x in main_arms if x.role == "target"] if "dist-judge" not in dropped else []
+    headers += [f"dist {a.name}-judge" for a in judge_dist]
     # The drift verdict compares the targets' parameter distance with the envelope runs' spread:
     # show both, so the table and the verdict read the same numbers.
-    pair = _drift_pair(result) if env_arms else None
+    pair = _drift_pair(result) if any(a.role == "envelope" for a in tr.arms) else None
     if pair is not None:
-        t.add_column(f"dist {pair[0]}-{pair[1]}", justify="right")
-        t.add_column("envelope spread (dist)", justify="right")
+        headers += [f"dist {pair[0]}-{pair[1]}", "envelope spread (dist)"]
         other = curves[curves["arm"] == pair[0]].set_index("step")["dist_other"]
         spread = curves[curves["role"] == "envelope"].groupby("step")["dist_ref"].max()
     loss = curves.pivot(index="step", columns="arm", values="loss")
     dist = curves.pivot(index="step", columns="arm", values="dist_judge")
+    rows = []
     for s in shown:
         row = [str(s)] + [fmt(loss.at[s, a.name], 3) for a in main_arms]
         if env_arms:
             vals = [loss.at[s, a.name] for a in env_arms]
             row.append(f"{fmt(min(vals), 3)}..{fmt(max(vals), 3)}")
-        row += [fmt(dist.at[s, a.name]) for a in main_arms if a.role == "target"]
+        row += [fmt(dist.at[s, a.name]) for a in judge_dist]
         if pair is not None:
             row += [fmt(other.get(s)), fmt(spread.get(s))]
+        rows.append(row)
+    t = Table(box=box.SIMPLE, pad_edge=False)
+    for i, header in enumerate(headers):
+        # numbers are never cut or wrapped; a long heading wraps at its spaces (folded past a long word)
+        longest = max([len(r[i]) for r in rows] + [max(len(w) for w in header.split())])
+        t.add_column(header, justify="right", min_width=longest, overflow="fold")
+    for row in rows:
         t.add_row(*row)
-    c.print(t)
+    return t
 
 
 def _drift_pair(result) -> tuple[str, str] | None:
