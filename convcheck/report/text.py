@@ -264,12 +264,13 @@ def _drift_pair(result) -> tuple[str, str] | None:
     return (names[0], names[1]) if len(names) == 2 else None
 
 
-def _training(c: Console, result) -> None:
-    tr = result.training
-    parts = []
+def training_states(result) -> dict[str, str]:
+    """Each trained arm's outcome in the words the terminal and ``assert_parity`` both use (plain text):
+    ``converged (loss 2.297 -> 0.134)``, ``trained, convergence not judged from 4 step(s) (...)``."""
     judged = result.config.steps >= CONVERGENCE_MIN_STEPS
-    for name, info in named(tr.outcomes).items():
-        state = "[green]converged[/green]" if info.converged else "[red]did not converge[/red]"
+    states = {}
+    for name, info in named(result.training.outcomes).items():
+        state = "converged" if info.converged else "did not converge"
         if not judged and math.isfinite(info.final_loss):
             state = f"trained, convergence not judged from {result.config.steps} step(s)"
         extra = ""
@@ -277,11 +278,22 @@ def _training(c: Console, result) -> None:
             extra += f", first non-finite at step {info.first_nonfinite_step}"
         if info.skipped_steps:
             extra += f", {info.skipped_steps} steps skipped by GradScaler (scale {fmt(info.final_loss_scale)})"
-        parts.append(f"  {escape(name):<18} {state} (loss {fmt(info.first_loss, 3)} -> "
-                     f"{fmt(info.final_loss, 3)}{extra})")
+        if info.first_loss is None or info.first_loss != info.first_loss:
+            losses = "no loss recorded" + extra
+        else:
+            losses = f"loss {fmt(info.first_loss, 3)} -> {fmt(info.final_loss, 3)}{extra}"
+        states[name] = f"{state} ({losses})"
+    return states
+
+
+def _training(c: Console, result) -> None:
     c.print("Training  [dim](" + training_rule(result.config) + ")[/dim]")
-    for p in parts:
-        c.print(p)
+    for name, state in training_states(result).items():
+        state = escape(state)
+        for word, colour in (("converged (", "green"), ("did not converge", "red")):
+            if state.startswith(word):
+                state = f"[{colour}]{word.rstrip(' (')}[/{colour}]" + state[len(word.rstrip(" (")):]
+        c.print(f"  {escape(name):<18} {state}")
 
 
 def _verdict(c: Console, result) -> None:
