@@ -35,6 +35,9 @@ def add_record_parser(sub, run) -> argparse.ArgumentParser:
     p.add_argument("--snapshot-steps", default=None, metavar="0,10,30",
                    help="save the parameters after these many training steps, or 'none' (default: every step "
                         "while that stays under 256 MB, else the last)")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read options from this TOML file instead of the nearest pyproject.toml's "
+                        "[tool.convcheck] (as compare does; its targets are not read: record runs --target)")
     p.add_argument("--debug", action="store_true", help="on an error, print the full traceback as well")
     p.set_defaults(func=run)
     return p
