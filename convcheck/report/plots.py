@@ -78,18 +78,30 @@ def loss_figure(result):
 def layer_points(rows) -> list[dict]:
     """One point per forward layer, in model order: ``ratio`` = own error / floor (the local error where
     the own one is not measured), ``bound`` = the flag line (bound / floor), ``nonfinite`` when the error is
-    inf/NaN (drawn at the top of the axis, never as a tiny value)."""
+    inf/NaN (drawn at the top of the axis, never as a tiny value). A data-parallel target's rows (gradients
+    only, no own error: ``is_ddp_rows``) read their error against the judge (``propagated``) over one
+    device's (``floor``)."""
     points = []
+    ddp = is_ddp_rows(rows)
     for r in rows.sort_values("order").itertuples():
-        own = r.intrinsic if r.intrinsic == r.intrinsic else r.local
+        own = r.propagated if ddp else r.intrinsic if r.intrinsic == r.intrinsic else r.local
         nonfinite = not math.isfinite(own) or r.nan + r.inf > 0
         ratio = r.over_floor if math.isfinite(r.over_floor) else (
             own / r.floor if math.isfinite(own) and math.isfinite(r.floor) and r.floor > 0 else math.nan)
         bound = r.bound / r.floor if math.isfinite(r.bound) and math.isfinite(r.floor) and r.floor > 0 else math.nan
-        points.append({"name": f"{r.layer} ({r.module})", "ratio": ratio, "bound": bound,
+        if ddp:
+            ratio = own / r.floor if math.isfinite(own) and math.isfinite(r.floor) and r.floor > 0 else math.nan
+        name = r.param if ddp else f"{r.layer} ({r.module})" if r.module else r.layer
+        points.append({"name": name, "ratio": ratio, "bound": bound,
                        "flagged": bool(r.flagged), "nonfinite": bool(nonfinite),
                        "what": "NaN" if (r.nan > 0 or own != own) and not r.inf else "inf"})
     return points
+
+
+def is_ddp_rows(rows) -> bool:
+    """A data-parallel target's parity rows: gradients only, no module, no own error."""
+    return bool(len(rows)) and bool((rows["kind"] == "grad").all() and (rows["module"] == "").all()
+                                    and rows["intrinsic"].isna().all())
 
 
 def layers_figure(result):
@@ -97,12 +109,13 @@ def layers_figure(result):
     (bound over floor), flagged layers in red and labelled, inf/NaN errors as a marker at the top of the
     axis. The depth at which the error is born reads at a glance."""
     plt = _pyplot()
-    fwd = result.parity.layers
-    fwd = fwd[fwd["kind"] == "forward"]
-    targets = list(dict.fromkeys(fwd["target"]))
+    rows = result.parity.layers
+    targets = list(dict.fromkeys(rows["target"]))
     fig, axes = plt.subplots(len(targets) or 1, 1, figsize=(13, 3.6 * max(1, len(targets))), squeeze=False)
     for ax, target in zip(axes[:, 0], targets):
-        pts = layer_points(fwd[fwd["target"] == target])
+        mine = rows[rows["target"] == target]
+        ddp = is_ddp_rows(mine)
+        pts = layer_points(mine if ddp else mine[mine["kind"] == "forward"])
         x = list(range(len(pts)))
         finite = [p["ratio"] for p in pts if not p["nonfinite"] and math.isfinite(p["ratio"]) and p["ratio"] > 0]
         bounds = [p["bound"] for p in pts if math.isfinite(p["bound"])]
@@ -140,8 +153,10 @@ def layers_figure(result):
         ax.set_xticks(shown)
         ax.set_xticklabels([pts[i]["name"] for i in shown], rotation=60, ha="right", fontsize=7)
         ax.set_xlim(-0.6, len(pts) - 0.4)
-        ax.set_ylabel("own error / floor")
-        ax.set_title(f"{target}: every layer in model order (red = flagged)", fontsize=10, pad=22)
+        ax.set_ylabel("DDP gradient error / one device's" if ddp else "own error / floor")
+        title = (f"{target}: each parameter's gradient after the all-reduce, against the judge, over one "
+                 "device's" if ddp else f"{target}: every layer in model order (red = flagged)")
+        ax.set_title(title, fontsize=10, pad=22)
         ax.legend(**LEGEND_OUTSIDE)
     fig.tight_layout()
     return fig

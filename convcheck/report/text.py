@@ -85,31 +85,72 @@ def fmt(v, digits: int = 2) -> str:
     return f"{f:.{digits}e}"
 
 
-def recipe_line(result) -> str:
-    """``loss cross-entropy; sgd lr 0.05 (momentum 0.9, weight decay 0.0005); schedule cosine + 5 warm-up
-    steps; clip 1``: the training recipe as run."""
+def optimizer_settings(result) -> dict:
+    """The optimizer's settings as built (momentum, nesterov, betas, eps, weight decay): its defaults read from
+    one built on a dummy parameter, so an SGD's implicit momentum 0.9 shows; the config's values where the
+    optimizer cannot be built here (a user factory that fails, no torch)."""
     cfg, recipe = result.config, result.recipe
-    extras = [f"{k} {v:g}" for k, v in (("momentum", cfg.momentum), ("weight decay", cfg.weight_decay),
-                                        ("eps", cfg.eps)) if v]
-    extras += ["nesterov"] if cfg.nesterov else []
-    extras += [f"betas {cfg.betas[0]:g},{cfg.betas[1]:g}"] if cfg.betas else []
+    given = {"momentum": cfg.momentum, "nesterov": cfg.nesterov, "betas": cfg.betas, "eps": cfg.eps,
+             "weight_decay": cfg.weight_decay}
+    if recipe is None:
+        return given
+    try:
+        import torch
+
+        built = recipe.make_optimizer([torch.nn.Parameter(torch.zeros(1))]).defaults
+    except Exception:  # noqa: BLE001 - the user's factory; the config says what was asked
+        return given
+    return {k: built.get(k, v) for k, v in given.items()}
+
+
+def recipe_line(result) -> str:
+    """``loss cross-entropy; sgd lr 0.05 (momentum 0.9, nesterov, weight decay 0.0005); schedule cosine + 5
+    warm-up steps; clip grad norm 1``: the training recipe as run."""
+    cfg, recipe = result.config, result.recipe
+    settings = optimizer_settings(result)
+    extras = [f"{k.replace('_', ' ')} {settings[k]:g}" for k in ("momentum", "weight_decay", "eps")
+              if isinstance(settings.get(k), (int, float)) and not isinstance(settings.get(k), bool)
+              and settings[k] and (k != "eps" or cfg.eps)]
+    extras += ["nesterov"] if settings.get("nesterov") else []
+    betas = settings.get("betas") if cfg.betas else None
+    extras += [f"betas {betas[0]:g},{betas[1]:g}"] if betas else []
     opt = f"{cfg.optimizer if isinstance(cfg.optimizer, str) else recipe.optimizer_name} lr {cfg.lr:g}"
     parts = [f"loss {recipe.loss_name if recipe else 'cross-entropy'}", opt + (f" ({', '.join(extras)})" if extras
                                                                                 else "")]
-    parts.append(f"schedule {recipe.schedule_name if recipe else cfg.schedule}")
+    schedule = recipe.schedule_name if recipe else cfg.schedule
+    if cfg.warmup and "warm" not in str(schedule):
+        schedule = f"{schedule} + {cfg.warmup} warm-up steps"
+    parts.append(f"schedule {schedule}")
     if cfg.clip_grad_norm:
         parts.append(f"clip grad norm {cfg.clip_grad_norm:g}")
     return "; ".join(parts)
 
 
+def model_line(result) -> str:
+    """``lenet (zoo, input 1x28x28, 10 classes)``: the model and what it reads, as both reports head them."""
+    m = result.model
+    shape = f"input {'x'.join(map(str, m.input_shape))}" if m.input_shape else "input shape from the data"
+    seen = (result.data_stats or {}).get("y_distinct") if isinstance(result.data_stats, dict) else None
+    if m.num_classes:
+        classes = f"{m.num_classes} classes"
+    elif m.task != "classification":
+        classes = m.task
+    else:
+        classes = f"{seen} classes seen in the data" if seen else "classes from the data"
+    return f"{m.name} ({m.source}, {shape}, {classes})"
+
+
+def is_diff(result) -> bool:
+    """A comparison of two recorded bundles (``convcheck diff``, ``compare --against``)."""
+    return result.model.source == "bundle"
+
+
 def render_compare(result, console: Console | None = None) -> None:
     c = console or make_console()
     cfg = result.config
-    m = result.model
-    io = (f"{'x'.join(map(str, m.input_shape))}, {m.num_classes} classes" if m.input_shape
-          else "inputs from the data")
-    c.print(f"[bold]convcheck compare[/bold]  model [bold]{escape(m.name)}[/bold] ({m.source}, {io})  "
-            f"seed {cfg.seed}  {cfg.steps} steps  batch {cfg.batch_size}  data {escape(str(result.data_source))}")
+    command = "convcheck diff" if is_diff(result) else "convcheck compare"
+    _wrapped_parts(c, "", [command, f"model {model_line(result)}", f"seed {cfg.seed}", f"{cfg.steps} steps",
+                           f"batch {cfg.batch_size}", f"data {result.data_source}"], "  ")
     _wrapped_parts(c, "recipe: ", recipe_line(result).split("; "), "; ")
     c.print(f"judge {escape(str(cfg.judge))}: {escape(result.judge_reason)}")
     for note in result.notes:
@@ -122,14 +163,17 @@ def render_compare(result, console: Console | None = None) -> None:
 
 
 def _wrapped_parts(c: Console, lead: str, parts: list[str], sep: str) -> None:
-    """``lead`` + ``parts`` joined by ``sep``, broken between parts (never inside one) at the console's width."""
+    """``lead`` + ``parts`` joined by ``sep``, broken between parts (never inside one) at the console's width;
+    the continuation lines indented under the first part."""
     lines, line = [], lead
     for i, part in enumerate(parts):
         piece = part + (sep.rstrip() if i < len(parts) - 1 else "")
-        if line.strip() and line != lead and len(line) + len(piece) + 1 > c.width:
+        if line != lead and len(line.rstrip()) + len(sep) - len(sep.rstrip()) + len(piece) > c.width:
             lines.append(line.rstrip())
             line = " " * len(lead)
-        line += piece + " "
+        elif line != lead and not line.endswith(" "):
+            line += " "
+        line += piece + (" " * (len(sep) - len(sep.rstrip())) if i < len(parts) - 1 else "")
     lines.append(line.rstrip())
     for text in lines:
         c.print(escape(text), soft_wrap=True)
