@@ -50,10 +50,16 @@ def _add_models_parser(sub) -> None:
 def _run_models(args) -> int:
     from reference_models import get_spec, list_models
 
+    rows = []
     for name in list_models():
         spec = get_spec(name)
-        shape = "x".join(str(d) for d in spec.input_shape)
-        print(f"{name:<12} {shape:<10} {spec.num_classes:>5} classes  {spec.description}")
+        classes = f"{spec.num_classes} {'class' if spec.num_classes == 1 else 'classes'}"
+        if getattr(spec, "task", "classification") == "regression":
+            classes = f"{spec.num_classes} output" + ("s" if spec.num_classes != 1 else "")
+        rows.append((name, "x".join(str(d) for d in spec.input_shape), classes, spec.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]  # columns as wide as their longest entry
+    for name, shape, classes, description in rows:
+        print(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {classes:>{widths[2]}}  {description}")
     return 0
 
 
