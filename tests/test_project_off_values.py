@@ -82,3 +82,28 @@ def test_record_reads_the_project_file(project, capsys):
     assert main(["record", "--target", "cpu", "--out", str(out), "--warmup", "1"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["steps"] == 3 and manifest["config"]["nesterov"] is True
+
+
+@pytest.mark.parametrize("given, recorded, same", [
+    ("nets.py:net", "nets.py:net", True),
+    ("/home/u/proj/nets.py:net", "nets.py:net", True),  # [tool.convcheck] made it absolute
+    ("/home/u/proj/models/nets.py:net", "./models/nets.py:net", True),
+    ("/home/u/proj/nets.py:net", "nets.py:other", False),
+    ("/home/u/proj/a/nets.py:net", "b/nets.py:net", False),
+    ("lenet", "cifar_cnn", False),
+])
+def test_against_matches_a_project_model_with_the_recorded_relative_one(given, recorded, same):
+    from convcheck.cli.diff import same_model
+
+    assert same_model(given, recorded) is same
+
+
+def test_compare_against_in_the_project_folder(project, capsys):
+    """The bundle recorded 'nets.py:net'; [tool.convcheck] gives the same file as an absolute path."""
+    out = project / "run"
+    assert main(["record", "--model", "nets.py:net", "--target", "cpu", "--out", str(out), "--warmup", "0"]) == 0
+    capsys.readouterr()
+    code = main(["compare", "--against", str(out), "--targets", "cpu:bf16", "--no-save", "--warmup", "0"])
+    err = capsys.readouterr().err
+    assert code in (0, 1), err
+    assert "recorded" not in err

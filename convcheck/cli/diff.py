@@ -91,7 +91,7 @@ def run_against(args) -> int:
     spec = args.targets
     if not spec or "," in spec:
         raise UsageError("--against RUN runs one target here: give it with --targets SPEC (e.g. --targets cuda)")
-    if args.model not in ("lenet", recorded["model"]["spec"]):
+    if args.model != "lenet" and not same_model(args.model, recorded["model"]["spec"]):
         raise UsageError(f"--model {args.model}: the run in {args.against} recorded {recorded['model']['spec']}")
     folder = None
     if not args.no_save:
@@ -103,6 +103,25 @@ def run_against(args) -> int:
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
         result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
     return _finish(result, fps, differences, folder, args)
+
+
+def same_model(given: str, recorded: str) -> bool:
+    """``given`` (``--model`` or ``[tool.convcheck]``'s, which the project file makes absolute) names the
+    recorded model: the same text, or the same ``FILE.py:factory`` with the recorded file relative to where it
+    was recorded (its path a tail of the given one's)."""
+    from pathlib import Path
+
+    if given == recorded:
+        return True
+    g_file, _, g_name = given.rpartition(":")
+    r_file, _, r_name = recorded.rpartition(":")
+    if g_name != r_name or not g_file.endswith(".py") or not r_file.endswith(".py"):
+        return False
+    g, r = Path(g_file).expanduser().resolve(), Path(r_file)
+    if r.is_absolute():
+        return g == r.resolve()
+    parts = [p for p in r.parts if p != "."]
+    return ".." not in parts and list(g.parts[-len(parts):]) == parts
 
 
 def _finish(result, fps, differences, folder, args) -> int:
