@@ -4,8 +4,8 @@
 A block that shows output is the code block right after a marker line in README.md:
 
     <!-- readme-output: full convcheck compare --model lenet -->      the command's whole terminal output
-    <!-- readme-output: ends convcheck compare --model ... -->        its first 3 lines, "...", then from
-                                                                      "Training" to the end
+    <!-- readme-output: ends convcheck compare --model ... -->        its header (to the "judge" line),
+                                                                      "...", then from "Training" to the end
     <!-- readme-output: verdicts -->                                  "=== COMMAND" sections: each command's
                                                                       verdict lines and "(exit N)"
 
@@ -54,8 +54,9 @@ def produce(kind: str, arg: str | None, current: list[str]) -> list[str]:
         return out.rstrip("\n").splitlines()
     if kind == "ends":
         lines = run(arg)[0].rstrip("\n").splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("judge "))
         tail = next(i for i, line in enumerate(lines) if line.startswith("Training"))
-        return lines[:3] + ["..."] + lines[tail:]
+        return lines[:head + 1] + ["..."] + lines[tail:]
     out_lines: list[str] = []
     for line in current:  # verdicts: the commands are the block's own "=== " lines
         if not line.startswith("=== "):

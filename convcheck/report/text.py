@@ -45,16 +45,20 @@ def make_console(file=None, width: int | None = None) -> Console:
 
 
 def _fit(c: Console, build, optional: list[str]) -> Table:
-    """The table ``build(dropped)`` that fits ``c``'s width, dropping the ``optional`` columns in order
-    (the least useful first) until it does; the last try is kept when nothing fits."""
+    """The table that fits ``c``'s width: ``build(dropped, tight)`` as it is when its natural width fits;
+    else with ``tight`` (every column but the wrapping ones fixed at its narrowest, so rich never crops a
+    number); else dropping the ``optional`` columns in order (the least useful first). The last try is kept
+    when nothing fits."""
+    unbounded = c.options.update(width=10_000)  # measured against the console's width, a size is capped
     dropped: list[str] = []
-    table = build(dropped)
-    unbounded = c.options.update(width=10_000)  # measured against the console's width, a minimum is capped
-    for name in optional:
-        if c.measure(table, options=unbounded).minimum <= c.width:
-            break
+    for name in [*optional, None]:
+        table = build(dropped, False)
+        if c.measure(table, options=unbounded).maximum <= c.width:
+            return table
+        table = build(dropped, True)
+        if c.measure(table, options=unbounded).maximum <= c.width or name is None:
+            return table
         dropped.append(name)
-        table = build(dropped)
     return table
 
 
@@ -209,14 +213,14 @@ def _layers(c: Console, result) -> None:
     optional = [col for col in LAYER_COLUMNS_DROPPED_FIRST if col != "own" or not own_measured]
     if not own_measured:
         optional.insert(0, "own")
-    t = _fit(c, lambda dropped: _layer_table(worst, names, nonfinite, dropped), optional)
+    t = _fit(c, lambda dropped, tight: _layer_table(worst, names, nonfinite, dropped, tight), optional)
     c.print(t)
     firsts = ", ".join(f"{escape(tgt)}: [bold]{escape(layer or 'none')}[/bold]"
                        for tgt, layer in named(p.first_flagged).items())
     c.print(f"First flagged layer  {firsts}")
 
 
-def _layer_table(worst, names: list[str], nonfinite: bool, dropped: list[str]) -> Table:
+def _layer_table(worst, names: list[str], nonfinite: bool, dropped: list[str], tight: bool) -> Table:
     numbers = [col for col in ("local", "own", "floor", "own/floor", "propagated") if col not in dropped]
     columns = ["target", *(("kind",) if "kind" not in dropped else ()), "layer (module)", *numbers,
                *(("nan/inf",) if nonfinite else ()), "flag"]
@@ -237,10 +241,12 @@ def _layer_table(worst, names: list[str], nonfinite: bool, dropped: list[str]) -
         if col == "layer (module)":
             # Names are what the reader acts on: never cut short; a narrow table wraps them
             longest = max([len(col)] + [len(n) for n in names])
-            t.add_column(col, min_width=min(longest, NAME_MIN_WIDTH), overflow="fold")
+            t.add_column(col, min_width=min(longest, NAME_MIN_WIDTH), overflow="fold",
+                         max_width=NAME_MIN_WIDTH if tight else None)
         else:
             width = "FLAGGED" if col == "flag" else max([col] + [Text.from_markup(r[i]).plain for r in rows], key=len)
-            t.add_column(col, justify="right" if col in numbers else "left", no_wrap=True, min_width=len(width))
+            t.add_column(col, justify="right" if col in numbers else "left", no_wrap=True, min_width=len(width),
+                         width=len(width) if tight else None)
     for row in rows:
         t.add_row(*row)
     return t
@@ -258,11 +264,11 @@ def _curves(c: Console, result) -> None:
         shown.append(steps[-1])
     _title(c, "Loss per step (all arms start from the same weights and see the same batches)")
     # the loss columns and the two the drift verdict reads stay; the targets' distance to the judge goes first
-    t = _fit(c, lambda dropped: _curve_table(result, shown, dropped), ["dist-judge", "envelope"])
+    t = _fit(c, lambda dropped, tight: _curve_table(result, shown, dropped, tight), ["dist-judge", "envelope"])
     c.print(t)
 
 
-def _curve_table(result, shown, dropped: list[str]) -> Table:
+def _curve_table(result, shown, dropped: list[str], tight: bool) -> Table:
     tr = result.training
     curves = tr.curves
     main_arms = [a for a in tr.arms if a.role != "envelope"]
@@ -295,7 +301,7 @@ def _curve_table(result, shown, dropped: list[str]) -> Table:
     for i, header in enumerate(headers):
         # numbers are never cut or wrapped; a long heading wraps at its spaces (folded past a long word)
         longest = max([len(r[i]) for r in rows] + [max(len(w) for w in header.split())])
-        t.add_column(header, justify="right", min_width=longest, overflow="fold")
+        t.add_column(header, justify="right", min_width=longest, overflow="fold", width=longest if tight else None)
     for row in rows:
         t.add_row(*row)
     return t

@@ -135,3 +135,24 @@ def test_a_long_recipe_breaks_between_its_parts():
     assert any(line.strip() == "clip grad norm 1" or line.endswith("clip grad norm 1") for line in lines)
     assert all(len(line) <= 72 for line in lines)
     assert "clip grad" not in lines[0] or "clip grad norm 1" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def with_envelope():
+    return compare("lenet", "cpu,cpu:float64", steps=10, batch_size=8, envelope=3, env_findings=[])
+
+
+@pytest.mark.parametrize("width", range(80, 141, 4))
+def test_no_number_is_cropped(with_envelope, width):
+    """rich crops a table that is a few columns too wide without a mark: every number must still be whole."""
+    buf = io.StringIO()
+    render_compare(with_envelope, make_console(buf, width=width))
+    text = buf.getvalue()
+    curves = "\n".join(_table_lines(text, "Loss per step", "Training"))
+    c = with_envelope.training.curves
+    spread = c[c["role"] == "envelope"].groupby("step")["dist_ref"].max()
+    for step, value in spread.items():
+        assert f" {fmt(value)}" in curves, (step, fmt(value), curves)
+    for value in c[c["arm"] == "cpu"]["loss"]:
+        assert f" {fmt(value, 3)}" in curves
+    assert all(len(line) <= width for line in curves.splitlines())
