@@ -85,7 +85,7 @@ def layer_points(rows) -> list[dict]:
     ddp = is_ddp_rows(rows)
     for r in rows.sort_values("order").itertuples():
         own = r.propagated if ddp else r.intrinsic if r.intrinsic == r.intrinsic else r.local
-        nonfinite = not math.isfinite(own) or r.nan + r.inf > 0
+        nonfinite = not math.isfinite(own)  # a finite own error on a non-finite input is not this layer's
         ratio = r.over_floor if math.isfinite(r.over_floor) else (
             own / r.floor if math.isfinite(own) and math.isfinite(r.floor) and r.floor > 0 else math.nan)
         bound = r.bound / r.floor if math.isfinite(r.bound) and math.isfinite(r.floor) and r.floor > 0 else math.nan
@@ -94,7 +94,7 @@ def layer_points(rows) -> list[dict]:
         name = r.param if ddp else f"{r.layer} ({r.module})" if r.module else r.layer
         points.append({"name": name, "ratio": ratio, "bound": bound,
                        "flagged": bool(r.flagged), "nonfinite": bool(nonfinite),
-                       "what": "NaN" if (r.nan > 0 or own != own) and not r.inf else "inf"})
+                       "what": "NaN" if own != own else "inf"})
     return points
 
 
@@ -124,8 +124,8 @@ def layers_figure(result):
         ax.set_yscale("log")
         ax.set_ylim(low, high)
         ax.plot(x, [p["bound"] if math.isfinite(p["bound"]) else math.nan for p in pts], drawstyle="steps-mid",
-                color="k", lw=1, ls="--", label=f"flag line ({result.config.tolerances.bound_factor:g} x floor "
-                                                 "+ absolute term)")
+                color="k", lw=1, ls="--", label="flag line (the rank check's bound)" if ddp else
+                f"flag line ({result.config.tolerances.bound_factor:g} x floor + absolute term)")
         ax.axhline(1.0, color="tab:green", lw=0.8, label="floor (the best at this precision)")
         ok = [(i, p) for i, p in zip(x, pts) if not p["nonfinite"] and math.isfinite(p["ratio"])]
         ax.plot([i for i, _ in ok], [max(p["ratio"], low) for _, p in ok], "-", color="0.6", lw=0.8)
