@@ -36,7 +36,15 @@ def run_diff(args) -> int:
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
+
+
+def _mark_diff(result, run_a, run_b) -> None:
+    """The note that titles the reports as a diff (``report.text.is_diff``) and names the two runs."""
+    from convcheck.report.text import DIFF_NOTE
+
+    result.notes.insert(0, f"{DIFF_NOTE} {run_a} and {run_b}")
 
 
 def _show(result, differences, args) -> None:
@@ -102,6 +110,7 @@ def run_against(args) -> int:
         here.mkdir()
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
         result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+    _mark_diff(result, args.against, f"{spec} (here)")
     return _finish(result, fps, differences, folder, args)
 
 

@@ -144,9 +144,12 @@ def model_line(result) -> str:
     return f"{m.name} ({m.source}, {shape}, {classes})"
 
 
+DIFF_NOTE = "a diff of the recorded runs"  # cli/diff.py's note on a diff's result: the reports title it so
+
+
 def is_diff(result) -> bool:
     """A comparison of two recorded bundles (``convcheck diff``, ``compare --against``)."""
-    return result.model.source == "bundle"
+    return result.model.source == "bundle" or any(str(n).startswith(DIFF_NOTE) for n in result.notes)
 
 
 def render_compare(result, console: Console | None = None) -> None:
