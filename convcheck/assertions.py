@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from convcheck.report.text import fmt
-from convcheck.measure.table_schema import named
+import math
+
+from convcheck.report.text import fmt, training_states
 from convcheck.report.verification import verification_lines
 
 
 def failure_message(result, max_rows: int = 5) -> str:
-    """The first diverging layers as a small table, then what would change the outcome."""
+    """The verdict in its own words (headline, evidence), the first diverging layers as a small table, each
+    arm's training as the terminal states it, then what would change the outcome."""
     lines = []
     v = result.verdict
     if v is not None:
@@ -24,11 +26,16 @@ def failure_message(result, max_rows: int = 5) -> str:
             own = r.intrinsic if r.intrinsic == r.intrinsic else r.local  # NaN: not measured, the local error
             lines.append(f"{r.target:<18} {name:<40} {fmt(own):>10} {fmt(r.floor):>10} {fmt(r.over_floor):>10} "
                          f"{fmt(r.needed):>14}")
-        lines.append(f"(bound_factor={result.config.tolerances.bound_factor:g}; "
-                     f"passing would need bound_factor >= {fmt(result.parity.needed_bound_factor())})")
-    for name, info in named(result.training.outcomes).items():
-        if not info.converged:
-            lines.append(f"{name} did not converge (loss {fmt(info.first_loss)} -> {fmt(info.final_loss)})")
+        needed = result.parity.needed_bound_factor()
+        factor = f"bound_factor={result.config.tolerances.bound_factor:g}"
+        if needed is not None and math.isfinite(needed):
+            lines.append(f"({factor}; passing would need bound_factor >= {fmt(needed)})")
+        else:
+            lines.append(f"({factor}; no bound_factor would pass: a flagged error is non-finite or its result destroyed)")
+    if v is not None:  # the verdict's evidence states each arm's training in the CLI's words
+        lines += [f"evidence: {e}" for e in v.evidence]
+    else:
+        lines += [f"{name}: {state}" for name, state in training_states(result).items()]
     if v is not None:
         lines += [f"remedy: {r}" for r in v.remedies[:2]]
     lines += verification_lines(result, snippet=False)

@@ -94,9 +94,10 @@ def test_culprit(convcheck_compare):
         "*AssertionError: convcheck verdict: layer*",
         "*target*layer (module)*own error*floor*own/floor*needed factor*",
         "*cpu:bf16*2 (NaiveNorm)*",
-        "*passing would need bound_factor >=*",
+        "*(bound_factor=5; no bound_factor would pass: a flagged error is non-finite or its result destroyed)*",
+        "*evidence: layer error (cpu:bf16)*",
     ])
-    assert "remedy:" in out
+    assert "remedy:" in out and ">= inf" not in out
     assert "test_culprit" in out and "FAILED" in out
 
 

@@ -45,6 +45,7 @@ def run_diff(args) -> int:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     with _removed_if_empty(folder):  # a bundle refused: the --out folder this run made goes too
         result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
 
 
@@ -85,6 +86,13 @@ def run_watched_diff(args, kinds) -> int:
     else:
         print("\n".join(result.lines()))
     return 0 if result else 1
+
+
+def _mark_diff(result, run_a, run_b) -> None:
+    """The note that titles the reports as a diff (``report.text.is_diff``) and names the two runs."""
+    from convcheck.report.text import DIFF_NOTE
+
+    result.notes.insert(0, f"{DIFF_NOTE} {run_a} and {run_b}")
 
 
 def _show(result, differences, args) -> None:
@@ -140,7 +148,7 @@ def run_against(args) -> int:
     spec = args.targets
     if not spec or "," in spec:
         raise UsageError("--against RUN runs one target here: give it with --targets SPEC (e.g. --targets cuda)")
-    if args.model not in ("lenet", recorded["model"]["spec"]):
+    if args.model != "lenet" and not same_model(args.model, recorded["model"]["spec"]):
         raise UsageError(f"--model {args.model}: the run in {args.against} recorded {recorded['model']['spec']}")
     folder = None
     if args.out is not None and not str(args.out).strip():
@@ -153,7 +161,27 @@ def run_against(args) -> int:
         here.mkdir()
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
         result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+    _mark_diff(result, args.against, f"{spec} (here)")
     return _finish(result, fps, differences, folder, args)
+
+
+def same_model(given: str, recorded: str) -> bool:
+    """``given`` (``--model`` or ``[tool.convcheck]``'s, which the project file makes absolute) names the
+    recorded model: the same text, or the same ``FILE.py:factory`` with the recorded file relative to where it
+    was recorded (its path a tail of the given one's)."""
+    from pathlib import Path
+
+    if given == recorded:
+        return True
+    g_file, _, g_name = given.rpartition(":")
+    r_file, _, r_name = recorded.rpartition(":")
+    if g_name != r_name or not g_file.endswith(".py") or not r_file.endswith(".py"):
+        return False
+    g, r = Path(g_file).expanduser().resolve(), Path(r_file)
+    if r.is_absolute():
+        return g == r.resolve()
+    parts = [p for p in r.parts if p != "."]
+    return ".." not in parts and list(g.parts[-len(parts):]) == parts
 
 
 def _finish(result, fps, differences, folder, args) -> int:

@@ -50,10 +50,16 @@ def _add_models_parser(sub) -> None:
 def _run_models(args) -> int:
     from reference_models import get_spec, list_models
 
+    rows = []
     for name in list_models():
         spec = get_spec(name)
-        shape = "x".join(str(d) for d in spec.input_shape)
-        print(f"{name:<12} {shape:<10} {spec.num_classes:>5} classes  {spec.description}")
+        classes = f"{spec.num_classes} {'class' if spec.num_classes == 1 else 'classes'}"
+        if getattr(spec, "task", "classification") == "regression":
+            classes = f"{spec.num_classes} output" + ("s" if spec.num_classes != 1 else "")
+        rows.append((name, "x".join(str(d) for d in spec.input_shape), classes, spec.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]  # columns as wide as their longest entry
+    for name, shape, classes, description in rows:
+        print(f"{name:<{widths[0]}}  {shape:<{widths[1]}}  {classes:>{widths[2]}}  {description}")
     return 0
 
 
@@ -186,13 +192,17 @@ def _add_compare_parser(sub) -> argparse.ArgumentParser:
 
 def _with_project(parser, argv, args):
     """Options from the project file first, then the command line's on top (parsed into a namespace
-    that already holds the file's values, so only options actually given replace them)."""
+    that already holds the file's values, so only options actually given replace them). ``compare`` and
+    ``record`` read it alike; a key the command has no option for (``targets`` for ``record``) is left out."""
     from convcheck.plan.project import load_project
 
     values, file = load_project(args.config)
     if not values:
         return args
-    for action in parser.compare_parser._actions:  # argparse would convert string values itself, and exit
+    sub = parser.subcommands[args.command]
+    dests = {action.dest for action in sub._actions} - ({"targets"} if args.command == "record" else set())
+    values = {k: v for k, v in values.items() if k in dests}
+    for action in sub._actions:  # argparse would convert string values itself, and exit
         value = values.get(action.dest)
         if isinstance(value, str) and callable(action.type):
             try:
@@ -200,11 +210,35 @@ def _with_project(parser, argv, args):
             except (TypeError, ValueError, argparse.ArgumentTypeError):
                 raise UsageError(f"{file}: [tool.convcheck] {action.dest.replace('_', '-')} = {value!r} is not "
                                  f"a valid {getattr(action.type, '__name__', 'value')}") from None
-    parser.compare_parser.set_defaults(**values)
+    given = {k for k in values if getattr(args, k, None) != sub.get_default(k)}  # on the command line
+    sub.set_defaults(**values)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     args.project_file = str(file)  # named in the report's notes (stderr keeps its one-line contract)
     args.project_keys = sorted(values)
+    args.project_values = {k: v for k, v in values.items() if k not in given}  # what the file still decides
     return args
+
+
+def from_project(exc: BaseException, args) -> BaseException:
+    """A usage error about a value that came from the project file, saying so: ``--warmup 3 is not shorter
+    than the run (30 steps) (warmup = 3 from /p/pyproject.toml)``; any other error as it is."""
+    import re
+
+    values = getattr(args, "project_values", None)
+    if not values or not isinstance(exc, UsageError) or not exc.args:
+        return exc
+    message = str(exc)
+    named = []
+    for key, value in values.items():
+        forms = {key, key.replace("_", "-"), key.replace("_", " ")}
+        if any(re.search(rf"(?<!\w){re.escape(form)}(?![\w-])", message) for form in forms):
+            named.append(f"{key.replace('_', '-')} = {value!r}")
+    if not named:
+        return exc
+    try:
+        return type(exc)(f"{message} ({', '.join(named)} from {args.project_file})")
+    except TypeError:  # an error class that takes more than its message
+        return exc
 
 
 def _run_compare(args) -> int:
@@ -236,13 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on an error, print the full traceback as well (the exit code is unchanged)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.compare_parser = _add_compare_parser(sub)
+    parser.subcommands = {"compare": parser.compare_parser}
     _add_env_parser(sub)
     _add_models_parser(sub)
     _add_targets_parser(sub)
     from convcheck.cli.diff import add_diff_parser, run_diff
     from convcheck.cli.record import add_record_parser, run_record
 
-    add_record_parser(sub, run_record)
+    parser.subcommands["record"] = add_record_parser(sub, run_record)
     add_diff_parser(sub, run_diff)
     return parser
 
@@ -260,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with stop_signals(restore=argv is not None):
         try:
-            if args.func is _run_compare:
+            if args.command in parser.subcommands:  # compare and record read [tool.convcheck]
                 args = _with_project(parser, argv, args)
             return args.func(args)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
             if isinstance(exc, SystemExit) and not user_exit(exc):
                 raise  # argparse's own exit
+            exc = from_project(exc, args)
             return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
 
 

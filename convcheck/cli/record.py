@@ -27,6 +27,9 @@ def add_record_parser(sub, run) -> argparse.ArgumentParser:
     p.add_argument("--classes", type=int, default=None, metavar="N", help="number of classes, where the model cannot tell")
     p.add_argument("--target", required=True, metavar="SPEC", help="the one target to record, e.g. cuda or cpu:bf16")
     declare_compare_options(p.add_argument)
+    for action in p._actions:  # record runs one --target: --targets is refused, so not offered in --help
+        if action.dest == "targets":
+            action.help = argparse.SUPPRESS
     p.add_argument("--out", required=True, metavar="RUN", help="the bundle folder (or .zip with --zip) to write")
     p.add_argument("--zip", action="store_true", help="write one .zip file instead of a folder")
     p.add_argument("--force", action="store_true", help="replace an earlier bundle at --out")
@@ -35,6 +38,9 @@ def add_record_parser(sub, run) -> argparse.ArgumentParser:
     p.add_argument("--snapshot-steps", default=None, metavar="0,10,30",
                    help="save the parameters after these many training steps, or 'none' (default: every step "
                         "while that stays under 256 MB, else the last)")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read options from this TOML file instead of the nearest pyproject.toml's "
+                        "[tool.convcheck] (as compare does; its targets are not read: record runs --target)")
     p.add_argument("--debug", action="store_true", help="on an error, print the full traceback as well")
     p.set_defaults(func=run)
     return p

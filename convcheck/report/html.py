@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import html
 
-from convcheck.report.text import fmt
+from convcheck.report.plots import is_ddp_rows
+
+from convcheck.report.text import fmt, is_diff, model_line, recipe_line
 
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
@@ -23,12 +25,14 @@ def render_html(result, images: dict[str, bytes]) -> str:
     v = result.verdict
     m = result.model
     cfg = result.config
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>convcheck: {e(m.name)}</title>"
+    command = "convcheck diff" if is_diff(result) else "convcheck compare"
+    what = "the recorded runs " if is_diff(result) else ""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{command}: {e(m.name)}</title>"
              f"<style>{_CSS}</style></head><body>"]
-    parts.append(f"<h1>convcheck compare: {e(m.name)} on {e(' vs '.join(str(t) for t in cfg.targets))}</h1>")
-    parts.append(f"<p>{e(m.source)} model, input {'x'.join(map(str, m.input_shape)) if m.input_shape else 'from the data'}, {m.num_classes or '?'} classes; "
-                 f"seed {cfg.seed}; {cfg.steps} steps of {e(cfg.optimizer)} at lr {cfg.lr:g}, batch {cfg.batch_size}; "
-                 f"data {e(result.data_source)}; judge {e(str(cfg.judge))} ({e(result.judge_reason)}); envelope {cfg.envelope} runs.</p>")
+    parts.append(f"<h1>{command}: {e(m.name)}, {what}{e(' vs '.join(str(t) for t in cfg.targets))}</h1>")
+    parts.append(f"<p class='run'>model {e(model_line(result))}<br>recipe: {e(recipe_line(result))}<br>"
+                 f"seed {cfg.seed}; {cfg.steps} steps; batch {cfg.batch_size}; data {e(result.data_source)}; "
+                 f"judge {e(str(cfg.judge))} ({e(result.judge_reason)}); envelope {cfg.envelope} runs</p>")
     for note in result.notes:
         parts.append(f"<p><em>note: {e(note)}</em></p>")
     if v is not None:
@@ -60,15 +64,21 @@ def _layers_table(result) -> str:
     rows = []
     for r in worst.itertuples():
         name = r.layer if r.kind == "forward" else r.param
+        module = f" ({e(r.module)})" if r.module else ""
         flag = "<span class='flag'>FLAGGED</span>" if r.flagged else ""
-        rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)} "
-                    f"({e(r.module)})</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.intrinsic)}</td>"
+        rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)}"
+                    f"{module}</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.intrinsic)}</td>"
                     f"<td>{fmt(r.floor)}</td><td>{fmt(r.over_floor)}</td><td>{fmt(r.propagated)}</td>"
                     f"<td>{r.nan}/{r.inf}</td><td>{flag}</td></tr>")
     head = "".join(f"<th>{h}</th>" for h in ("target", "kind", "layer (module)", "K", "local", "own", "floor",
                                              "own/floor", "propagated", "nan/inf", ""))
+    note = ""
+    if any(is_ddp_rows(df[df["target"] == t]) for t in df["target"].unique()):
+        note = ("<p><small>A data-parallel target's rows are its gradients after the all-reduce: propagated = "
+                "their error against the judge, floor = one device's; no own error per layer (its arithmetic is "
+                "the per-rank target's).</small></p>")
     return (f"<h2>Each target's worst {min(10, len(df))} of {len(df)} parity rows, by own error over floor</h2>"
-            f"<table><tr>{head}</tr>{''.join(rows)}</table>")
+            f"<table><tr>{head}</tr>{''.join(rows)}</table>{note}")
 
 
 def _findings(result) -> str:

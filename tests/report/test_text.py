@@ -88,3 +88,71 @@ def test_text_with_brackets_is_printed_literally(culprit, monkeypatch):
 ])
 def test_fmt(value, text):
     assert fmt(value) == text
+
+
+def _table_lines(text: str, start: str, end: str) -> list[str]:
+    return text.split(start, 1)[1].split(end, 1)[0].splitlines()
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_tables_fit_the_width_and_keep_the_flag(culprit, width):
+    """Issue 26: at 100 columns the propagated and flag columns were cut off, so FLAGGED never showed."""
+    buf = io.StringIO()
+    render_compare(culprit, make_console(buf, width=width))
+    text = buf.getvalue()
+    parity = _table_lines(text, "One-step parity", "First flagged layer")
+    curves = _table_lines(text, "Loss per step", "Training")
+    for line in parity + curves:
+        assert len(line) <= width, line
+    table = "\n".join(parity)
+    assert "flag" in table and "FLAGGED" in table and "own/floor" in table
+    assert "…" not in "\n".join(parity + curves)  # nothing cut: dropped or wrapped instead
+    header = next(line for line in parity if "layer (module)" in line)
+    assert ("propagated" in header) == (width >= 160)  # the low-value columns go first when narrow
+    # the recipe line breaks between its parts, never inside one
+    recipe = text.split("recipe: ", 1)[1].split("judge ", 1)[0]
+    assert all(len(line) <= width for line in recipe.splitlines())
+
+
+def test_columns_is_honoured_when_piped():
+    from convcheck.report.text import PIPED_WIDTH, output_width
+
+    pipe = io.StringIO()
+    assert output_width(pipe, {"COLUMNS": "80"}) == 80
+    assert output_width(pipe, {}) == PIPED_WIDTH
+    assert output_width(pipe, {"COLUMNS": "wide"}) == PIPED_WIDTH
+    assert make_console(pipe).width == PIPED_WIDTH or "COLUMNS" in __import__("os").environ
+
+
+def test_a_long_recipe_breaks_between_its_parts():
+    from convcheck.report.text import _wrapped_parts
+
+    buf = io.StringIO()
+    parts = ["loss cross-entropy", "sgd lr 0.05 (momentum 0.9, nesterov, weight decay 0.0005)",
+             "schedule cosine + 5 warm-up steps", "clip grad norm 1"]
+    _wrapped_parts(make_console(buf, width=72), "recipe: ", parts, "; ")
+    lines = buf.getvalue().splitlines()
+    assert any(line.strip() == "clip grad norm 1" or line.endswith("clip grad norm 1") for line in lines)
+    assert all(len(line) <= 72 for line in lines)
+    assert "clip grad" not in lines[0] or "clip grad norm 1" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def with_envelope():
+    return compare("lenet", "cpu,cpu:float64", steps=10, batch_size=8, envelope=3, env_findings=[])
+
+
+@pytest.mark.parametrize("width", range(80, 141, 4))
+def test_no_number_is_cropped(with_envelope, width):
+    """rich crops a table that is a few columns too wide without a mark: every number must still be whole."""
+    buf = io.StringIO()
+    render_compare(with_envelope, make_console(buf, width=width))
+    text = buf.getvalue()
+    curves = "\n".join(_table_lines(text, "Loss per step", "Training"))
+    c = with_envelope.training.curves
+    spread = c[c["role"] == "envelope"].groupby("step")["dist_ref"].max()
+    for step, value in spread.items():
+        assert f" {fmt(value)}" in curves, (step, fmt(value), curves)
+    for value in c[c["arm"] == "cpu"]["loss"]:
+        assert f" {fmt(value, 3)}" in curves
+    assert all(len(line) <= width for line in curves.splitlines())

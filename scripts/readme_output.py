@@ -1,0 +1,132 @@
+"""The README's output blocks, produced from real runs: ``--write`` regenerates them, ``--check`` (the slow test
+``tests/test_readme.py``) fails when the README's text differs from what the runs print now.
+
+A block that shows output is the code block right after a marker line in README.md:
+
+    <!-- readme-output: full convcheck compare --model lenet -->      the command's whole terminal output
+    <!-- readme-output: ends convcheck compare --model ... -->        its header (to the "judge" line),
+                                                                      "...", then from "Training" to the end
+    <!-- readme-output: verdicts -->                                  "=== COMMAND" sections: each command's
+                                                                      verdict lines and "(exit N)"
+
+Every command runs from the repository root as a user would, with ``--no-save`` added, ``COLUMNS=100``,
+``OMP_NUM_THREADS=1`` (a run's rounding depends on the thread count: the blocks are reproducible on one thread)
+and no progress bar. ``--check`` compares the words exactly and the numbers to ``REL_TOL`` (relative), so a
+last-digit change on another CPU does not fail it, while a changed wording, verdict or a number that moved does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MARKER = re.compile(r"^<!-- readme-output: (full|ends|verdicts)(?: (.*?))? -->$")
+REL_TOL = 0.05
+WIDTH = 100
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?", re.IGNORECASE)
+
+
+def run(command: str) -> tuple[str, int, float]:
+    """``(stdout, exit code, seconds)`` of one ``convcheck ...`` command line."""
+    argv = shlex.split(command)
+    assert argv[0] == "convcheck", command
+    env = {**os.environ, "COLUMNS": str(WIDTH), "OMP_NUM_THREADS": "1", "CONVCHECK_NO_PROGRESS": "1"}
+    env.pop("NO_COLOR", None)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "convcheck", *argv[1:], "--no-save"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    return done.stdout, done.returncode, time.monotonic() - start
+
+
+def produce(kind: str, arg: str | None, current: list[str]) -> list[str]:
+    """The block's lines as the runs print them now."""
+    if kind == "full":
+        out, _, _ = run(arg)
+        return out.rstrip("\n").splitlines()
+    if kind == "ends":
+        lines = run(arg)[0].rstrip("\n").splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("judge "))
+        tail = next(i for i, line in enumerate(lines) if line.startswith("Training"))
+        return lines[:head + 1] + ["..."] + lines[tail:]
+    out_lines: list[str] = []
+    for line in current:  # verdicts: the commands are the block's own "=== " lines
+        if not line.startswith("=== "):
+            continue
+        command = line[4:]
+        out, code, _ = run(command)
+        lines = out.rstrip("\n").splitlines()
+        start = next((i for i, x in enumerate(lines) if x.startswith("Verdict:")), len(lines))
+        verdict = [x for x in lines[start:] if x.strip() and not x.startswith("wrote ")]
+        if out_lines:
+            out_lines.append("")
+        out_lines += [line, *verdict, f"(exit {code})"]
+    return out_lines
+
+
+def blocks(text: str):
+    """``(kind, arg, first line index, end line index)`` of every marked block (the lines inside the fence)."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        m = MARKER.match(line.strip())
+        if not m:
+            continue
+        start = i + 1
+        if not lines[start].startswith("```"):
+            raise SystemExit(f"README.md:{start + 1}: a readme-output marker must be followed by a code block")
+        end = next(j for j in range(start + 1, len(lines)) if lines[j].startswith("```"))
+        yield m.group(1), m.group(2), start + 1, end
+
+
+def same(expected: str, got: str, rel_tol: float = REL_TOL) -> bool:
+    """The words equal, each number within ``rel_tol`` (whitespace runs ignored: a wider number moves a column)."""
+    words_a, words_b = NUMBER.split(expected), NUMBER.split(got)
+    if [" ".join(w.split()) for w in words_a] != [" ".join(w.split()) for w in words_b]:
+        return False
+    for a, b in zip(NUMBER.findall(expected), NUMBER.findall(got)):
+        x, y = float(a), float(b)
+        if abs(x - y) > rel_tol * max(abs(x), abs(y)) and not (x == y):
+            return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="regenerate the README's output blocks")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a block differs from what the runs print")
+    parser.add_argument("--only", default=None, help="only the blocks whose marker contains this text")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    lines = text.split("\n")
+    failed = []
+    for kind, arg, start, end in reversed(list(blocks(text))):
+        if args.only and args.only not in f"{kind} {arg or ''}":
+            continue
+        current = lines[start:end]
+        fresh = produce(kind, arg, current)
+        if args.write:
+            lines[start:end] = fresh
+        elif not same("\n".join(current), "\n".join(fresh)):
+            failed.append(f"README.md:{start + 1}: the {kind} block ({arg or 'its commands'}) differs from what "
+                          "the runs print now:\n" + "\n".join(difflib.unified_diff(current, fresh, "README", "now",
+                                                                                  lineterm="")))
+    if args.write:
+        README.write_text("\n".join(lines))
+        print("README.md: output blocks regenerated")
+        return 0
+    for f in failed:
+        print(f, file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
