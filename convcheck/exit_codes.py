@@ -235,6 +235,17 @@ def user_code_error(exc: BaseException, during: str = "") -> UserCodeError | Non
     return UserCodeError(f"your code raised {what} in {where}{when}")
 
 
+def user_callable_error(what: str, message: str, exc: BaseException) -> UserCodeError:
+    """``what`` (``loss 'focal.loss'``) raised ``exc``: one line with ``message`` (what was raised) and the
+    file and line of the user's frame it came from. Where the run catches it (``user_failures``), the stage
+    and step are added: a loss fails at a step, not once at setup."""
+    found = culprit(exc)
+    where = f" in {_where(found[0], found[1])}" if found is not None and not found[2] else ""
+    error = UserCodeError(f"{what} raised {message}{where}")
+    error.stage_unknown = True
+    return error
+
+
 # convcheck's dispatch modes see every op a layer runs and pass it on: frames that are not the failure
 _PASSTHROUGH = {"__torch_dispatch__", "__torch_function__"}
 
@@ -353,6 +364,10 @@ def user_failures(stage: RunStage | None = None):
     ``RunFailed`` (each chained to the original); convcheck's own bugs pass unchanged."""
     try:
         yield
+    except UserCodeError as exc:
+        if getattr(exc, "stage_unknown", False) and stage is not None:  # a user callable's failure: when
+            raise UserCodeError(f"{exc} during {stage.describe()}") from exc
+        raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - classified, never swallowed
         replacement = as_convcheck_error(exc, stage.describe() if stage else "")
         if replacement is None:

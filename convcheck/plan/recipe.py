@@ -28,6 +28,7 @@ import torch
 
 from convcheck.errors import UsageError
 from convcheck.targets.runners import cross_entropy
+from convcheck.exit_codes import user_callable_error
 from convcheck.plan.user_code import is_user_spec, load_callable, one_line
 
 # convcheck's SGD has always used momentum 0.9 unless told otherwise (--momentum 0 for plain SGD).
@@ -110,8 +111,8 @@ class CheckedLoss:
         name = self.__name__
         try:
             value = self.fn(output, target)
-        except Exception as exc:  # the user's code: a usage error naming it
-            raise UsageError(f"loss {name!r} raised {one_line(exc)}") from None
+        except Exception as exc:  # the user's code: a usage error naming it, its file and line (and the step)
+            raise user_callable_error(f"loss {name!r}", one_line(exc), exc) from None
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             raise UsageError(f"loss {name!r} returned {type(value).__name__}"
                              f"{'' if not isinstance(value, torch.Tensor) else ' of ' + str(value.dtype)}, "
