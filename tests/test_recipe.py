@@ -182,3 +182,15 @@ def test_cli_recipe_options(tmp_path):
     assert cfg["optimizer"] == "sgd" and cfg["schedule"] == "cosine" and cfg["warmup"] == 2
     assert cfg["momentum"] == 0.9 and cfg["weight_decay"] == 5e-4 and cfg["clip_grad_norm"] == 5
     assert "lr" in (out / "curves.csv").read_text().splitlines()[0].split(",")
+
+
+def test_settings_torch_refuses_are_a_usage_error_naming_them(capsys):
+    """``--momentum 0 --nesterov`` was an internal error (exit 4) when the first arm built its optimizer."""
+    from convcheck.cli.main import main
+
+    code = main(["compare", "--model", "lenet", "--optimizer", "sgd", "--momentum", "0", "--nesterov", "--steps", "2",
+                 "--no-save"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert line.startswith("convcheck: error: optimizer SGD refuses these settings (lr=0.001, momentum=0.0, "
+                           "nesterov=True): ValueError: Nesterov momentum requires a momentum")

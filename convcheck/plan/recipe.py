@@ -157,7 +157,18 @@ def _optimizer(cfg):
         return _checked_factory(factory, name), name
     cls = _optimizer_class(str(spec))
     kwargs = _optimizer_kwargs(cls, cfg)
+    _check_settings(cls, kwargs)
     return (lambda params: cls(params, **kwargs)), cls.__name__
+
+
+def _check_settings(cls, kwargs: dict) -> None:
+    """The settings torch refuses (``--momentum 0 --nesterov``, a negative lr), refused before any work as
+    the options they came from, not as a failure of convcheck's when the first arm builds its optimizer."""
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (ValueError, TypeError) as exc:
+        settings = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        raise UsageError(f"optimizer {cls.__name__} refuses these settings ({settings}): {one_line(exc)}") from None
 
 
 def _optimizer_kwargs(cls, cfg) -> dict:
