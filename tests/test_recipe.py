@@ -194,3 +194,15 @@ def test_settings_torch_refuses_are_a_usage_error_naming_them(capsys):
     assert code == 2
     assert line.startswith("convcheck: error: optimizer SGD refuses these settings (lr=0.001, momentum=0.0, "
                            "nesterov=True): ValueError: Nesterov momentum requires a momentum")
+
+
+def test_a_schedule_factory_returning_none_is_refused(tmp_path, capsys):
+    """A forgotten ``return`` in the user's schedule factory would train at a constant lr, silently (issue 27)."""
+    from convcheck.cli.main import main
+
+    (tmp_path / "sched.py").write_text("import torch\n\ndef cosine(opt, steps):\n"
+                                       "    torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)\n")
+    code = main(["compare", "--model", "lenet", "--schedule", f"{tmp_path / 'sched.py'}:cosine", "--steps", "2",
+                 "--no-save"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "schedule factory 'sched.cosine' returned None; return the scheduler it builds" in line

@@ -253,7 +253,10 @@ def _checked_schedule_factory(factory: Callable, name: str) -> Callable:
             sched = factory(opt, steps)
         except Exception as exc:
             raise UsageError(f"schedule factory {name!r} raised {one_line(exc)}") from None
-        if sched is not None and not callable(getattr(sched, "step", None)):
+        if sched is None:  # a forgotten return: the run would train at a constant lr without saying so
+            raise UsageError(f"schedule factory {name!r} returned None; return the scheduler it builds "
+                             "(or use --schedule constant)")
+        if not callable(getattr(sched, "step", None)):
             raise UsageError(f"schedule factory {name!r} returned {type(sched).__name__}, which has no step()")
         return sched
     return make
