@@ -184,7 +184,7 @@ BAD = [
     ("own model rejects shape", lambda p: ["--model", _linear_file(p), "--input-shape", "1,6,6"],
      ["rejects input shape 1x6x6"]),
     ("wrong class count", lambda p: ["--model", _linear_file(p), "--input-shape", "1,5,5", "--classes", "4"],
-     ["(2, 4)"]),
+     ["outputs 3 classes but --classes says 4", "pass --classes 3"]),
     ("zero steps", lambda p: ["--steps", "0"], ["steps"]),
     ("negative lr", lambda p: ["--lr", "-1"], ["learning rate"]),
 ]

@@ -200,8 +200,18 @@ def test_declared_on_the_model(user_module):
 
 
 def test_overrides_beat_declarations(user_module):
-    resolved = resolve_model(f"{user_module}:declared", input_shape=(2, 8, 8), num_classes=9)
-    assert (resolved.input_shape, resolved.num_classes) == ((2, 8, 8), 9)
+    resolved = resolve_model(f"{user_module}:declared", input_shape=(2, 8, 8), num_classes=3)
+    assert (resolved.input_shape, resolved.num_classes) == ((2, 8, 8), 3)
+    resolved = resolve_model(f"{user_module}:declared", input_shape=(2, 8, 8))
+    assert (resolved.input_shape, resolved.num_classes) == ((2, 8, 8), 3)
+
+
+def test_classes_override_the_model_does_not_output_is_refused(user_module):
+    """--classes 9 on a model whose logits have 3 classes: said as it is, not as a rejected input shape."""
+    with pytest.raises(UsageError) as info:
+        resolve_model(f"{user_module}:declared", input_shape=(2, 8, 8), num_classes=9)
+    assert str(info.value).endswith("outputs 3 classes but --classes says 9: pass --classes 3, "
+                                    "or leave it out to use the model's own")
 
 
 def test_inferred_channels_size_and_classes(user_module):

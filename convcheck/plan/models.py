@@ -161,6 +161,7 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
     factory = functools.partial(_build, raw, spec)
     model = factory().eval()
 
+    asked = num_classes  # --classes (num_classes= in the API): checked against what the model outputs
     if num_classes is None:
         num_classes = _declared(raw, model, "num_classes", spec)
     if num_classes is None and infer:
@@ -169,10 +170,20 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
     if input_shape is None:
         input_shape = _declared(raw, model, "input_shape", spec)
     if not infer:
+        if asked is not None and input_shape is not None:
+            _check_classes_asked(model, input_shape, asked, spec)
         return ResolvedModel(name=f"{short}.{attr}", factory=factory, input_shape=input_shape,
                              num_classes=num_classes, source=source, spec=spec)
     if input_shape is None:
-        input_shape = _infer_input_shape(model, num_classes, spec)
+        try:
+            input_shape = _infer_input_shape(model, num_classes, spec)
+        except UsageError:
+            if asked is None:
+                raise
+            # perhaps no size gives `asked` classes because the model outputs another count: say that
+            input_shape = _infer_input_shape(model, None, spec)
+    if asked is not None:
+        _check_classes_asked(model, input_shape, asked, spec)
     if num_classes is None:
         num_classes = _infer_num_classes(model, input_shape, spec)
     return ResolvedModel(name=f"{short}.{attr}", factory=factory, input_shape=input_shape,
@@ -259,6 +270,23 @@ def _infer_input_shape(model: nn.Module, num_classes: int | None, spec: str) -> 
     else:
         why = "it accepts none of " + ", ".join(_shape_text((channels, s, s)) for s in CANDIDATE_SIZES)
     raise UsageError(f"cannot tell the input size of model {spec!r} ({why}); pass --input-shape C,H,W")
+
+
+def _check_classes_asked(model: nn.Module, input_shape, asked: int, spec: str) -> None:
+    """``UsageError`` when the model's logits on ``input_shape`` have another class count than ``--classes``.
+    A forward that fails, or an output that is not (2, k) logits, is left to the checks that follow."""
+    try:
+        out = _forward(model, input_shape, torch.get_default_dtype())
+    except Exception:
+        return
+    if isinstance(out, torch.Tensor) and out.ndim in (2, 4) and out.shape[0] == 2 and out.shape[1] != asked:
+        outputs = out.shape[1]
+        raise UsageError(f"model {spec!r} outputs {outputs} {_classes(outputs)} but --classes says {asked}: "
+                         f"pass --classes {outputs}, or leave it out to use the model's own")
+
+
+def _classes(n: int) -> str:
+    return "class" if n == 1 else "classes"
 
 
 def _infer_num_classes(model: nn.Module, input_shape, spec: str) -> int:

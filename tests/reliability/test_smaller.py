@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+import pytest
+
 from tests.reliability.conftest import TINY, assert_one_error_line, run_cli
 
 EXITS = Path(__file__).parent / "user" / "exits.py"
@@ -37,3 +39,18 @@ def test_record_on_a_read_only_mount_is_exit_2_naming_the_path(capsys, tmp_path,
                                     "--out", str(tmp_path / "mnt" / "run")])
     line = assert_one_error_line(code, 2, err, "cannot write")
     assert "Read-only file system" in line and "mnt/run" in line
+
+
+TEN = Path(__file__).parent / "user" / "ten_classes.py"
+
+
+@pytest.mark.parametrize("shape", [[], ["--input-shape", "1,28,28"]], ids=["inferred-shape", "given-shape"])
+def test_classes_1_on_a_10_output_model_says_so(capsys, tmp_path, shape):
+    """Once 'cannot tell the input size ... accepts none of 1x28x28, ...' (shape inferred) or 'rejects input
+    shape 1x28x28' (shape given): the shape was never the problem."""
+    code, _, err = run_cli(capsys, ["compare", "--model", f"{TEN}:net", *shape, "--classes", "1", "--steps", "1",
+                                    "--batch-size", "2", "--envelope", "0", "--targets", "cpu,cpu:bf16",
+                                    "--out", str(tmp_path / "run")])
+    line = assert_one_error_line(code, 2, err, "outputs 10 classes but --classes says 1")
+    assert "pass --classes 10" in line and "input" not in line, line
+    assert not (tmp_path / "run").exists()
