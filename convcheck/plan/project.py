@@ -70,12 +70,16 @@ def _read(file: Path) -> dict:
 
 
 def _normalise(table: dict, file: Path) -> dict:
-    out = {}
+    out, keys = {}, {}
     for key, value in table.items():
         name = str(key).replace("_", "-")
         if name not in KNOWN_KEYS:
             raise UsageError(f"{file}: unknown key {key!r} in [tool.convcheck] (known keys: "
                              f"{', '.join(KNOWN_KEYS)})")
+        if name in keys:  # batch-size and batch_size: one option written twice; which one wins is a guess
+            raise UsageError(f"{file}: [tool.convcheck] sets {keys[name]!r} and {key!r}, the same option "
+                             f"twice; keep one")
+        keys[name] = key
         out[name.replace("-", "_")] = _value(name, value, file)
     return out
 

@@ -54,3 +54,18 @@ def test_classes_1_on_a_10_output_model_says_so(capsys, tmp_path, shape):
     line = assert_one_error_line(code, 2, err, "outputs 10 classes but --classes says 1")
     assert "pass --classes 10" in line and "input" not in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["pyproject", "config"])
+def test_one_option_written_twice_in_a_config_is_refused_naming_both_keys_and_the_file(capsys, tmp_path, where):
+    """batch-size = 4 and batch_size = 64 in one table: once the last one won, silently."""
+    table = '[tool.convcheck]\nmodel = "lenet"\nbatch-size = 4\nbatch_size = 64\n'
+    file = tmp_path / ("pyproject.toml" if where == "pyproject" else "cc.toml")
+    file.write_text(table)
+    argv = ["compare", "--steps", "1", "--envelope", "0", "--targets", "cpu,cpu:bf16", "--out", str(tmp_path / "r")]
+    if where == "config":
+        argv += ["--config", str(file)]
+    code, _, err = run_cli(capsys, argv)
+    line = assert_one_error_line(code, 2, err, "'batch-size' and 'batch_size'")
+    assert str(file) in line and "twice" in line, line
+    assert not (tmp_path / "r").exists()
