@@ -131,3 +131,25 @@ def test_detection():
     sections = parse_sections("cuDNN version: Probably one of the following:\n/a/libcudnn.so.8.9.2\n\nOS: x")
     assert sections["cuDNN version"] == ["Probably one of the following:", "/a/libcudnn.so.8.9.2"]
     assert sections["OS"] == ["x"]
+
+
+def test_keys_retyped_without_their_colon_are_read_only_before_a_version_or_yes_no():
+    from convcheck.env.collect_env import fields_read
+
+    text = ("PyTorch version 1.5.0\nCUDA used to build PyTorch 10.2\nIs CUDA available Yes\n"
+            "OS Ubuntu 18.04\nCPU:\nArchitecture: x86_64\nCPU family: 6\nCPU(s) 16\n")
+    sections = parse_sections(text)
+    assert sections["PyTorch version"] == ["1.5.0"] and sections["Is CUDA available"][0] == "Yes"
+    assert "OS" not in sections  # free text after a bare key is not a value
+    assert sections["CPU"] == ["", "Architecture: x86_64", "CPU family: 6", "CPU(s) 16"]  # the CPU block stays whole
+    assert fields_read(text) == ["PyTorch version", "CUDA used to build PyTorch", "Is CUDA available", "CPU"]
+    assert looks_like_collect_env(text)
+    assert not looks_like_collect_env("Os: Ubuntu\nPython version: 3.7\n")  # no torch field: not collect_env
+
+
+def test_every_report_says_which_fields_it_read():
+    fp = load(DATA / "collect_env_old_torch1.3.1_titanxp.txt")
+    (note,) = [n for n in fp.notes if n.startswith("fields read")]
+    assert note == ("fields read from the text (11): PyTorch version, Is debug build, CUDA used to build PyTorch, "
+                    "OS, GCC version, Python version, Is CUDA available, CUDA runtime version, GPU models and "
+                    "configuration, Nvidia driver version, Versions of relevant libraries")  # 'Could not collect': not read

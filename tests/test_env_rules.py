@@ -53,6 +53,9 @@ FIRES = [
     ("DRV002", "warn", lambda: driver(fx(A100), version="525.85.12")),  # >= 12.x floor, < 12.1's 530.30.02
     ("DRV002", "warn", lambda: driver(fx(A100), version=None, cuda_version="12.0")),
     ("DRV003", "critical", lambda: replace(fx(H100), driver=Driver(nvml_error="mismatch", rm_mismatch=True))),
+    # a pasted report cut short: torch's own warning is the only driver evidence
+    ("DRV004", "critical", lambda: replace(torch_(fx(H100), cuda="11.7"), driver=Driver(torch_warning="The NVIDIA driver on your system is too old (found version 11040)", cuda_version="11.4"))),
+    ("DRV004", "critical", lambda: replace(torch_(fx(H100), cuda=None), driver=Driver(torch_warning="The NVIDIA driver on your system is too old (found version 11040)"))),
     ("ARCH001", "critical", lambda: fx("rtx3090_cu102.json")),
     ("ARCH001", "critical", lambda: fx("rtx5090_cu124.json")),
     ("ARCH001", "critical", lambda: load(DATA / "collect_env_new_torch2.6.0_cu124_rtx5090.txt")),
@@ -102,6 +105,9 @@ QUIET = [
     ("DRV002", lambda: fx(A100)),
     ("DRV002", lambda: driver(fx(A100), version=None, cuda_version="12.2")),
     ("DRV003", lambda: fx(H100)),
+    ("DRV004", lambda: fx(H100)),
+    # DRV001 already says it from the driver's version: no second finding
+    ("DRV004", lambda: driver(fx("driver470_cu121.json"), torch_warning="The NVIDIA driver on your system is too old (found version 11040)")),
     ("ARCH001", lambda: fx(H100)),
     ("ARCH001", lambda: gpu(fx(A100), name="NVIDIA L4", capability=(8, 9))),  # sm_86 code runs on 8.9
     ("ARCH001", lambda: load(DATA / "collect_env_new_torch2.4.0_cu121_wsl.txt")),

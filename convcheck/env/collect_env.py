@@ -41,12 +41,22 @@ _KEYS = (
     "Versions of relevant libraries",
 )
 _KEY_RE = re.compile(r"^(" + "|".join(re.escape(k) for k in _KEYS) + r")\s*:\s*(.*)$", re.IGNORECASE)
+# A key retyped without its colon ('PyTorch version 1.5.0'): read when a version or a yes/no follows; never
+# 'CPU' (its block holds 'CPU family', 'CPU(s)' lines) nor a key whose value is free text.
+_BARE_KEYS = tuple(k for k in _KEYS if k not in ("CPU", "OS", "GPU models and configuration", "Caching allocator config",
+                                                 "Versions of relevant libraries"))
+_BARE_KEY_RE = re.compile(r"^(" + "|".join(re.escape(k) for k in _BARE_KEYS) + r")\s+"
+                          r"(\d[\w.+-]*(?:\s.*)?|(?:yes|no|true|false)\b.*)$", re.IGNORECASE)
+# torch's own warnings, printed into the text when collect_env calls torch.cuda.is_available():
+# the driver's CUDA version as cudaDriverGetVersion gives it (11040 = CUDA 11.4)
+_DRIVER_TOO_OLD_RE = re.compile(r"The NVIDIA driver on your system is too old \(found version (\d{4,6})\)",
+                                re.IGNORECASE)
 _CANONICAL = {k.lower(): k for k in _KEYS}
 # Characters pasted reports carry instead of ':' and ' ' (CJK input methods, word processors, HTML).
 _LOOKALIKES = str.maketrans({"\uff1a": ":", "\ufe55": ":", "\ufe13": ":", "\u3000": " ", "\u00a0": " ",
                              "\u2007": " ", "\u202f": " ", "\ufeff": None, "\u200b": None, "\x00": None})
 _QUOTE_RE = re.compile(r"^[ \t]*(?:>[ \t]?)+")
-_VERSION_RE = re.compile(r"^PyTorch version\s*:", re.IGNORECASE)
+_VERSION_RE = re.compile(r"^PyTorch version(?:\s*:|\s+\d)", re.IGNORECASE)
 _HEADER_RE = re.compile(r"^Collecting environment information", re.IGNORECASE)
 _MISSING = {"", "could not collect", "n/a", "none", "no cuda", "not available"}
 
@@ -74,10 +84,26 @@ def split_reports(text: str) -> list[str]:
     return ["\n".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+# The fields that make a text collect_env output: the torch version (or the CUDA it was built with) and
+# one more field a reader uses. Recognised by its fields, not its first lines: pasted reports lose the
+# 'Collecting environment information...' line, get retyped, cut short.
+_NAMING_FIELDS = ("PyTorch version", "CUDA used to build PyTorch")
+
+
+def fields_read(text: str) -> list[str]:
+    """The collect_env fields with a value in ``text`` (its first report), in the order collect_env prints
+    them; torch's own driver warning counts as one ("torch's driver warning")."""
+    report = split_reports(normalise(text))[0]
+    sections = parse_sections(report)
+    found = [k for k in _KEYS if any(_value(v) for v in sections.get(k, []))]
+    if _DRIVER_TOO_OLD_RE.search(report):
+        found.append("torch's driver warning")
+    return found
+
+
 def looks_like_collect_env(text: str) -> bool:
-    low = normalise(text).lower()
-    return bool(re.search(r"pytorch version\s*:", low)) and bool(
-        re.search(r"cuda used to build pytorch\s*:|is cuda available\s*:", low))
+    found = fields_read(text)
+    return any(k in found for k in _NAMING_FIELDS) and len(found) >= 2
 
 
 def parse_sections(text: str) -> dict[str, list[str]]:
@@ -86,7 +112,7 @@ def parse_sections(text: str) -> dict[str, list[str]]:
     current: str | None = None
     for raw in text.splitlines():
         line = raw.rstrip()
-        m = _KEY_RE.match(line.strip())
+        m = _KEY_RE.match(line.strip()) or _BARE_KEY_RE.match(line.strip())
         if m:
             current = _CANONICAL[m.group(1).lower()]
             out.setdefault(current, []).append(m.group(2).strip())
@@ -129,6 +155,9 @@ def parse_collect_env(text: str, source: str = "collect_env text") -> Fingerprin
     mismatch = _cudnn_mismatch(s.get("cuDNN version", []), libs)
     if mismatch:
         notes.append(mismatch)
+    read = fields_read(reports[0])
+    notes.append(f"fields read from the text ({len(read)}): {', '.join(read)}")
+    warning, driver_cuda = _driver_warning(reports[0])
 
     return Fingerprint(
         source=source,
@@ -150,11 +179,21 @@ def parse_collect_env(text: str, source: str = "collect_env text") -> Fingerprin
             cudnn_source=cudnn_source,
             cublas_version=libs.get("cublas"),
         ),
-        driver=Driver(version=first.get("Nvidia driver version")),
+        driver=Driver(version=first.get("Nvidia driver version"), cuda_version=driver_cuda, torch_warning=warning),
         gpus=_gpus(s.get("GPU models and configuration", [])),
         math=MathFlags(recorded=False),
         notes=tuple(notes),
     )
+
+
+def _driver_warning(text: str) -> tuple[str | None, str | None]:
+    """torch's "driver too old (found version 11040)" warning in the text: (the quote, the newest CUDA
+    the driver supports, '11.4'); (None, None) without one."""
+    m = _DRIVER_TOO_OLD_RE.search(text)
+    if not m:
+        return None, None
+    found = int(m.group(1))
+    return m.group(0), f"{found // 1000}.{found % 1000 // 10}"
 
 
 def _value(v: str | None) -> str | None:

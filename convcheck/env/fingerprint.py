@@ -57,6 +57,7 @@ class Driver:
     cuda_version: str | None = None  # newest CUDA the driver supports, from NVML ("12.4")
     nvml_error: str | None = None  # why NVML could not start (library missing, version mismatch)
     rm_mismatch: bool = False  # NVML error 18: driver upgraded, machine not rebooted
+    torch_warning: str | None = None  # torch's own "NVIDIA driver ... is too old" warning, quoted from pasted text
 
 
 @dataclass(frozen=True)

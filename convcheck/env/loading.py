@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from convcheck.env.collect_env import looks_like_collect_env, parse_collect_env
+from convcheck.env.collect_env import fields_read, looks_like_collect_env, parse_collect_env
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
 from convcheck.files import atomic_write_text, check_writable_file, read_limited, write_error
@@ -67,8 +67,11 @@ def loads(data: bytes | str, name: str = "text", label: str | None = None) -> Fi
         return dataclasses.replace(fp, source=f"{fp.source} (from {name})")
     if looks_like_collect_env(text):
         return parse_collect_env(text, source=f"collect_env text {name}")
+    read = fields_read(text)
+    said = (f" (collect_env fields read: {', '.join(read)}; it needs 'PyTorch version' or 'CUDA used to build "
+            f"PyTorch' and one more)") if read else ""
     raise UsageError(
-        f"{label}: neither a convcheck fingerprint JSON nor `python -m torch.utils.collect_env` output"
+        f"{label}: neither a convcheck fingerprint JSON nor `python -m torch.utils.collect_env` output{said}"
     )
 
 

@@ -170,9 +170,13 @@ def ptx_runs_on(code: tuple[int, int], device: tuple[int, int]) -> bool:
     return device >= code
 
 
-# CUDA major -> lowest compute capability its toolkit and libraries still support.
-MIN_CC_FOR_CUDA_MAJOR: dict[int, tuple[int, int]] = {11: (3, 5), 12: (5, 0), 13: (7, 5)}
+# CUDA major -> lowest compute capability its toolkit and libraries still support. Back to CUDA 7, the
+# oldest CUDA a torch wheel was built with, so a GPU older than the wheel table (a GeForce 210, an 8800
+# GTX: compute capability 1.x) is still named for a torch built with CUDA 8, 9.2 or 10.1.
+MIN_CC_FOR_CUDA_MAJOR: dict[int, tuple[int, int]] = {7: (2, 0), 8: (2, 0), 9: (3, 0), 10: (3, 0),
+                                                     11: (3, 5), 12: (5, 0), 13: (7, 5)}
 MIN_CC_SOURCE = (
+    "CUDA 7.0 release notes (compute capability 1.x dropped), CUDA 9.0 release notes (Fermi removed), "
     "CUDA 11.0 release notes (sm_30/sm_32 dropped), CUDA 12.0 release notes "
     "(Kepler removed), CUDA 13.0 release notes (Maxwell, Pascal, Volta removed)"
 )

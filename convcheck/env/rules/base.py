@@ -64,7 +64,7 @@ def fmt_version(v) -> str:
 
 RULE_IDS: dict[str, str] = {
     rid: _KIND_BY_PREFIX[rid.rstrip("0123456789")]
-    for rid in ("DRV001", "DRV002", "DRV003", "ARCH001", "ARCH002", "ARCH003", "CUDA001", "CUDA002",
+    for rid in ("DRV001", "DRV002", "DRV003", "DRV004", "ARCH001", "ARCH002", "ARCH003", "CUDA001", "CUDA002",
                 "DNN001", "DNN002", "DNN003", "BLAS001", "MATH001", "MATH002", "DET001", "DET002",
                 "ECC001", "ECC002", "MEM001", "THR001", "PCI001", "PROBE001")
 }

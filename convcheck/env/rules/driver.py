@@ -78,7 +78,7 @@ def _driver_vs_cuda_by_nvml(fp: Fingerprint, cuda, supported):
             f"CUDA {fmt_version(supported[:2])} or older.",
             t.DRIVER_SOURCE,
         )
-    elif supported[:2] < cuda[:2]:
+    elif supported[:2] < cuda[:2] and not fp.driver.torch_warning:  # torch said it cannot start: DRV004
         yield make_finding(
             "DRV002", "warn",
             f"the driver supports CUDA {fmt_version(supported[:2])} and torch was built with CUDA {cuda_txt}: "
@@ -86,6 +86,29 @@ def _driver_vs_cuda_by_nvml(fp: Fingerprint, cuda, supported):
             f"Upgrade the driver to one for CUDA {cuda_txt} or newer.",
             t.DRIVER_SOURCE,
         )
+
+
+@rule
+def driver_too_old_by_torch(fp: Fingerprint):
+    """DRV004 (critical): the pasted report quotes torch's own warning that the NVIDIA driver is too old
+    (torch could not start CUDA), and DRV001 does not already say so from the versions (a report cut
+    short has no driver line, or no CUDA line)."""
+    warning = fp.driver.torch_warning
+    if not warning or any(f.id == "DRV001" for f in driver_vs_cuda(fp)):
+        return
+    supported = t.parse_version(fp.driver.cuda_version)
+    cuda = fp.cuda_build
+    built = f", and torch {fp.torch.version} was built with CUDA {fmt_version(cuda[:2])}" if cuda else ""
+    upto = f" (this driver supports CUDA up to {fmt_version(supported[:2])}{built})" if supported else ""
+    other = (f", or install a torch wheel built for CUDA {fmt_version(supported[:2])} or older"
+             if supported else "")
+    yield make_finding(
+        "DRV004", "critical",
+        f"the report quotes torch's own warning '{warning}': CUDA cannot start{upto}",
+        f"Upgrade the NVIDIA driver{f' to one for CUDA {fmt_version(cuda[:2])} or newer' if cuda else ''}{other}.",
+        "torch/cuda/__init__.py: the warning torch prints when cudaGetDeviceCount returns "
+        "cudaErrorInsufficientDriver; " + t.DRIVER_SOURCE,
+    )
 
 
 @rule
@@ -155,12 +178,17 @@ def arch_dropped(fp: Fingerprint):
     lowest = t.MIN_CC_FOR_CUDA_MAJOR[cuda[0]]
     for g in fp.gpus:
         if g.capability is not None and g.capability < lowest:
+            last = max((m for m, least in t.MIN_CC_FOR_CUDA_MAJOR.items() if m < cuda[0] and g.capability >= least),
+                       default=None)
+            remedy = (f"Install a torch wheel built with CUDA {last}.x, the last major to support this GPU."
+                      if last is not None else
+                      f"No CUDA a torch wheel was built with (7.x and later) supports compute capability "
+                      f"{g.capability[0]}.{g.capability[1]}: train on a newer GPU, or on the CPU.")
             yield make_finding(
                 "ARCH003", "critical",
                 f"{gpu_label(g)} is older than CUDA {cuda[0]}.x supports (lowest: {lowest[0]}.{lowest[1]}); "
                 f"torch {fp.torch.version} is built with CUDA {fmt_version(cuda[:2])}",
-                f"Install a torch wheel built with CUDA {cuda[0] - 1}.x, the last major to support this GPU.",
-                t.MIN_CC_SOURCE, g.index,
+                remedy, t.MIN_CC_SOURCE, g.index,
             )
 
 
