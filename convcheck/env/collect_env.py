@@ -14,8 +14,14 @@ the record says so in a note.
 
 Pasted text is read tolerantly: CRLF or CR line ends, full-width colons
 (``GPU 0：``), non-breaking spaces, e-mail/Markdown quote markers and code
-fences, keys missing or out of order. Two reports pasted one after the other
-are not merged: the first is read and a note says so.
+fences, keys missing or out of order, in another case (``Os:``) or retyped
+without their colon before a version or a yes/no (``PyTorch version 1.5.0``).
+A text is collect_env output by its fields (``fields_read``: the torch version
+or its CUDA, and one more), not by its first lines; the record's notes name the
+fields read. Two reports pasted one after the other are not merged: the first
+is read and a note says so. torch's own warning printed into the text ("The
+NVIDIA driver on your system is too old (found version 11040)") is kept as
+driver evidence: ``Driver.torch_warning`` and the CUDA it names (11.4).
 """
 
 from __future__ import annotations
