@@ -12,6 +12,7 @@ LOSS = Path(__file__).parent / "user" / "late_loss.py"
 
 def _run(capsys, fn: str, steps: int) -> tuple[int, str]:
     code = main(["compare", "--model", "lenet", "--loss", f"{LOSS}:{fn}", "--steps", str(steps), "--envelope", "0",
+                 "--threads", "1",  # no thread-choice probe: its bare steps call the loss a varying number of times
                  "--batch-size", "4", "--no-save"])
     return code, capsys.readouterr().err.strip().splitlines()[-1]
 

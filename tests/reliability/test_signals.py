@@ -28,8 +28,10 @@ def _start(tmp_path: Path, at: str, *extra: str) -> tuple[subprocess.Popen, Path
     mark = tmp_path / "mark"
     env = {**os.environ, "CC_MARK": str(mark), "CC_AT": at, "CONVCHECK_NO_PROGRESS": "1", "NO_COLOR": "1",
            "PYTHONPATH": str(ROOT)}
+    # --threads 1: no thread-choice probe, whose bare steps (a number that depends on the timing) would
+    # move the model's forward calls, and with them the point it waits at, out of training
     argv = [sys.executable, "-m", "convcheck", "compare", "--model", f"{STOPPABLE}:make", *TINY,
-            "--steps", "3", *extra]
+            "--steps", "3", "--threads", "1", *extra]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not mark.exists():  # the model reached its point (or the run ended without reaching it)
         if proc.poll() is not None:

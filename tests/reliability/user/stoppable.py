@@ -1,7 +1,8 @@
 """A model that stops to be signalled: at a chosen point it writes the marker file named by CC_MARK and waits.
 
 CC_AT=factory waits in the model factory (before any measuring); CC_AT=<n> waits in the n-th forward call
-(n=18 is inside training of a 3-step run: it makes 20 in all, after the one-step parity check). Inputs 1x4x4, 3 classes.
+(n=18 is inside training of a 3-step run at a given thread count: it makes 21 in all, after the --classes
+check and the one-step parity check). Inputs 1x4x4, 3 classes.
 """
 
 import os
