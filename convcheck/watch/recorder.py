@@ -53,12 +53,14 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def batch_hash(args, kwargs) -> str:
-    """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received."""
+    """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
+    are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
     h = hashlib.sha256()
     for t in _tensors(args) + _tensors(kwargs):
         c = t.detach().to("cpu").contiguous()
         h.update(f"{c.dtype}{tuple(c.shape)}".encode())
-        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+        if c.numel():
+            h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
@@ -221,8 +223,25 @@ class Watch:
         return None
 
     def _norms(self) -> dict[str, float]:
-        return {n: float(torch.linalg.vector_norm(p.grad.detach(), dtype=_stats.reduce_dtype(p.grad)))
-                for n, p in self.params if p.grad is not None}
+        """Every parameter's gradient norm: one ``_foreach_norm`` per dtype, one ``tolist`` for all."""
+        named = [(n, p.grad.detach()) for n, p in self.params if p.grad is not None]
+        if not named:
+            return {}
+        norms: list = [None] * len(named)
+        by_dtype: dict = {}
+        for i, (_, g) in enumerate(named):
+            by_dtype.setdefault((g.dtype, g.device), []).append(i)
+        for (dtype, _), idx in by_dtype.items():
+            grads = [named[i][1] for i in idx]
+            if _stats.reduce_dtype(grads[0]) is None and all(not g.is_sparse for g in grads):
+                got = torch._foreach_norm(grads)
+            else:
+                got = [torch.linalg.vector_norm(g, dtype=_stats.reduce_dtype(g)) for g in grads]
+            for i, v in zip(idx, got):
+                norms[i] = v.detach().double()
+        if len({v.device for v in norms}) == 1:  # one transfer (one sync on an accelerator) for all
+            return dict(zip((n for n, _ in named), torch.stack(norms).tolist()))
+        return {n: float(v) for (n, _), v in zip(named, norms)}
 
     # --- the user's call -----------------------------------------------------------
     def step(self, loss=None) -> None:
