@@ -26,7 +26,11 @@ MAX_STEPS_BYTES = 4 * 1024**3  # what a reader accepts of steps.jsonl
 MAX_LINE_BYTES = 16 * 1024**2  # one step's record
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
-__all__ = ["DEFAULT_MAX_BYTES", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "UNIT_ROUNDOFF", "WATCH_SCHEMA",
+ENV_SNAPSHOT_STEPS = "CONVCHECK_SNAPSHOT_STEPS"
+ENV_MAX_BYTES = "CONVCHECK_WATCH_MAX_BYTES"
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+__all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "UNIT_ROUNDOFF", "WATCH_SCHEMA",
            "prepare_out"]
 
 
@@ -59,3 +63,31 @@ def prepare_out(out: Path, force: bool) -> Path:
             raise UsageError(f"convcheck.watch: {p} is not a regular file; refusing to replace it")
     (out / SNAPSHOTS).mkdir(exist_ok=True)
     return out
+
+
+def from_env(environ=None) -> dict:
+    """``snapshot_steps`` and ``max_bytes`` set without touching the script: ``CONVCHECK_SNAPSHOT_STEPS=0,10,20``
+    (or ``none``: no chosen step) and ``CONVCHECK_WATCH_MAX_BYTES=500M`` (bytes; K/M/G/T, KiB/MiB/GiB/TiB).
+    Only the variables that are set; a bad value is one ``UsageError`` naming the variable."""
+    env = os.environ if environ is None else environ
+    got: dict = {}
+    raw = env.get(ENV_SNAPSHOT_STEPS)
+    if raw is not None:
+        text = raw.strip()
+        if text.lower() in ("", "none"):
+            got["snapshot_steps"] = ()
+        else:
+            parts = [p.strip() for p in text.split(",")]
+            if not all(p.isdigit() and len(p) <= 9 for p in parts):
+                raise UsageError(f"{ENV_SNAPSHOT_STEPS}={raw!r:.60} is not a comma-separated list of step numbers "
+                                 "(e.g. 0,10,20), or none")
+            got["snapshot_steps"] = tuple(sorted({int(p) for p in parts}))
+    raw = env.get(ENV_MAX_BYTES)
+    if raw is not None:
+        text = raw.strip().upper().removesuffix("B")
+        digits = text.rstrip("KMGTI")
+        unit = text[len(digits):]
+        if not (digits.isdigit() and len(digits) <= 15 and unit in _UNITS and int(digits) > 0):
+            raise UsageError(f"{ENV_MAX_BYTES}={raw!r:.60} is not a positive size in bytes (e.g. 500000000, 500M, 2GiB)")
+        got["max_bytes"] = int(digits) * _UNITS[unit]
+    return got

@@ -73,6 +73,13 @@ def _check_manifest(m) -> None:
         if p["direction"] not in ("forward", "backward"):
             raise _Bad(f"first_nonfinite.direction is {p['direction']!r:.40}, not forward or backward")
     _check_snapshots(bundle_reader.get_field(m, "snapshots", list, "manifest"))
+    skipped = bundle_reader.get_field(m, "skipped_snapshots", list, "manifest", optional=True) or []
+    for i, e in enumerate(skipped):  # the snapshot steps the size cap left out (older runs: no field)
+        where = f"skipped_snapshots[{i}]"
+        if not isinstance(e, dict):
+            raise _Bad(f"{where} is {type(e).__name__}, expected an object")
+        for key, kind in (("step", int), ("bytes", int), ("reason", str)):
+            bundle_reader.get_field(e, key, kind, where)
 
 
 def _check_snapshots(snaps: list) -> None:
@@ -86,12 +93,24 @@ def _check_snapshots(snaps: list) -> None:
             raise _Bad(f"{where}.file {f!r:.60} is not a fresh snapshots/*.npz name")
         files.add(f)
         bundle_reader.get_field(e, "step", int, where)
+        stored: dict[str, tuple] = {}
+        keys = set()
         for j, a in enumerate(bundle_reader.get_field(e, "arrays", list, where)):
             if not isinstance(a, dict):
                 raise _Bad(f"{where}.arrays[{j}] is not an object")
-            bundle_reader.get_field(a, "key", str, f"{where}.arrays[{j}]")
+            key = bundle_reader.get_field(a, "key", str, f"{where}.arrays[{j}]")
+            if key in keys:
+                raise _Bad(f"{where}.arrays[{j}].key {key!r:.60} is listed twice")
+            keys.add(key)
             bundle_reader.shape_field(a.get("shape"), f"{where}.arrays[{j}].shape")
             bundle_reader.dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
+            first = bundle_reader.get_field(a, "same_as", str, f"{where}.arrays[{j}]", optional=True)
+            if first is None:
+                stored[key] = (a["shape"], a["dtype"])
+            elif stored.get(first) != (a["shape"], a["dtype"]):
+                raise _Bad(f"{where}.arrays[{j}].same_as {first!r:.60} is not an earlier stored array "
+                           "of the same shape and dtype")
+
 
 
 def _check_step(rec, i: int) -> dict:
@@ -134,7 +153,8 @@ class WatchedRun:
         e = next((s for s in self.manifest["snapshots"] if s["step"] == step), None)
         if e is None:
             return None
-        expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(e["arrays"])}
+        stored = [a for a in e["arrays"] if "same_as" not in a]
+        expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(stored)}
         limit = sum(bundle_reader.nbytes_of(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
         try:
             data = self.source.read(e["file"], limit)
@@ -148,6 +168,9 @@ class WatchedRun:
                         raise _Bad(f"{e['file']}: {key} is {a.dtype}{list(a.shape)}, the index says "
                                    f"{STORAGE[dtype]}{list(shape)}")
                     out[key] = a
+                for a in e["arrays"]:  # a tensor seen twice at the same version: stored once
+                    if "same_as" in a:
+                        out[a["key"]] = out[a["same_as"]]
                 return out
         except _Bad as exc:
             raise UsageError(f"watched run {self.path}: {exc}") from None

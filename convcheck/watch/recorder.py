@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from convcheck.watch import stats as _stats
-from convcheck.watch.layout import DEFAULT_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, prepare_out
+from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
 
 
@@ -86,6 +86,9 @@ class Watch:
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
+        self.from_env = from_env()  # CONVCHECK_SNAPSHOT_STEPS / CONVCHECK_WATCH_MAX_BYTES win over the script's
+        snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
+        max_bytes = self.from_env.get("max_bytes", max_bytes)
         if not (isinstance(max_bytes, int) and max_bytes > 0):
             raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -101,6 +104,7 @@ class Watch:
         self.notes: list[str] = []
         self.truncated = False
         self.snapshot_index: list[dict] = []
+        self.skipped: list[dict] = []
         self._reset()
 
     # --- per-step state -------------------------------------------------------
@@ -112,7 +116,12 @@ class Watch:
         self.lr_used: list[float] | None = None
         self.last_leaf: tuple | None = None
         self.stepped = self.pending = False
-        self.taker = SnapshotTaker(self.names) if self._snapshotting(self.step_index) else None
+        self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
+                      else None)
+
+    def _budget(self) -> int:
+        """What a snapshot may take: the rest of max_bytes (a taker past it lets go of its copies)."""
+        return max(self.max_bytes - self.written, 0)
 
     def _snapshotting(self, step: int) -> bool:
         return step in self.snapshot_steps
@@ -207,7 +216,8 @@ class Watch:
         self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,
                          "detail": detail}
         if self.snapshot_nonfinite and self.taker is None:
-            self.taker = SnapshotTaker(self.names, partial=f"started at the first non-finite {direction} value")
+            self.taker = SnapshotTaker(self.names, partial=f"started at the first non-finite {direction} value",
+                                       budget=self._budget())
             self.snapshot_steps.add(self.step_index)
 
     def _pre_step(self, optimizer, args, kwargs):
@@ -285,10 +295,14 @@ class Watch:
 
     def _write_snapshot(self) -> None:
         size = self.taker.nbytes()
-        if self.written + size > self.max_bytes:
-            self.notes.append(f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: it would "
-                              f"pass max_bytes={self.max_bytes} ({self.max_bytes / 1e6:.1f} MB)")
-            print(f"convcheck.watch: {self.notes[-1]}", file=sys.stderr)
+        if self.taker.over is not None or self.written + size > self.max_bytes:
+            reason = (f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: it would pass "
+                      f"max_bytes={self.max_bytes} ({self.max_bytes / 1e6:.1f} MB, {self.written / 1e6:.1f} MB "
+                      f"written before it); raise max_bytes or {ENV_MAX_BYTES} to keep it")
+            self.skipped.append({"step": self.step_index, "bytes": size, "reason": reason})
+            self.notes.append(reason)
+            print(f"convcheck.watch: {reason}", file=sys.stderr)
+            self.taker.drop()
             return
         entry = self.taker.write(self.out / SNAPSHOTS, self.step_index)
         self.written += entry["bytes"]
@@ -312,7 +326,8 @@ class Watch:
             "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
             "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,
             "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
-            "max_bytes": self.max_bytes, "truncated": self.truncated,
+            "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,
+            "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in self.from_env.items()},
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
@@ -325,6 +340,9 @@ def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snaps
     records the loss); ``scaler``: a ``torch.amp.GradScaler`` whose scale and skipped steps to record;
     ``snapshot_steps``: the steps whose every layer input/output, parameter and gradient is saved (and the
     step where anything first turns non-finite, unless ``snapshot_nonfinite=False``); ``max_bytes``: the
-    most the run may write; ``force``: replace an earlier watched run in ``out``."""
+    most the run may write (a snapshot that would pass it is skipped with one warning, recorded in the
+    manifest's ``skipped_snapshots``); ``force``: replace an earlier watched run in ``out``. The environment
+    variables ``CONVCHECK_SNAPSHOT_STEPS=0,10,20`` and ``CONVCHECK_WATCH_MAX_BYTES=500M``, when set, replace
+    ``snapshot_steps`` and ``max_bytes`` without touching the script."""
     return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
                  snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force)

@@ -1,40 +1,85 @@
 """A snapshot step: every leaf layer's floating inputs and outputs, the parameters (as the step's
 forward saw them) and their gradients (before the optimizer used them), held until the step ends and
-then written as one ``snapshots/step_NNNNN.npz``. Copies are taken on the CPU; nothing is changed."""
+then written as one ``snapshots/step_NNNNN.npz``. Copies are taken on the CPU; nothing is changed.
+
+Cost (issue 25: a snapshot step <= 3x a bare step, memory bounded by the snapshot): a tensor seen
+twice at the same version (a layer's output is the next layer's input; an in-place ReLU's input is its
+output) is copied and written once, the other keys naming it (``same_as`` in the index); each array is
+copied once (to float32 for half types, else a plain copy) and written from its own memory into the
+archive. The taker holds at most ``budget`` bytes: past it, it drops what it holds and only counts, so
+the step is skipped with its size (``over``), never half-written and never held whole in memory."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 
 import numpy as np
 import torch
 
-
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
+MEMBER_SLACK = 512  # an .npz member's zip headers and .npy header: a bound, so the cap is never passed
+FILE_SLACK = 4096
 
 
 def _copy(t: torch.Tensor) -> tuple[np.ndarray, str] | None:
     if t.dtype not in STORED:
         return None
-    return t.detach().to("cpu", dtype=STORED[t.dtype]).contiguous().numpy().copy(), str(t.dtype)[6:]
+    src = t.detach()
+    c = src.to("cpu", dtype=STORED[t.dtype]).contiguous()
+    if c.data_ptr() == src.data_ptr():  # the same memory: the value may still change, so copy it once
+        c = c.clone()
+    return c.numpy(), str(t.dtype)[6:]
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """Which tensor memory and which state of it: the same key means the same values."""
+    return (t.device.type, t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def file_bound(nbytes: int, members: int) -> int:
+    """The most an ``.npz`` of ``members`` arrays holding ``nbytes`` in all can take on disk."""
+    return nbytes + MEMBER_SLACK * members + FILE_SLACK
 
 
 class SnapshotTaker:
     """Collects one step's arrays; ``write`` saves them and returns the index entry."""
 
-    def __init__(self, names: dict, partial: str | None = None):
+    def __init__(self, names: dict, partial: str | None = None, budget: int | None = None):
         self.arrays: dict[str, tuple[np.ndarray, str]] = {}
+        self.same_as: dict[str, str] = {}
+        self.seen: dict[tuple, tuple] = {}  # identity -> (first key, the tensor: held, so that its
+        # memory is not reused by another tensor with the same identity before the step ends)
         self.calls: dict[str, int] = {}
         self.params = False
         self.grads = False
         self.partial = partial
+        self.budget = budget
+        self.held = 0  # bytes of the arrays held
+        self.over: int | None = None  # past the budget: the bytes the snapshot would have taken
 
     def _put(self, key: str, t: torch.Tensor) -> None:
+        if t.dtype not in STORED:
+            return
+        ident = _identity(t)
+        first = self.seen.get(ident)
+        if first is not None:
+            self.same_as[key] = first[0]
+            return
+        self.seen[ident] = (key, t if self.over is None else None)
+        size = t.numel() * (8 if STORED[t.dtype] == torch.float64 else 4)
+        if self.over is not None:
+            self.over += size
+            return
+        if self.budget is not None and file_bound(self.held + size, len(self.arrays) + 1) > self.budget:
+            self.over = self.held + size
+            self.drop()  # let go of it now: memory stays bounded by the budget
+            return
         got = _copy(t)
-        if got is not None:
-            self.arrays[key] = got
+        self.arrays[key] = got
+        self.held += got[0].nbytes
 
     def take_call(self, layer: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
         k = self.calls.get(layer, 0)
@@ -56,24 +101,41 @@ class SnapshotTaker:
                 self._put(f"grad/{n}", p.grad)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a, _ in self.arrays.values())
+        """What the file will take at most (or, past the budget, what it would have taken)."""
+        if self.over is not None:
+            return file_bound(self.over, len(self.seen))
+        return file_bound(self.held, len(self.arrays))
+
+    def drop(self) -> None:
+        self.arrays.clear()
+        self.held = 0
+        self.seen = {ident: (key, None) for ident, (key, _) in self.seen.items()}
 
     def write(self, folder, step: int) -> dict:
         keys = sorted(self.arrays)
+        member = {k: f"a{i:05d}" for i, k in enumerate(keys)}
         rel = f"snapshots/step_{step:05d}.npz"
         path = folder / f"step_{step:05d}.npz"
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        try:  # streamed to the file (no second copy in memory), renamed into place
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **{f"a{i:05d}": self.arrays[k][0] for i, k in enumerate(keys)})
+        try:  # each array written from its own memory (no chunked copies), renamed into place when whole
+            with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+                for k in keys:
+                    a = self.arrays[k][0]
+                    with z.open(member[k] + ".npy", "w", force_zip64=True) as m:
+                        np.lib.format.write_array_header_1_0(m, np.lib.format.header_data_from_array_1_0(a))
+                        if a.nbytes:
+                            m.write(memoryview(a.reshape(-1)).cast("B"))
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        data_len = path.stat().st_size
-        entry = {"step": step, "file": rel, "bytes": data_len, "partial": self.partial,
-                 "arrays": [{"key": k, "shape": list(self.arrays[k][0].shape), "dtype": self.arrays[k][1]}
-                            for k in keys]}
-        self.arrays.clear()
+        arrays = [{"key": k, "shape": list(self.arrays[k][0].shape), "dtype": self.arrays[k][1]} for k in keys]
+        for k, first in sorted(self.same_as.items()):
+            if first in self.arrays:
+                arrays.append({"key": k, "shape": list(self.arrays[first][0].shape),
+                               "dtype": self.arrays[first][1], "same_as": first})
+        entry = {"step": step, "file": rel, "bytes": path.stat().st_size, "partial": self.partial,
+                 "arrays": arrays}
+        self.drop()
         return entry
