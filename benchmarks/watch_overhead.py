@@ -1,8 +1,10 @@
 """What ``convcheck.watch`` costs (issue 25): ratios against the bare loop, in one process.
 
 For each model: N bare SGD steps and N watched steps (statistics every step, no snapshot), alternated
-round by round so that both see the same machine; then one snapshot step against a bare step; and the
-process's peak RSS growth over the watched rounds against the snapshot's size.
+round by round so that both see the same machine; then one snapshot step (its file written) against the
+fastest of the bare steps around it, once per round; and the process's peak RSS growth over the snapshot
+steps against the snapshot's size. Each ratio is the median over the rounds, in wall time and in the
+process's CPU time (on a shared, loaded machine the CPU-time ratio is the steadier of the two).
 
     python benchmarks/watch_overhead.py --models cifar_cnn,resnet18 --steps 10 --rounds 3
 """
@@ -10,7 +12,9 @@ process's peak RSS growth over the watched rounds against the snapshot's size.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -25,8 +29,8 @@ import convcheck  # noqa: E402
 from reference_models import get_spec  # noqa: E402
 
 
-def _steps(model, opt, batches, w=None) -> float:
-    t0 = time.perf_counter()
+def _steps(model, opt, batches, w=None) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
     for x, y in batches:
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
@@ -34,11 +38,16 @@ def _steps(model, opt, batches, w=None) -> float:
         opt.step()
         if w is not None:
             w.step(loss)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _ratios(pairs) -> tuple[float, float]:
+    """Median of the rounds' watched/bare ratios, in wall time and in CPU time."""
+    return (statistics.median(w[0] / b[0] for w, b in pairs), statistics.median(w[1] / b[1] for w, b in pairs))
 
 
 def measure(name: str, steps: int, rounds: int, batch: int) -> dict:
@@ -49,20 +58,25 @@ def measure(name: str, steps: int, rounds: int, batch: int) -> dict:
     batches = [(torch.randn(batch, *spec.input_shape), torch.randint(0, spec.num_classes, (batch,)))
                for _ in range(steps)]
     _steps(model, opt, batches[:2])  # warm up
-    bare = watched = 0.0
+    stats_pairs, snap_pairs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            bare += _steps(model, opt, batches)
+            bare = _steps(model, opt, batches)
             with convcheck.watch(model, opt, out=Path(tmp) / f"w{r}", snapshot_steps=()) as w:
-                watched += _steps(model, opt, batches, w)
+                stats_pairs.append((_steps(model, opt, batches, w), bare))
         rss0 = _rss_mb()
-        one_bare = min(_steps(model, opt, batches[:1]) for _ in range(3))
-        with convcheck.watch(model, opt, out=Path(tmp) / "snap", snapshot_steps=(0,)) as w:
-            one_snap = _steps(model, opt, batches[:1], w)
-        snap_mb = sum(p.stat().st_size for p in (Path(tmp) / "snap" / "snapshots").iterdir()) / 1e6
+        for r in range(rounds):
+            before = _steps(model, opt, batches[:1])
+            with convcheck.watch(model, opt, out=Path(tmp) / f"snap{r}", snapshot_steps=(0,)) as w:
+                one_snap = _steps(model, opt, batches[:1], w)
+            after = _steps(model, opt, batches[:1])
+            snap_pairs.append((one_snap, (min(before[0], after[0]), min(before[1], after[1]))))
+        snap_mb = sum(p.stat().st_size for p in (Path(tmp) / "snap0" / "snapshots").iterdir()) / 1e6
         rss_growth = _rss_mb() - rss0
-    return {"model": name, "stats_ratio": watched / bare, "snapshot_ratio": one_snap / one_bare,
-            "snapshot_mb": snap_mb, "rss_growth_mb": rss_growth}
+    stats_wall, stats_cpu = _ratios(stats_pairs)
+    snap_wall, snap_cpu = _ratios(snap_pairs)
+    return {"model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu, "snapshot_ratio": snap_wall,
+            "snapshot_cpu_ratio": snap_cpu, "snapshot_mb": snap_mb, "rss_growth_mb": rss_growth}
 
 
 def main() -> None:
@@ -72,12 +86,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     args = p.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     for name in args.models.split(","):
         r = measure(name, args.steps, args.rounds, args.batch)
-        print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare | one snapshot step: "
-              f"{r['snapshot_ratio']:.2f}x a bare step ({r['snapshot_mb']:.1f} MB) | peak RSS growth "
+        print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare (CPU time "
+              f"{r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step (CPU time "
+              f"{r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | peak RSS growth "
               f"{r['rss_growth_mb']:.1f} MB")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ class Watch:
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         self.params = [(n, p) for n, p in model.named_parameters()]
+        self.cpu = all(p.device.type == "cpu" for _, p in self.params)  # hooks on one thread: _stats.one_thread
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
         self.producer: dict | None = None
@@ -165,6 +166,7 @@ class Watch:
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.model.training and not self.truncated
 
+    @_stats.single_threaded
     def _root_pre(self, module, args, kwargs):
         if self.pending:
             self._end_step(loss=None)
@@ -174,6 +176,7 @@ class Watch:
                 self.taker.take_params(self.params)
         return None
 
+    @_stats.single_threaded
     def _forward(self, module, args, output):
         if not self._recording():
             return None
@@ -204,6 +207,10 @@ class Watch:
 
     def _grad_hook(self, name: str):
         def hook(grad):
+            with _stats.one_thread(self.cpu):
+                return check(grad)
+
+        def check(grad):
             if self.producer is None and not _stats.finite(grad):
                 after = self.order.index(name) + 1 if name in self.order else len(self.order)
                 consumer = self.order[after] if after < len(self.order) else "the loss"
@@ -220,6 +227,7 @@ class Watch:
                                        budget=self._budget())
             self.snapshot_steps.add(self.step_index)
 
+    @_stats.single_threaded
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
         self.grad_norms = self._norms()
@@ -254,6 +262,7 @@ class Watch:
         return {n: float(v) for (n, _), v in zip(named, norms)}
 
     # --- the user's call -----------------------------------------------------------
+    @_stats.single_threaded
     def step(self, loss=None) -> None:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
