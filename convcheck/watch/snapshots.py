@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 import zipfile
 
 import numpy as np
@@ -50,8 +51,8 @@ class SnapshotTaker:
     def __init__(self, names: dict, partial: str | None = None, budget: int | None = None):
         self.arrays: dict[str, tuple[np.ndarray, str]] = {}
         self.same_as: dict[str, str] = {}
-        self.seen: dict[tuple, tuple] = {}  # identity -> (first key, the tensor: held, so that its
-        # memory is not reused by another tensor with the same identity before the step ends)
+        self.seen: dict[tuple, tuple] = {}  # identity -> (first key, a weak reference to the tensor:
+        # once it is gone, its memory may hold another tensor with the same identity, so no match)
         self.calls: dict[str, int] = {}
         self.params = False
         self.grads = False
@@ -65,10 +66,10 @@ class SnapshotTaker:
             return
         ident = _identity(t)
         first = self.seen.get(ident)
-        if first is not None:
+        if first is not None and first[1]() is not None:
             self.same_as[key] = first[0]
             return
-        self.seen[ident] = (key, t if self.over is None else None)
+        self.seen[ident] = (key, weakref.ref(t))
         size = t.numel() * (8 if STORED[t.dtype] == torch.float64 else 4)
         if self.over is not None:
             self.over += size
@@ -109,7 +110,6 @@ class SnapshotTaker:
     def drop(self) -> None:
         self.arrays.clear()
         self.held = 0
-        self.seen = {ident: (key, None) for ident, (key, _) in self.seen.items()}
 
     def write(self, folder, step: int) -> dict:
         keys = sorted(self.arrays)
