@@ -27,6 +27,9 @@ class ArmState:
         if arm.perturb_seed is not None:
             perturb_(self.model, self.runner.ulp, arm.perturb_seed, self.scratch)
         self._steps_done = 0  # optimizer steps taken (an ``every_step`` envelope run's nudges are seeded by it)
+        # an envelope run of a same-precision pair: nudged again at every step (an arm-like object without
+        # the field is not)
+        self._every_step = bool(getattr(arm, "every_step", False)) and arm.perturb_seed is not None
         self.opt = recipe.make_optimizer(self.model.parameters())
         self.schedule = recipe.make_schedule(self.opt, steps)
         self.clip = recipe.clip_grad_norm
@@ -117,7 +120,7 @@ class ArmState:
             # parity's probe names the layers that make such draws.
             seed_generators(rng_seed)
             self.opt.zero_grad(set_to_none=True)
-            if self.arm.every_step and self.arm.perturb_seed is not None and x.is_floating_point():
+            if self._every_step and x.is_floating_point():
                 x = nudged(x, runner.ulp, step_seed(self.arm.perturb_seed, -1 - self._steps_done))
             out, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
             loss_value = float(loss.detach())
@@ -131,7 +134,7 @@ class ArmState:
             lr = self.opt.param_groups[0]["lr"]
             clipped = self._clip(stats["grad_norm"])
             scale, skipped = runner.optimizer_step(self.opt, self.scaler)
-            if self.arm.every_step and self.arm.perturb_seed is not None:
+            if self._every_step:
                 # the null model of a same-precision pair: another one-ulp nudge after every step
                 perturb_(self.model, runner.ulp, step_seed(self.arm.perturb_seed, self._steps_done), self.scratch,
                          STEP_PERTURB_SLOT)
