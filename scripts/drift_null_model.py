@@ -4,7 +4,7 @@ For each scenario (a BatchNorm CNN written as a user would, on ``cpu,ddp:cpu:2``
 twice from the same seed: with the envelope runs nudged once before step 0 (the old null model, still the
 one of different-precision pairs) and nudged after every step too (the null model of same-precision pairs).
 Printed per scenario: the final spread of the envelope runs, the drift's largest ratio to that spread, the
-verdict and its exit code under each.
+verdict and its exit code under each; ``*`` marks the null model ``convcheck compare`` picks for the pair.
 
     python scripts/drift_null_model.py [--steps 30] [--only NAME,...]
 """
@@ -15,14 +15,14 @@ import argparse
 import functools
 import math
 import sys
-from pathlib import Path
 from unittest import mock
 
 import torch.nn as nn
 
 import convcheck.pipeline as pipeline
 from convcheck.diagnose.evidence import gather
-from convcheck.measure.train import make_arms
+from convcheck.measure.train import make_arms, same_precision
+from convcheck.targets.spec import parse_targets
 
 
 def bn_cnn() -> nn.Module:
@@ -40,6 +40,7 @@ SCENARIOS = {
     "bn-16-per-rank": ("cpu,ddp:cpu:2", dict(batch_size=32)),
     "bn-2-per-rank": ("cpu,ddp:cpu:2", dict(batch_size=4)),
     "bn-2-per-rank-sgd": ("cpu,ddp:cpu:2", dict(batch_size=4, optimizer="sgd", lr=0.05)),
+    "bn-16-per-rank-sgd": ("cpu,ddp:cpu:2", dict(batch_size=32, optimizer="sgd", lr=0.05)),
     "cpu-vs-bf16": ("cpu,cpu:bf16", dict(batch_size=32)),
 }
 
@@ -59,7 +60,7 @@ def run(targets: str, options: dict, steps: int, every_step: bool | None):
                 exit=0 if r else 1, headline=r.verdict.headline, finals=finals)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> int:  # noqa: D103
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--only", default="")
@@ -68,8 +69,10 @@ def main(argv=None) -> int:
     for name in names:
         targets, options = SCENARIOS[name]
         print(f"== {name}: {targets} {options}, {a.steps} steps, envelope 3", flush=True)
-        for label, every in (("nudged once", False), ("per step", True), ("auto", None)):
+        auto = same_precision(parse_targets(targets))
+        for label, every in (("nudged once", False), ("per step", True)):
             m = run(targets, options, a.steps, every)
+            label += " *" if every == auto else ""
             finals = ", ".join(f"{k} {v:.4g}" for k, v in m["finals"].items())
             print(f"  {label:<12} final spread {m['spread']:.3g}  drift {m['ratio']:.3g}x ({m['drift']})  "
                   f"-> {m['category']} exit {m['exit']}  [{finals}]", flush=True)
