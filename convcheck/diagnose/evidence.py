@@ -224,7 +224,9 @@ def _drift(result) -> S.Symptom | None:
     judge = str(result.config.judge)
     pair = sorted((str(t) for t in result.config.targets), key=lambda n: n == judge)
     lower = result.training.lower_precision
-    return S.envelope_drift(result.training.curves, pair, str(lower) if lower is not None else None)
+    envelope = result.training.envelope
+    return S.envelope_drift(result.training.curves, pair, str(lower) if lower is not None else None,
+                            envelope.null_model if envelope is not None else "one-ulp envelope")
 
 
 def _closest_layers(layers) -> tuple[LayerMargin, ...]:

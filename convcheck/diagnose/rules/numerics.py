@@ -51,7 +51,8 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     elif main.name in S.NONFINITE_TENSORS:
         headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.DRIFT:
-        headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the one-ulp noise envelope "
+        envelope = main.extra.get("envelope", "one-ulp envelope").replace("envelope", "noise envelope")
+        headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the {envelope} "
                     f"from step {main.step}, while every layer is within its floor's bound")
     elif main.name == S.ILL_CONDITIONED:
         headline = (f"'{layer}' ({main.extra.get('module')}) is ill-conditioned at {main.arm}'s precision: rounding "

@@ -102,9 +102,13 @@ def fragile_envelope(ev: Evidence) -> Verdict | None:
     if (not ev.judgeable or not failed or ev.step0_symptoms
             or not all(info.converged for _, info in _target_outcomes(ev))):
         return None
+    per_step = ev.envelope is not None and ev.envelope.every_step  # a same-precision pair's null model
     return fragile_envelope.verdict(
         [f"{failed}/{ev.envelope_runs} perturbed runs did not converge", *training_lines(ev)],
         {"failed": failed, "runs": ev.envelope_runs},
+        headline=(f"{failed} of {ev.envelope_runs} envelope runs of the lower-precision target fail from one-ulp "
+                  "changes of the weights and batches at every step: the setup is fragile, not the device")
+        if per_step else None,
         sub_cause="fragile setup", symptoms=[S.ENVELOPE_RUNS_FAIL])
 
 
