@@ -129,10 +129,12 @@ def test_batchnorm_at_16_per_rank_is_not_a_discrepancy(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_batchnorm_per_rank_statistics_at_2_per_rank_stay_a_setup_verdict(tmp_path, capsys):
-    """The real drift of a same-precision pair: at 2 samples per rank without SyncBatchNorm each rank
-    normalises its own slice (another model than one device); the per-step null model must not hide it."""
-    code = _cli(tmp_path, "--batch-size", "4", "--steps", "30", "--optimizer", "sgd", "--lr", "0.05")
+def test_batchnorm_per_rank_statistics_at_1_per_rank_stay_a_setup_verdict(tmp_path, capsys):
+    """The real drift of a same-precision pair: at 1 sample per rank without SyncBatchNorm each rank
+    normalises its own sample (another model than one device: the DDP arm ends at 2.80 against 2.40); the
+    per-step null model must not hide it. (At 2 per rank this net ends within 5% of the loss's fall of one
+    device - 0.0047 against 0.0013 from 2.4 - a note, not the verdict.)"""
+    code = _cli(tmp_path, "--batch-size", "2", "--steps", "30", "--optimizer", "sgd", "--lr", "0.05")
     s = _summary(capsys)
     v = s["verdict"]
     assert code == 1, v
