@@ -93,6 +93,7 @@ class Watch:
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         self.params = [(n, p) for n, p in model.named_parameters()]
+        self.device = str(self.params[0][1].device) if self.params else "cpu"
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
         self.producer: dict | None = None
@@ -187,6 +188,9 @@ class Watch:
                 bad = _nonfinite(outs)
             if outs and bad and not _nonfinite(_floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
+                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
+
+                self.producer.update(live_op(module, args))  # the op that made them
             elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
                 outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
         return None
@@ -286,7 +290,8 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            "model": {"class": type(self.model).__name__,
+            "model": {"class": type(self.model).__name__, "module": type(self.model).__module__,
+                      "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],
                       "layers": [self.names[m] for m in self.names if m in self.leaves]},
