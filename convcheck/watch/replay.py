@@ -2,8 +2,9 @@
 inside the code that made the first NaN/Inf.
 
 **Replay** (``replay_run``): when the run recorded its model's class (``model.module`` and
-``model.qualname`` of the manifest) and that class is an ``nn.Module`` importable here and buildable
-without arguments, an instance gets each snapshot step's parameters; every leaf call of the step is
+``model.qualname`` of the manifest) and that class is an ``nn.Module`` importable here (the current
+folder on the path, as ``python -m`` has it; never a standard-library module: the names come from an
+untrusted bundle) and buildable without arguments, an instance gets each snapshot step's parameters; every leaf call of the step is
 then held against its measured floor exactly as ``compare`` holds a layer's forward
 (``measure.parity.checks.check_forward``): the layer's float64 copy on the recorded input is the
 judge's output, the recorded output is the target's, and the floor is the layer in float64 on its
@@ -25,6 +26,8 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -168,15 +171,16 @@ class Replay:
             return f"not replayed: {self.note}" if self.note else "no layer call to replay"
         steps = ", ".join(map(str, self.steps))
         bad = len(self.flagged)
-        head = (f"{len(self.rows)} layer calls at step{'s' if len(self.steps) > 1 else ''} {steps} replayed in "
-                f"float64: " + ("all within their floors" if not bad else f"{bad} above their floors"))
+        head = (f"{len(self.rows)} layer calls at step{'s' if len(self.steps) > 1 else ''} {steps} replayed: "
+                + ("all within their floors" if not bad else f"{bad} above their floors"))
         if self.overflows:
             head += f", {len(self.overflows)} overflowed"
         return head
 
     def to_dict(self) -> dict:
         return {"judge": self.judge, "note": self.note, "steps": list(self.steps), "skipped": list(self.skipped),
-                "rows": [vars(r) for r in self.rows]}
+                "rows": [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in vars(r).items()}
+                         for r in self.rows]}
 
 
 def model_class(manifest: dict) -> tuple[type | None, str | None]:
@@ -188,9 +192,15 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     label = f"{mod}.{qual}"[:120]
     if "<locals>" in qual:
         return None, f"the model's class {label} is defined inside a function: not importable here"
+    if mod.split(".")[0] in sys.stdlib_module_names:
+        return None, f"{label} names a module of Python's standard library, not a model's"
     if mod == "__main__":
         return None, (f"the model's class {label} was defined in the script itself: not importable here "
                       "(move it into a module the script imports)")
+    here = os.getcwd()
+    added = here not in sys.path  # as `python -m` has it: the user's modules where diff is run
+    if added:
+        sys.path.insert(0, here)
     try:
         obj = importlib.import_module(mod)
         for part in qual.split("."):
@@ -198,6 +208,9 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     except Exception as exc:  # ImportError, AttributeError, whatever the module raises on import
         return None, f"the model's class {label} is not importable here ({type(exc).__name__}: " \
                      f"{(str(exc).splitlines() or [''])[0][:100]})"
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
         return None, f"{label} is not a torch.nn.Module class"
     return obj, None
