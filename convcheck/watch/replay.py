@@ -172,7 +172,8 @@ class Replay:
         steps = ", ".join(map(str, self.steps))
         bad = len(self.flagged)
         head = (f"{len(self.rows)} layer calls at step{'s' if len(self.steps) > 1 else ''} {steps} replayed: "
-                + ("all within their floors" if not bad else f"{bad} above their floors"))
+                + ("all within their floors" if not bad else
+                   f"{bad} above {'its floor' if bad == 1 else 'their floors'}"))
         if self.overflows:
             head += f", {len(self.overflows)} overflowed"
         return head
@@ -189,7 +190,7 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     mod, qual = m.get("module"), m.get("qualname")
     if not isinstance(mod, str) or not isinstance(qual, str) or not mod or not qual:
         return None, f"the run did not record its model's module (model class {m.get('class')!r:.60})"
-    label = f"{mod}.{qual}"[:120]
+    label = f"{mod}.{qual}"[:200]
     if "<locals>" in qual:
         return None, f"the model's class {label} is defined inside a function: not importable here"
     if mod.split(".")[0] in sys.stdlib_module_names:

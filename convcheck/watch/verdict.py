@@ -135,7 +135,11 @@ def decide(d, a, b) -> Verdict:
         return found
     flagged = first_flagged(d.replays)
     if flagged is not None:
-        return layer_verdict(flagged[0], flagged[1], f"{flagged[0]}'s ")
+        side, row = flagged
+        other = d.replays["AB".index(side) ^ 1]
+        if other is not None and any(r.layer == row.layer for r in other.flagged):
+            return layer_verdict("", row, "in both runs, ")  # the layer's code, whatever the target
+        return layer_verdict(side, row, f"{side}'s ")
     part = d.parting
     if part is None and d.loss_step is not None:
         part = Parting(d.loss_step, "the loss", "the losses differ by more than 1e-3 (relative)")
