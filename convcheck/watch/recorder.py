@@ -77,6 +77,13 @@ def math_flags() -> dict:
             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
 
 
+def _module_of(cls: type) -> str:
+    """The module ``cls`` can be imported from: a script run with ``python -m pkg.script`` is ``__main__``
+    here but ``pkg.script`` to ``convcheck diff`` (its float64 replay imports the model's class)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None) if cls.__module__ == "__main__" else None
+    return spec.name if spec is not None and spec.name else cls.__module__
+
+
 class Watch:
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
@@ -290,7 +297,7 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            "model": {"class": type(self.model).__name__, "module": type(self.model).__module__,
+            "model": {"class": type(self.model).__name__, "module": _module_of(type(self.model)),
                       "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],

@@ -97,22 +97,19 @@ def hookless_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def op_text(p: dict) -> str:
-    """``op matmul: values reach 7.6e+04 > 65504 (float16's largest)`` from a producer's record (any
-    field missing or of the wrong type is left out: the record comes from an untrusted bundle)."""
-    op, mag, dtype = p.get("op"), p.get("magnitude"), p.get("dtype")
-    if not isinstance(op, str):
+def magnitude_text(p: dict) -> str:
+    """``values reach 7.6e+04 > 65504 (float16's largest)``: the producing op's float64 magnitude, from a
+    producer's record (a field missing or of the wrong type says nothing: the record is untrusted)."""
+    mag, dtype = p.get("magnitude"), p.get("dtype")
+    if not isinstance(p.get("op"), str) or not isinstance(mag, (int, float)) or isinstance(mag, bool) \
+            or math.isnan(mag):
         return ""
-    text = f"op {op[:60]}"
-    if isinstance(mag, (int, float)) and not isinstance(mag, bool) and not math.isnan(mag):
-        limit = _largest(dtype)
-        if math.isinf(mag):
-            text += ": non-finite in float64 too"
-        elif limit is not None and mag > limit:
-            text += f": values reach {mag:.3g} > {limit:.6g} ({dtype}'s largest)"
-        else:
-            text += f": its float64 values reach {mag:.3g}"
-    return text
+    limit = _largest(dtype)
+    if math.isinf(mag):
+        return "non-finite in float64 too"
+    if limit is not None and mag > limit:
+        return f"values reach {mag:.3g} > {limit:.6g} ({dtype}'s largest)"
+    return f"its float64 values reach {mag:.3g}"
 
 
 def _largest(dtype) -> float | None:
@@ -197,7 +194,7 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
         return None, f"{label} names a module of Python's standard library, not a model's"
     if mod == "__main__":
         return None, (f"the model's class {label} was defined in the script itself: not importable here "
-                      "(move it into a module the script imports)")
+                      "(run the script with python -m, or move the class into a module it imports)")
     here = os.getcwd()
     added = here not in sys.path  # as `python -m` has it: the user's modules where diff is run
     if added:

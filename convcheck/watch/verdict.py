@@ -32,10 +32,10 @@ def producer_where(p: dict) -> str:
 
 
 def producer_text(p: dict) -> str:
-    from convcheck.watch.replay import op_text
+    from convcheck.watch.replay import magnitude_text
 
     detail = [str(p["detail"])[:200]] if p.get("detail") else []
-    detail += [op_text(p)] if op_text(p) else []
+    detail += [magnitude_text(p)] if magnitude_text(p) else []
     return f"{producer_where(p)} at step {p['step']}" + (f": {'; '.join(detail)}" if detail else "")
 
 DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
