@@ -140,7 +140,7 @@ class LayerRow:
         if self.overflow is not None:
             return f"{where}: its {self.dtype} output overflows; the judge's values reach {self.overflow:.3g} " \
                    f"> {_largest(self.dtype) or math.inf:.6g}"
-        over = self.local / self.floor if self.floor > 0 else math.inf
+        over = self.local / self.floor if self.floor > 0 else (math.inf if self.local > 0 else 0.0)
         return f"{where}: local error {self.local:.3g} against its floor {self.floor:.3g} " \
                f"({over:.3g}x; the bound is {self.bound:.3g})"
 
@@ -279,6 +279,11 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
             out.skipped.append(f"step {step}: its snapshot holds no parameters ({entry.get('partial') or 'partial'})")
             continue
         snap = run.snapshot(step)
+        wrong = next((n for n, p in model.named_parameters()
+                      if f"param/{n}" in snap and tuple(snap[f"param/{n}"].shape) != tuple(p.shape)), None)
+        if wrong is not None:
+            out.skipped.append(f"step {step}: its snapshot's {wrong} is not the shape of the model's")
+            continue
         with torch.no_grad():
             for n, p in model.named_parameters():
                 key = f"param/{n}"

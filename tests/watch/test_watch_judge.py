@@ -203,3 +203,32 @@ def test_naming_the_op_draws_no_random_number(tmp_path):
     p = json.loads((tmp_path / "run" / "manifest.json").read_text())["first_nonfinite"]
     assert (p["layer"], p["kind"], p["op"], p["dtype"]) == ("_DropAttention", "own code", "matmul", "float16")
     assert p["magnitude"] > 65504
+
+
+def test_a_snapshot_whose_parameter_is_not_the_models_shape_is_skipped(tmp_path, capsys):
+    import numpy as np
+
+    _tiny_run(tmp_path / "a", _Tiny)
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    entry = m["snapshots"][0]
+    path = tmp_path / "a" / entry["file"]
+    with np.load(path) as z:
+        arrays = dict(z)
+    i = next(i for i, a in enumerate(entry["arrays"]) if a["key"] == "param/fc.weight")
+    arrays[f"a{i:05d}"] = np.zeros((3, 3), dtype=np.float32)
+    entry["arrays"][i]["shape"] = [3, 3]
+    np.savez(path, **arrays)
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(m))
+    code, out, err = diff(capsys, tmp_path / "a", "--judge", "cpu:float64")
+    assert code == 0 and err == "" and "Traceback" not in out
+    assert "not replayed: step 0: its snapshot's fc.weight is not the shape of the model's" in out
+
+
+def test_a_cnn_with_batchnorm_inplace_relu_and_dropout_replays_within_its_floors(tmp_path, capsys):
+    from .test_watch import _train
+
+    _train(tmp_path / "cnn", steps=2)
+    code, out, _ = diff(capsys, tmp_path / "cnn", "--judge", "cpu:float64")
+    assert code == 0, out
+    assert "float64 judge (cpu:float64): 4 layer calls at step 0 replayed: all within their floors" in out
+    assert "not replayed: step 0, drop: a random layer (its draw is not recorded)" in out
