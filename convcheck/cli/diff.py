@@ -12,7 +12,8 @@ import sys
 
 
 def add_diff_parser(sub, run) -> argparse.ArgumentParser:
-    p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record' or runs from convcheck.watch)",
+    p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record' or runs from "
+                                    "convcheck.watch), or one watched run against --judge",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a", metavar="RUN_A", help="a bundle folder or .zip")
     p.add_argument("run_b", metavar="RUN_B", nargs="?", default=None,

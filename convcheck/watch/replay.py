@@ -4,16 +4,17 @@ inside the code that made the first NaN/Inf.
 **Replay** (``replay_run``): when the run recorded its model's class (``model.module`` and
 ``model.qualname`` of the manifest) and that class is an ``nn.Module`` importable here (the current
 folder on the path, as ``python -m`` has it; never a standard-library module: the names come from an
-untrusted bundle) and buildable without arguments, an instance gets each snapshot step's parameters; every leaf call of the step is
-then held against its measured floor exactly as ``compare`` holds a layer's forward
+untrusted bundle) and buildable without arguments, an instance gets each snapshot step's parameters;
+every leaf call of the step is then held against its measured floor exactly as ``compare`` holds a
+layer's forward
 (``measure.parity.checks.check_forward``): the layer's float64 copy on the recorded input is the
 judge's output, the recorded output is the target's, and the floor is the layer in float64 on its
 operands rounded to the run's precision for that layer (``FloorMeter``; the precision read from the
 recorded output's dtype: float32 - TF32 for a CUDA run whose TF32 switches were on -, float16 or
 bfloat16 operands with float32 sums). A recorded output that overflowed is not a layer's fault: its
 row says how large the judge's values are there (``overflow``). A snapshot without parameters (the one
-taken from the first NaN/Inf on), a random layer (dropout), a call whose recorded inputs are not all
-finite or that its forward does not take, is skipped and said so.
+taken from the first NaN/Inf on), a random layer (dropout), a layer working in place, a call whose
+recorded inputs are not all finite or that its forward does not take, is skipped and said so.
 
 **The op** (``live_op``): called by the recorder once, when it finds the first non-finite producer in
 a forward: a hook-less copy of the module re-runs on the same inputs under ``FirstNonfiniteOp`` (the
@@ -313,6 +314,9 @@ def _replay_call(module, layer, step, k, snap, dtypes, judge, tol, manifest, cac
     where = f"step {step}, {layer}"
     if isinstance(module, RANDOM_LAYERS) and module.training and getattr(module, "p", 0) > 0:
         out.skipped.append(f"{where}: a random layer (its draw is not recorded)")
+        return None
+    if getattr(module, "inplace", False) is True:  # the recorded input is its output already
+        out.skipped.append(f"{where}: works in place (its input was not kept)")
         return None
     inputs, i = [], 0
     while f"in/{layer}/{k}/{i}" in snap:

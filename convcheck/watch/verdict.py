@@ -1,8 +1,10 @@
 """The verdict of a watched-run diff, in ``compare``'s categories (``diagnose/verdict.py``).
 
 In order: different data (``setup``), non-finite values on one side or from different producers
-(``numerics``), a layer the float64 judge finds above its floor at a snapshot step (``layer``), a parting beyond rounding explained by different precisions (``numerics``), by different
-stacks (``version``), or by nothing recorded (``nondeterminism``); otherwise ``ok``."""
+(``numerics``), a layer the float64 judge finds above its floor at a snapshot step (``layer``), a
+parting beyond rounding explained by different precisions (``numerics``), by different stacks
+(``version``), or by nothing recorded (``nondeterminism``); otherwise ``ok``. ``decide_single``: one
+run against the judge alone."""
 
 from __future__ import annotations
 
