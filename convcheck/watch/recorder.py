@@ -62,6 +62,11 @@ def batch_hash(args, kwargs) -> str:
     return h.hexdigest()
 
 
+def _closure(args, kwargs) -> bool:
+    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
+    return (args[0] if args else kwargs.get("closure")) is not None
+
+
 def _nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
 
@@ -221,12 +226,19 @@ class Watch:
 
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
+        if _closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
+            return None
+        self._read_grads()
+        return None
+
+    def _read_grads(self) -> None:
         self.grad_norms = self._norms()
         if self.taker is not None:
             self.taker.take_grads(self.params)
-        return None
 
     def _post_step(self, optimizer, args, kwargs):
+        if _closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
+            self._read_grads()
         self.stepped = True
         self.pending = not self.explicit  # ended at the next forward (or w.step, or exit)
         return None
