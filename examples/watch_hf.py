@@ -81,7 +81,7 @@ def main(out: str, steps: int = 4) -> None:
                                  remove_unused_columns=False)
         trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(),
                           callbacks=[ConvcheckCallback(out=out, force=True)])                # the convcheck line
-        trainer.train()
+        return trainer.train()
 
 
 if __name__ == "__main__":
