@@ -32,10 +32,15 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 
 
 def run_diff(args) -> int:
+    from convcheck.watch.rankdiff import is_ranked_pair
     from convcheck.watch.reader import schema_of
 
     if args.run_b is None:
         return run_watched_judge(args)
+    if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
+        from convcheck.cli.diff_ranks import run_ranked_diff
+
+        return run_ranked_diff(args)
     kinds = [schema_of(p) for p in (args.run_a, args.run_b)]
     if any(k == "convcheck.watch/1" for k in kinds):
         return run_watched_diff(args, kinds)

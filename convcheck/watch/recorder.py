@@ -21,6 +21,7 @@ import torch
 from convcheck.watch import stats as _stats
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.ranks import rank_out
 
 
 def seed_everything(seed: int) -> None:
@@ -99,7 +100,8 @@ class Watch:
         if not (isinstance(max_bytes, int) and max_bytes > 0):
             raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.out, self.force = Path(out), force
+        self.out, self.distributed = rank_out(Path(out))  # under DDP: out/rank<k>
+        self.force = force
         self.snapshot_steps = {int(s) for s in snapshot_steps}
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
@@ -318,6 +320,7 @@ class Watch:
             "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,
             "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
             "max_bytes": self.max_bytes, "truncated": self.truncated,
+            "distributed": self.distributed,
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
