@@ -144,16 +144,18 @@ class RankedDiff:
             out = [f"ranks of one DDP run: A = {self.a}, B = {self.b} (world size {self.world})"]
         else:
             out = [f"DDP runs: A = {self.a}, B = {self.b}, {self.world} ranks each, diffed rank by rank"]
+        explained = any(f.kind != "steps" for f in self.findings)
         for k, d in enumerate(self.per_rank):
-            out.append(f"rank {k}: {d.verdict.category}: {d.verdict.headline}")
+            note = " (a consequence of the finding across ranks below)" if explained and not d else ""
+            out.append(f"rank {k}: {d.verdict.category}: {d.verdict.headline}{note}")
         if self.per_rank:
             for run in ("A", "B"):
                 mine = [f for f in self.findings if f.run == run]
                 out.append(f"across the ranks of {run}: " + ("the parameters, averaged gradients and learning "
                                                             "rates agree at every step" if not mine else
                                                             f"{len(mine)} finding(s) against rank 0"))
-        out += [f"  - {f.line()}" for f in self.findings]
         v = self.verdict
+        out += [f"  - {f.line()}" for f in self.findings if f.line() not in v.evidence]
         out.append(f"verdict: {v.category}: {v.headline}")
         out += [f"  - {e}" for e in v.evidence]
         out += [f"  remedy: {r}" for r in v.remedies]
