@@ -70,13 +70,13 @@ class RandomTokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def main(out: str, steps: int = 4) -> None:
+def main(out: str, steps: int = 4, accumulate: int = 1):
     bf16 = os.environ.get("CONVCHECK_PRECISION", "fp32") == "bf16"
     torch.manual_seed(0)
     model = TinyClassifier(TinyConfig())
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, max_steps=steps, per_device_train_batch_size=16, learning_rate=0.05,
-                                 bf16=bf16, use_cpu=True, seed=0, report_to="none", save_strategy="no",
+                                 bf16=bf16, use_cpu=True, gradient_accumulation_steps=accumulate, seed=0, report_to="none", save_strategy="no",
                                  logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
                                  remove_unused_columns=False)
         trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(),

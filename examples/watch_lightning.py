@@ -39,15 +39,20 @@ class SmallCNN(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.001, momentum=0.9)
 
 
-def main(out: str, steps: int = 4) -> None:
-    precision = {"fp32": "32-true", "bf16": "bf16-mixed"}[os.environ.get("CONVCHECK_PRECISION", "fp32")]
-    L.seed_everything(0, verbose=False)
+def make_loader() -> DataLoader:
     g = torch.Generator().manual_seed(1)
     pixels = torch.randint(0, 256, (256, 1, 8, 8), generator=g).float()  # raw 0..255, never normalized
     data = TensorDataset(pixels, torch.randint(0, 10, (256,), generator=g))
-    loader = DataLoader(data, batch_size=32, shuffle=True,
-                        generator=torch.Generator().manual_seed(int(os.environ.get("CONVCHECK_LOADER_SEED", "0"))))
+    return DataLoader(data, batch_size=32, shuffle=True,
+                      generator=torch.Generator().manual_seed(int(os.environ.get("CONVCHECK_LOADER_SEED", "0"))))
+
+
+def main(out: str, steps: int = 4, accumulate: int = 1) -> None:
+    precision = {"fp32": "32-true", "bf16": "bf16-mixed"}[os.environ.get("CONVCHECK_PRECISION", "fp32")]
+    L.seed_everything(0, verbose=False)
+    loader = make_loader()
     trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=steps, logger=False,
+                        accumulate_grad_batches=accumulate,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[ConvcheckCallback(out=out, force=True)])          # the convcheck line
     trainer.fit(SmallCNN(), loader)

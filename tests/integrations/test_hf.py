@@ -49,6 +49,15 @@ def test_each_trainer_step_is_recorded_with_the_models_loss(runs):
     assert mean == pytest.approx(results["fp32"].training_loss, rel=1e-6)
 
 
+def test_an_accumulated_step_is_one_watched_step_with_its_micro_batches(runs, tmp_path):
+    tmp, _ = runs
+    example = runpy.run_path(str(EXAMPLE))
+    result = example["main"](str(tmp_path / "accumulated"), steps=2, accumulate=2)
+    steps = [json.loads(line) for line in (tmp_path / "accumulated" / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["stepped"] and len(s["batch_sha256"]) == 2 for s in steps)
+    assert sum(s["loss"] for s in steps) / 2 == pytest.approx(result.training_loss, rel=1e-6)
+
+
 def test_two_float32_runs_agree(runs, capsys):
     tmp, _ = runs
     assert main(["diff", str(tmp / "fp32"), str(tmp / "fp32_again"), "--no-save"]) == 0

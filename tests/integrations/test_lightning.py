@@ -54,6 +54,31 @@ def test_each_optimizer_step_is_recorded_with_its_loss_and_gradients(runs):
     assert [e["step"] for e in manifest["snapshots"]] == [0]
 
 
+def test_an_accumulated_step_is_one_watched_step_with_its_micro_batches(runs, tmp_path):
+    example = runpy.run_path(str(EXAMPLE))
+    example["main"](str(tmp_path / "accumulated"), steps=2, accumulate=2)
+    steps = [json.loads(line) for line in (tmp_path / "accumulated" / "steps.jsonl").read_text().splitlines()]
+    once = [json.loads(line) for line in (runs / "fp32" / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["stepped"] for s in steps)
+    # each micro-batch: the loader's batch, then the forward's input; the same batches as the plain run's 0..3
+    assert [s["batch_sha256"] for s in steps] == [once[0]["batch_sha256"] + once[1]["batch_sha256"],
+                                                  once[2]["batch_sha256"] + once[3]["batch_sha256"]]
+    # the loss Lightning computed: the mean of the two micro-batches' losses at the step's parameters (each
+    # handed over divided by 2), recomputed here from the snapshot's parameters and the example's loader
+    import torch
+    import torch.nn.functional as F
+
+    from convcheck.watch.reader import open_watched
+
+    snapshot = open_watched(tmp_path / "accumulated").snapshot(0)
+    model = example["SmallCNN"]()
+    model.load_state_dict({k[len("param/"):]: torch.from_numpy(v) for k, v in snapshot.items() if k.startswith("param/")})
+    (x0, y0), (x1, y1), *_ = example["make_loader"]()
+    with torch.no_grad():
+        expected = (F.cross_entropy(model(x0), y0) + F.cross_entropy(model(x1), y1)) / 2
+    assert steps[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_two_float32_runs_agree(runs, capsys):
     code, out = diff(capsys, runs / "fp32", runs / "fp32_again")
     assert code == 0

@@ -120,3 +120,19 @@ def test_every_rank_on_the_same_batches_is_named(ddp_runs, capsys):
     assert code == 1
     assert "verdict: setup: in B, ranks 0 and 1 trained on the same batches at every step" in out
     assert "DistributedSampler" in out
+
+
+def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(tmp_path, capsys):
+    import shutil
+
+    one_rank_run(tmp_path / "ddp", tmp_path)
+    shutil.copytree(tmp_path / "ddp" / "rank0", tmp_path / "ddp" / "rank1")  # rank1/ says it is rank 0
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "rank1: its manifest says rank 0, not 1" in err
+    manifest = tmp_path / "ddp" / "rank1" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["distributed"] = {"rank": "1", "world_size": 2}
+    manifest.write_text(json.dumps(m))
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
+    assert code == 2 and "has no valid distributed rank" in err and len(err.strip().splitlines()) == 1
