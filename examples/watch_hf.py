@@ -1,9 +1,12 @@
 """A Hugging Face ``Trainer`` run diagnosed with ``convcheck.watch`` (issue 25): run it twice, then diff.
 
     pip install 'convcheck[hf]'
-    CONVCHECK_PRECISION=fp32 python examples/watch_hf.py runs/hf_fp32
-    CONVCHECK_PRECISION=bf16 python examples/watch_hf.py runs/hf_bf16
+    CONVCHECK_PRECISION=fp32 python -m examples.watch_hf runs/hf_fp32
+    CONVCHECK_PRECISION=bf16 python -m examples.watch_hf runs/hf_bf16
     convcheck diff runs/hf_fp32 runs/hf_bf16
+
+(``python -m`` from the repository's root: the model's class is then importable where ``diff`` runs, and
+its float64 replay of the snapshot layers runs too; ``python examples/watch_hf.py`` diffs without it.)
 
 The only convcheck line is the callback in ``Trainer(callbacks=[...])``. The model is a tiny
 ``PreTrainedModel`` defined here (no download): a token embedding, one hand-written self-attention and a
@@ -35,7 +38,8 @@ class TinyConfig(PretrainedConfig):
 class TinyClassifier(PreTrainedModel):
     config_class = TinyConfig
 
-    def __init__(self, config):
+    def __init__(self, config=None):  # buildable without arguments: diff's float64 replay builds it
+        config = config if config is not None else TinyConfig()
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab, config.d)
         self.q, self.k, self.v = (nn.Linear(config.d, config.d) for _ in range(3))
@@ -73,7 +77,7 @@ class RandomTokens(Dataset):
 def main(out: str, steps: int = 4, accumulate: int = 1):
     bf16 = os.environ.get("CONVCHECK_PRECISION", "fp32") == "bf16"
     torch.manual_seed(0)
-    model = TinyClassifier(TinyConfig())
+    model = TinyClassifier()
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, max_steps=steps, per_device_train_batch_size=16, learning_rate=0.05,
                                  bf16=bf16, use_cpu=True, gradient_accumulation_steps=accumulate, seed=0, report_to="none", save_strategy="no",

@@ -1,9 +1,12 @@
 """A PyTorch Lightning run diagnosed with ``convcheck.watch`` (issue 25): run it twice, then diff.
 
     pip install 'convcheck[lightning]'
-    CONVCHECK_PRECISION=fp32 python examples/watch_lightning.py runs/lightning_fp32
-    CONVCHECK_PRECISION=bf16 python examples/watch_lightning.py runs/lightning_bf16
+    CONVCHECK_PRECISION=fp32 python -m examples.watch_lightning runs/lightning_fp32
+    CONVCHECK_PRECISION=bf16 python -m examples.watch_lightning runs/lightning_bf16
     convcheck diff runs/lightning_fp32 runs/lightning_bf16
+
+(``python -m`` from the repository's root: the LightningModule is then importable where ``diff`` runs, and
+its float64 replay of the snapshot layers runs too; ``python examples/watch_lightning.py`` diffs without it.)
 
 The only convcheck line is the callback in ``Trainer(callbacks=[...])``. ``CONVCHECK_PRECISION`` picks
 Lightning's ``32-true`` or ``bf16-mixed`` (bfloat16 autocast); ``CONVCHECK_LOADER_SEED`` seeds the

@@ -206,8 +206,9 @@ def is_ranked_pair(path_a, path_b) -> bool:
     return same and all(RANK_DIR.fullmatch(p.name) for p in (a, b))
 
 
-def diff_ranked(path_a, path_b) -> RankedDiff:
-    """Two DDP runs rank by rank (and each run's ranks against its rank 0), or two ranks of one run."""
+def diff_ranked(path_a, path_b, judge: str | None = None) -> RankedDiff:
+    """Two DDP runs rank by rank (and each run's ranks against its rank 0), or two ranks of one run;
+    ``judge``: the float64 target that replays each rank pair's snapshot steps (``diff.diff_watched``)."""
     fa, fb = rank_folders(path_a), rank_folders(path_b)
     if fa is None and fb is None:  # two ranks of one run
         ra, rb = open_watched(path_a), open_watched(path_b)
@@ -227,5 +228,5 @@ def diff_ranked(path_a, path_b) -> RankedDiff:
             if _distributed(r)["rank"] != k:
                 raise UsageError(f"watched run {p}: its manifest says rank {_distributed(r)['rank']}, not {k}")
     findings = across(runs_a, "A") + across(runs_b, "B")
-    per_rank = [diff_watched(x, y) for x, y in zip(fa, fb)]
+    per_rank = [diff_watched(x, y, judge=judge) for x, y in zip(fa, fb)]
     return RankedDiff(str(path_a), str(path_b), len(fa), per_rank, findings, _decide(findings, per_rank))
