@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,13 +56,21 @@ class Action:
         return self.target if self.target is not None else target
 
     def wrap_build(self, build: Callable[[Target], nn.Module]) -> Callable[[Target], nn.Module]:
+        """``build`` with this action's modules kept in float32 in a 16-bit target's model; the judge's
+        (float64) and any other target's model as built (a recipe change re-runs the judge beside it)."""
         if not self.modules:
             return build
         modules = self.modules
 
         def built(target: Target) -> nn.Module:
-            return keep_in_float32(build(target), modules, target)
+            model = build(target)
+            return keep_in_float32(model, modules, target) if target.runner.half_compute else model
         return built
+
+    def with_eps(self, eps: float, why: str) -> Action:
+        """This action and the optimizer's eps raised to ``eps`` (a second cause the re-run found)."""
+        return dataclasses.replace(self, kind=f"{self.kind}+eps", eps=eps,
+                                   text=f"{self.text} and the optimizer's eps raised to {eps:g} ({why})")
 
     def recipe(self, recipe):
         """The recipe with this action's optimizer and clipping changes (the same recipe when it has none)."""
@@ -96,6 +105,8 @@ class Action:
 
     def snippet(self) -> str:
         """The change as the user would write it."""
+        if self.modules and self.eps is not None:
+            return (float32_snippet(self.modules) + "\n" + dataclasses.replace(self, modules=()).snippet() + "\n")
         if self.modules:
             return float32_snippet(self.modules)
         if self.eps is not None:
@@ -203,6 +214,9 @@ class Context:
     is_judge: bool
     model: nn.Module | None
     recipe: object
+    # parity's per-layer table (``ParityRow``s): the judge's magnitude at every layer (``ref_absmax``) in
+    # call order, which says how far a kept module's neighbours must stay in float32 too (None: unknown)
+    layers: object = None
 
     @property
     def sub_cause(self) -> str:
@@ -234,7 +248,89 @@ def _float32_module(ctx: Context) -> Action | None:
         return None
     if not _has_module(ctx, v.layer):
         return None
+    calls = _calls(ctx)
+    if ctx.sub_cause == S.ILL_CONDITIONED:
+        feeding = _feeding(calls, v.layer)
+        if feeding:
+            names = tuple(n for n in (*feeding, v.layer) if _has_module(ctx, n))
+            return Action("float32-module", f"with {_quoted(names)} in float32 ('{v.layer}' and the modules "
+                                            f"making its input: {_quoted(feeding)})", modules=names)
+    largest = t.runner.precision.narrowest.largest
+    after = _until_in_range(calls, v.layer, largest)
+    if after:
+        names = tuple(n for n in (v.layer, *after) if _has_module(ctx, n))
+        fmt = t.runner.precision.narrowest
+        return Action("float32-module", f"with {_quoted(names)} in float32 (the judge's values stay above {fmt}'s "
+                                        f"{largest:g} from '{v.layer}' {_upto(after, calls, largest)})", modules=names)
     return Action("float32-module", f"with '{v.layer}' in float32", modules=(v.layer,))
+
+
+# --- how far a kept module's neighbours must stay in float32 (the judge's magnitudes, from parity) ---
+
+FEEDING_RATIO = 8.0  # a producer whose values are 8x the layer's result carries what the layer cancels
+
+
+def _quoted(names) -> str:
+    return ", ".join(f"'{n}'" for n in names)
+
+
+def _calls(ctx: Context) -> list[tuple[str, float, bool]]:
+    """The target's forward calls in order: (module name, the judge's largest magnitude of its output,
+    whether that magnitude is an op inside the module's own code rather than its output)."""
+    table = ctx.layers
+    if table is None or ctx.target is None or not len(table):
+        return []
+    rows = table[(table["target"] == str(ctx.target)) & (table["kind"] == "forward")].sort_values("order")
+    out: list[tuple[str, float, bool]] = []
+    for layer, module, absmax in zip(rows["layer"], rows["module"], rows["ref_absmax"]):
+        out.append((str(layer).split("#")[0], float(absmax), "own code:" in str(module)))
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name == outer or name.startswith(outer + ".")
+
+
+def _until_in_range(calls, layer: str, largest: float) -> tuple[str, ...]:
+    """The modules after ``layer`` that must stay in float32 with it: its output (the judge's magnitude)
+    is beyond ``largest``, so every call until one whose output fits again (that one included: its input
+    is still beyond), or up to the model's end. Empty when its output fits (an op inside its own code
+    overflowed, or nothing is known)."""
+    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
+    if at is None or calls[at][2] or not calls[at][1] > largest:
+        return ()
+    out: list[str] = []
+    for name, absmax, _ in calls[at + 1:]:
+        if _inside(name, layer) or any(_inside(name, n) for n in out):
+            continue
+        out.append(name)
+        if not absmax > largest:  # its output fits again (NaN: not measured, stop too)
+            break
+    return tuple(out)
+
+
+def _upto(after, calls, largest: float) -> str:
+    last = after[-1]
+    fits = next((c[1] for c in calls if c[0] == last), math.nan)
+    return f"until '{last}'" if fits <= largest else "to the model's end"
+
+
+def _feeding(calls, layer: str) -> tuple[str, ...]:
+    """The modules making an ill-conditioned ``layer``'s input, in call order: the call just before it,
+    and the ones before that while their values (the judge's) stay ``FEEDING_RATIO`` times above the layer's
+    result - they carry the large values (an offset) the layer cancels, which the format cannot hold."""
+    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
+    if at is None:
+        return ()
+    own = calls[at][1]
+    out: list[str] = []
+    for name, absmax, _ in reversed(calls[:at]):
+        if _inside(name, layer) or any(_inside(name, n) or _inside(n, name) for n in out):
+            continue
+        if out and not (absmax > FEEDING_RATIO * own):
+            break
+        out.insert(0, name)
+    return tuple(out)
 
 
 def _optimizer_has(recipe, key: str) -> bool:
