@@ -194,9 +194,16 @@ def test_the_terminal_and_summary_show_the_verification(flag, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert code == 1  # a numerics verdict: verified or not, the run still has the problem
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    page = (tmp_path / "run" / "report.html").read_text()
     if flag is None:
         assert "verified: with '2' in float32, cpu:fp16" in out
         assert summary["verification"]["status"] == "verified"
+        # the HTML report: the line and the before/after loss plot (the arm as run, the re-run, the judge)
+        png = (tmp_path / "run" / "verify.png").read_bytes()
+        assert png.startswith(b"\x89PNG")
+        assert "<h2>Verified remedy</h2>" in page and "verified: with &#x27;2&#x27; in float32" in page
+        assert "alt='verify.png'" in page
     else:
         assert "verified" not in out
         assert summary["verification"]["status"] == "skipped"
+        assert not (tmp_path / "run" / "verify.png").exists() and "Verified remedy" not in page
