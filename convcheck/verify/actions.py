@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
+from convcheck.targets import executors
 from convcheck.targets.spec import Target
 
 RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
@@ -44,6 +45,9 @@ class Action:
     clip: float | None = None
     target: Target | None = None
     deterministic: bool = False
+    # options of the run's config changed for the re-run, applied through the executors' ``wrap_builder``
+    # (``{"ddp_sync_bn": True}``: the data-parallel copies' BatchNorms as SyncBatchNorm)
+    settings: tuple[tuple[str, object], ...] = ()
 
     # --- what the re-run does -------------------------------------------------------------------
 
@@ -55,9 +59,14 @@ class Action:
     def target_for(self, target: Target) -> Target:
         return self.target if self.target is not None else target
 
-    def wrap_build(self, build: Callable[[Target], nn.Module]) -> Callable[[Target], nn.Module]:
+    def wrap_build(self, build: Callable[[Target], nn.Module], config=None) -> Callable[[Target], nn.Module]:
         """``build`` with this action's modules kept in float32 in a 16-bit target's model; the judge's
-        (float64) and any other target's model as built (a recipe change re-runs the judge beside it)."""
+        (float64) and any other target's model as built (a recipe change re-runs the judge beside it).
+        ``settings`` go through the executors' ``wrap_builder`` with ``config`` so changed."""
+        if self.settings:
+            if config is None:
+                raise ValueError(f"'{self.text}' changes the run's options and no config was given")
+            build = executors.wrap_builder(build, dataclasses.replace(config, **dict(self.settings)))
         if not self.modules:
             return build
         modules = self.modules
@@ -120,6 +129,9 @@ class Action:
             return "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False"
         if self.deterministic:
             return "torch.use_deterministic_algorithms(True)"
+        if dict(self.settings).get("ddp_sync_bn"):
+            return ("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DistributedDataParallel"
+                    "(model); --ddp-sync-bn")
         return ""
 
 
@@ -217,6 +229,7 @@ class Context:
     # parity's per-layer table (``ParityRow``s): the judge's magnitude at every layer (``ref_absmax``) in
     # call order, which says how far a kept module's neighbours must stay in float32 too (None: unknown)
     layers: object = None
+    config: object = None  # the run's ``CompareConfig`` (the options an action may change), None: unknown
 
     @property
     def sub_cause(self) -> str:
@@ -389,8 +402,20 @@ def _deterministic(ctx: Context) -> Action | None:
     return Action("deterministic", "with deterministic algorithms", deterministic=True)
 
 
+@action("sync-batchnorm")
+def _sync_batchnorm(ctx: Context) -> Action | None:
+    """A data-parallel target whose BatchNorm layers normalise each rank's slice on its own (the executor's
+    ``batchnorm_per_rank`` finding): the data-parallel arm re-run with SyncBatchNorm (``--ddp-sync-bn``)."""
+    t, v = ctx.target, ctx.verdict
+    if t is None or t.world is None or ctx.sub_cause != "ddp" or "batchnorm_per_rank" not in v.symptoms:
+        return None
+    if ctx.config is None or getattr(ctx.config, "ddp_sync_bn", True):
+        return None
+    return Action("sync-batchnorm", "with SyncBatchNorm (--ddp-sync-bn)", settings=(("ddp_sync_bn", True),))
+
+
 # most specific first: a module kept in float32 before a recipe change
-ORDER = ("float32-module", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
+ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
 
 
 def actions_for(ctx: Context) -> list[Action]:

@@ -34,7 +34,7 @@ TRACK_MARGIN = FRAGILE_MARGIN  # a re-run ending within 10% of the judge's final
 def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, seed: int, training: TrainResult,
                    targets: Sequence[Target], judge: Target, mode: bool | None = None,
                    tolerances: Tolerances = DEFAULT_TOLERANCES, arm_seconds: float = math.nan,
-                   actions: Sequence[Action] | None = None, layers=None) -> Verification:
+                   actions: Sequence[Action] | None = None, layers=None, config=None) -> Verification:
     """``mode``: False runs nothing; None (the default) tries the first fitting action when that costs one
     training run of one in-process arm; True tries every fitting action. ``actions`` replaces the derived
     ones (a test plants a wrong diagnosis this way). ``layers``: parity's per-layer table (the judge's
@@ -52,7 +52,7 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                                                 "arm: --verify runs it")
     if actions is None:
         model = build(target)
-        actions = actions_for(Context(verdict, target, is_judge, model, recipe, layers))
+        actions = actions_for(Context(verdict, target, is_judge, model, recipe, layers, config))
         del model
     actions = list(actions)
     if not actions:
@@ -69,7 +69,7 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     follow: Action | None = None
     for a in tried:
         attempts.append(_attempt(a, target, judge, is_judge, build, data, recipe, steps, seed, tolerances,
-                                 judge_losses, allowed))
+                                 judge_losses, allowed, config))
         if attempts[-1].verified:
             break
         follow = follow or _second_cause(a, attempts[-1], recipe, target)
@@ -77,7 +77,7 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
             # the module kept in float32 fixed the first cause and the re-run found a second one, the
             # optimizer's eps (0 at this precision): both together
             attempts.append(_attempt(follow, target, judge, is_judge, build, data, recipe, steps, seed, tolerances,
-                                     judge_losses, allowed))
+                                     judge_losses, allowed, config))
             if attempts[-1].verified:
                 break
     if mode is True and not attempts[-1].verified and _bisectable(verdict, target, is_judge):
@@ -223,7 +223,7 @@ def _envelope_gap(training: TrainResult, judge_losses: list[float]) -> float:
 
 
 def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, build, data, recipe, steps: int,
-             seed: int, tolerances: Tolerances, judge_losses: list[float], allowed: float) -> Attempt:
+             seed: int, tolerances: Tolerances, judge_losses: list[float], allowed: float, config=None) -> Attempt:
     """One re-run. The arm alone (role "judge": its own reference, no distance to measure) when the action
     leaves the judge's training as it was; with the judge beside it, both changed, when it changes the recipe."""
     t = action.target_for(target)
@@ -233,7 +233,7 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
     t0 = time.perf_counter()
     try:
         with action.applied():
-            result = run_training(action.wrap_build(build), data, arms,
+            result = run_training(action.wrap_build(build, config), data, arms,
                                   TrainConfig(steps=steps, seed=seed, recipe=action.recipe(recipe)),
                                   tolerances=tolerances)
             if with_judge:
