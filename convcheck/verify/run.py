@@ -47,14 +47,15 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     if target is None:
         return Verification(NO_ACTION, f"not verified: no arm of this run to re-run for a {verdict.category} verdict",
                             reason="no arm")
-    if mode is None and target.world is not None:
-        return Verification(SKIPPED, "", reason=f"re-running {target} costs {target.world} processes, more than one "
-                                                "arm: --verify runs it")
     if actions is None:
         model = build(target)
         actions = actions_for(Context(verdict, target, is_judge, model, recipe, layers, config))
         del model
     actions = list(actions)
+    if mode is None and target.world is not None and actions:
+        return Verification(SKIPPED, "", untried=tuple(a.text for a in actions),
+                            reason=f"re-running {target} costs {target.world} processes, more than one arm: "
+                                   "--verify runs it")
     if not actions:
         return Verification(NO_ACTION, "remedies not verified: none of them is one convcheck can apply and re-run",
                             reason="no action")
