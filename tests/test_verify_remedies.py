@@ -16,7 +16,7 @@ from convcheck.verify import NOT_VERIFIED, VERIFIED
 from convcheck.verify.actions import _feeding, _until_in_range
 
 from scenarios import models as M
-from scenarios.verify_models import conv_bn_net, loud_mlp, shifted_linear_net
+from scenarios.verify_models import bn_mlp, loud_mlp, shifted_linear_net
 
 MNIST = dict(input_shape=(1, 28, 28), num_classes=10, env_findings=[])
 
@@ -117,10 +117,12 @@ def test_tf32_off_verifies_where_tf32_hurts_training():
 
 @pytest.mark.usefixtures("no_orphans")
 def test_sync_batchnorm_verifies_the_per_rank_batchnorm_verdict():
-    r = compare(conv_bn_net, "cpu,ddp:cpu:2", input_shape=(3, 8, 8), num_classes=4, batch_size=4, steps=6,
+    r = compare(bn_mlp, "cpu,ddp:cpu:2", input_shape=(3, 8, 8), num_classes=4, batch_size=4, steps=8,
                 optimizer="sgd", lr=0.05, verify=True, env_findings=[])
     assert (r.verdict.category, r.verdict.sub_cause) == ("setup", "ddp"), r.verdict.headline
     assert "batchnorm_per_rank" in r.verdict.symptoms
+    ddp, judge = (r.training.outcomes[t].final_loss for t in (r.config.targets[1], r.config.judge))
+    assert ddp > 1.2 * judge  # the per-rank statistics change the outcome
     v = r.verification
     assert [a.kind for a in v.attempts] == ["sync-batchnorm"]
     assert v.status == VERIFIED and v.line.startswith("verified: with SyncBatchNorm (--ddp-sync-bn), ddp:cpu:2 "
@@ -129,7 +131,7 @@ def test_sync_batchnorm_verifies_the_per_rank_batchnorm_verdict():
 
 
 def test_by_default_a_data_parallel_rerun_is_left_to_verify():
-    r = compare(conv_bn_net, "cpu,ddp:cpu:2", input_shape=(3, 8, 8), num_classes=4, batch_size=4, steps=6,
+    r = compare(bn_mlp, "cpu,ddp:cpu:2", input_shape=(3, 8, 8), num_classes=4, batch_size=4, steps=8,
                 optimizer="sgd", lr=0.05, env_findings=[])
     assert r.verdict.target == "ddp:cpu:2", r.verdict.headline
     v = r.verification
