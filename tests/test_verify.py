@@ -207,3 +207,16 @@ def test_the_terminal_and_summary_show_the_verification(flag, tmp_path, monkeypa
         assert "verified" not in out
         assert summary["verification"]["status"] == "skipped"
         assert not (tmp_path / "run" / "verify.png").exists() and "Verified remedy" not in page
+
+
+def test_a_rerun_without_verification_leaves_no_earlier_verify_png(tmp_path, monkeypatch, capsys):
+    """--force over a folder whose earlier run had a remedy re-run: its verify.png does not stay beside a
+    report that has none."""
+    from convcheck.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONVCHECK_NO_PROGRESS", "1")
+    assert main(CLI + ["--out", "run"]) == 1
+    assert (tmp_path / "run" / "verify.png").is_file()
+    assert main(CLI + ["--out", "run", "--force", "--no-verify"]) == 1
+    assert not (tmp_path / "run" / "verify.png").exists()
