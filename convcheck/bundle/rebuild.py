@@ -134,7 +134,8 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
         stochastic_layers=a["parity"]["stochastic_layers"],
         self_difference={ta: a["parity"]["self_difference"], tb: b["parity"]["self_difference"]}, judge=judge.name)
     # The recorded judge arm: the one trained on A's machine, named as recorded.
-    arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]))
+    # (the recorded envelope runs were nudged once, before step 0, whatever the two targets' precisions)
+    arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]), every_step=False)
     curves, grads, acts, source = _curves(a, b, ra, rb, arms, cfg.steps)
     side = {arm: source[arm.name] for arm in arms}
     training = TrainResult.from_rows(

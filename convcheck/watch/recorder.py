@@ -77,6 +77,13 @@ def math_flags() -> dict:
             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
 
 
+def _module_of(cls: type) -> str:
+    """The module ``cls`` can be imported from: a script run with ``python -m pkg.script`` is ``__main__``
+    here but ``pkg.script`` to ``convcheck diff`` (its float64 replay imports the model's class)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None) if cls.__module__ == "__main__" else None
+    return spec.name if spec is not None and spec.name else cls.__module__
+
+
 class Watch:
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
@@ -93,6 +100,7 @@ class Watch:
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         self.params = [(n, p) for n, p in model.named_parameters()]
+        self.device = str(self.params[0][1].device) if self.params else "cpu"
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
         self.producer: dict | None = None
@@ -187,6 +195,9 @@ class Watch:
                 bad = _nonfinite(outs)
             if outs and bad and not _nonfinite(_floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
+                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
+
+                self.producer.update(live_op(module, args))  # the op that made them
             elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
                 outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
         return None
@@ -286,7 +297,8 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            "model": {"class": type(self.model).__name__,
+            "model": {"class": type(self.model).__name__, "module": _module_of(type(self.model)),
+                      "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],
                       "layers": [self.names[m] for m in self.names if m in self.leaves]},
