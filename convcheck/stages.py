@@ -325,7 +325,7 @@ def verify(plan: Plan, result, mode: bool | None = None):
     return verify_verdict(result.verdict, build=plan.build, data=plan.data, recipe=plan.recipe, steps=cfg.steps,
                           seed=cfg.seed, training=training, targets=cfg.targets, judge=cfg.judge, mode=mode,
                           tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms),
-                          layers=getattr(getattr(result, "parity", None), "layers", None), config=cfg)
+                          config=cfg)
 
 
 def decide_verdict(result):

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from convcheck.capture import tensors_in
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
 from convcheck.targets import executors
@@ -226,8 +227,8 @@ class Context:
     is_judge: bool
     model: nn.Module | None
     recipe: object
-    # parity's per-layer table (``ParityRow``s): the judge's magnitude at every layer (``ref_absmax``) in
-    # call order, which says how far a kept module's neighbours must stay in float32 too (None: unknown)
+    # the judge's largest output magnitude of every module call, in call order (``judge_magnitudes``), which
+    # says how far a kept module's neighbours must stay in float32 too (None: unknown)
     layers: object = None
     config: object = None  # the run's ``CompareConfig`` (the options an action may change), None: unknown
 
@@ -288,15 +289,39 @@ def _quoted(names) -> str:
 
 
 def _calls(ctx: Context) -> list[tuple[str, float, bool]]:
-    """The target's forward calls in order: (module name, the judge's largest magnitude of its output,
-    whether that magnitude is an op inside the module's own code rather than its output)."""
-    table = ctx.layers
-    if table is None or ctx.target is None or not len(table):
-        return []
-    rows = table[(table["target"] == str(ctx.target)) & (table["kind"] == "forward")].sort_values("order")
+    """The model's calls in the order they finish: (module name, the judge's largest output magnitude,
+    False). ``ctx.layers`` holds them (``judge_magnitudes``: one float64 forward of the judge on the first
+    batch); empty when unknown."""
+    return list(ctx.layers or [])
+
+
+def judge_magnitudes(build, judge: Target, data, loss) -> list[tuple[str, float, bool]]:
+    """One forward of the judge's float64 model on the first batch, no gradients: every module's largest
+    output magnitude, in the order the calls finish (containers and the root left out: their output is
+    their last child's). ``[]`` when it cannot be measured (the plan's model is run as training runs it)."""
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     out: list[tuple[str, float, bool]] = []
-    for layer, module, absmax in zip(rows["layer"], rows["module"], rows["ref_absmax"]):
-        out.append((str(layer).split("#")[0], float(absmax), "own code:" in str(module)))
+    try:
+        model = build(judge)
+        x, y = data.first()
+        handles = []
+        for name, module in model.named_modules():
+            if not name or isinstance(module, containers):
+                continue
+
+            def hook(m, args, output, _name=name):
+                values = [t.detach().abs().max().item() for t in tensors_in(output)
+                          if t.is_floating_point() and t.numel()]
+                out.append((_name, max(values) if values else math.nan, False))
+            handles.append(module.register_forward_hook(hook))
+        try:
+            with torch.no_grad():
+                judge.runner.forward_loss(model, x, y, loss)
+        finally:
+            for h in handles:
+                h.remove()
+    except Exception:  # noqa: BLE001 - no magnitudes: the named module alone
+        return []
     return out
 
 

@@ -24,7 +24,7 @@ from convcheck.numerics.thresholds import FRAGILE_MARGIN
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.plan.user_code import one_line
 from convcheck.targets.spec import Target
-from convcheck.verify.actions import RAISED_EPS, Action, Context, actions_for
+from convcheck.verify.actions import RAISED_EPS, Action, Context, actions_for, judge_magnitudes
 from convcheck.verify.bisect import candidates, ddmin
 from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
 
@@ -37,8 +37,9 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                    actions: Sequence[Action] | None = None, layers=None, config=None) -> Verification:
     """``mode``: False runs nothing; None (the default) tries the first fitting action when that costs one
     training run of one in-process arm; True tries every fitting action. ``actions`` replaces the derived
-    ones (a test plants a wrong diagnosis this way). ``layers``: parity's per-layer table (the judge's
-    magnitudes say which neighbours of a module kept in float32 must stay with it)."""
+    ones (a test plants a wrong diagnosis this way). ``layers``: the judge's output magnitude per module call
+    (``actions.judge_magnitudes``, measured here when None: which neighbours of a module kept in float32
+    must stay with it)."""
     if mode is False:
         return Verification(SKIPPED, "", reason="--no-verify")
     if verdict is None or verdict.category == "ok":
@@ -49,6 +50,8 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                             reason="no arm")
     if actions is None:
         model = build(target)
+        if layers is None and not is_judge and target.runner.half_compute:
+            layers = judge_magnitudes(build, judge, data, recipe.loss)
         actions = actions_for(Context(verdict, target, is_judge, model, recipe, layers, config))
         del model
     actions = list(actions)
