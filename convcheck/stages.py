@@ -324,7 +324,8 @@ def verify(plan: Plan, result, mode: bool | None = None):
     train_s = (getattr(result, "timings", None) or {}).get("train_s", float("nan"))
     return verify_verdict(result.verdict, build=plan.build, data=plan.data, recipe=plan.recipe, steps=cfg.steps,
                           seed=cfg.seed, training=training, targets=cfg.targets, judge=cfg.judge, mode=mode,
-                          tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms))
+                          tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms),
+                          config=cfg)
 
 
 def decide_verdict(result):

@@ -48,6 +48,7 @@ def _rename(bundle: Bundle, target: Target) -> dict:
         r["target"] = name(r["target"])
     out["producer"] = {name(k): v for k, v in bundle["training"]["nonfinite_producer"].items()}
     out["weights"] = {name(k): v for k, v in bundle["training"].get("nonfinite_weights", {}).items()}
+    out["detail"] = {name(k): v for k, v in bundle["training"].get("nonfinite_detail", {}).items()}  # /2 on
     out["rows"] = [{**r, "target": name(r["target"])} for r in bundle["parity"]["rows"]]
     return out
 
@@ -140,7 +141,8 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
     training = TrainResult.from_rows(
         curves, grads, acts, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), cfg.tolerances,
         nonfinite_producer={arm: tuple(s["producer"].get(arm.name) or ()) or None for arm, s in side.items()},
-        nonfinite_weights={arm: bool(s["weights"].get(arm.name, False)) for arm, s in side.items()})
+        nonfinite_weights={arm: bool(s["weights"].get(arm.name, False)) for arm, s in side.items()},
+        nonfinite_detail={arm: dict(s["detail"].get(arm.name) or {}) for arm, s in side.items()})
     fps = [Fingerprint.from_dict(x["fingerprint"]) for x in (a, b)]
     findings, seen = [], set()
     for fp in fps:
