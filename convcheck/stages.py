@@ -44,7 +44,7 @@ from convcheck.exit_codes import RunStage, user_failures
 from convcheck.plan.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
 from convcheck.measure.parity import ParityResult, run_parity
 from convcheck.plan.preflight import check_trainable
-from convcheck.plan.recipe import Recipe, build_recipe
+from convcheck.plan.recipe import Recipe, build_recipe, check_classes
 from convcheck.measure.loss_probe import loss_reduction_probe
 from convcheck.targets.runners import preserved_global_flags
 from convcheck.plan.stream import DataStream
@@ -165,6 +165,7 @@ def prepare(run: ResolvedRun) -> Plan:
     """The recipe built and checked, the shared initial weights, ``build(target)`` and the data stream."""
     model = run.model
     recipe = build_recipe(run.config, model.task)
+    check_classes(recipe, model.task, model.num_classes)
     cfg = run.config
     if isinstance(cfg.optimizer, str) and ":" not in cfg.optimizer:  # recorded by its torch.optim name
         cfg = dataclasses.replace(cfg, optimizer=recipe.optimizer_name.lower())
@@ -323,7 +324,8 @@ def verify(plan: Plan, result, mode: bool | None = None):
     train_s = (getattr(result, "timings", None) or {}).get("train_s", float("nan"))
     return verify_verdict(result.verdict, build=plan.build, data=plan.data, recipe=plan.recipe, steps=cfg.steps,
                           seed=cfg.seed, training=training, targets=cfg.targets, judge=cfg.judge, mode=mode,
-                          tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms))
+                          tolerances=cfg.tolerances, arm_seconds=train_s / max(1, arms),
+                          config=cfg)
 
 
 def decide_verdict(result):

@@ -8,6 +8,11 @@ A block that shows output is the code block right after a marker line in README.
                                                                       "...", then from "Training" to the end
     <!-- readme-output: verdicts -->                                  "=== COMMAND" sections: each command's
                                                                       verdict lines and "(exit N)"
+    <!-- readme-output: session -->                                   a shell session: the block's own "$ "
+                                                                      lines run in turn (``VAR=value``
+                                                                      prefixes, ``python`` or ``convcheck``),
+                                                                      each followed by what it printed; in a
+                                                                      fresh folder holding a link to examples/
 
 Every command runs from the repository root as a user would, with ``--no-save`` added, ``COLUMNS=100``,
 ``OMP_NUM_THREADS=1`` (a run's rounding depends on the thread count: the blocks are reproducible on one thread)
@@ -29,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MARKER = re.compile(r"^<!-- readme-output: (full|ends|verdicts)(?: (.*?))? -->$")
+MARKER = re.compile(r"^<!-- readme-output: (full|ends|verdicts|session)(?: (.*?))? -->$")
 REL_TOL = 0.05
 WIDTH = 100
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?", re.IGNORECASE)
@@ -47,8 +52,34 @@ def run(command: str) -> tuple[str, int, float]:
     return done.stdout, done.returncode, time.monotonic() - start
 
 
+def session(current: list[str]) -> list[str]:
+    """A ``session`` block now: each ``$ `` line of ``current`` run in one fresh folder, then its output."""
+    import tempfile
+
+    out_lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="readme-session-") as tmp:
+        (Path(tmp) / "examples").symlink_to(ROOT / "examples")
+        for line in current:
+            if not line.startswith("$ "):
+                continue
+            argv = shlex.split(line[2:])
+            env = {**os.environ, "COLUMNS": str(WIDTH), "OMP_NUM_THREADS": "1", "CONVCHECK_NO_PROGRESS": "1"}
+            env.pop("NO_COLOR", None)
+            while argv and "=" in argv[0] and not argv[0].startswith("-"):
+                key, _, value = argv.pop(0).partition("=")
+                env[key] = value
+            assert argv and argv[0] in ("python", "convcheck"), line
+            argv = [sys.executable, *argv[1:]] if argv[0] == "python" else \
+                [sys.executable, "-m", "convcheck", *argv[1:], "--no-save"]
+            done = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=1800)
+            out_lines += [line, *done.stdout.rstrip("\n").splitlines()] if done.stdout.strip() else [line]
+    return out_lines
+
+
 def produce(kind: str, arg: str | None, current: list[str]) -> list[str]:
     """The block's lines as the runs print them now."""
+    if kind == "session":
+        return session(current)
     if kind == "full":
         out, _, _ = run(arg)
         return out.rstrip("\n").splitlines()

@@ -232,8 +232,8 @@ def test_judge_fails_with_data_out_of_range_and_no_symptom():
     data = S.Symptom(S.INPUT_OUT_OF_RANGE, "data", "inputs span [0, 255]", value=255.0)
     v = R.judge_fails(evidence(converged=(False, False, False), data_symptoms=(data,)))
     assert v.sub_cause == S.INPUT_OUT_OF_RANGE and "normalise the inputs" in v.remedies[0]
-    v = R.judge_fails(evidence(converged=(False, False, False), steps=12))
-    assert v.headline == ("training setup: no arm converges in 12 steps "
+    v = R.judge_fails(evidence(converged=(False, False, False), steps=30))
+    assert v.headline == ("training setup: no arm converges in 30 steps "
                           "(every arm fails, the float64 judge included)")
     assert v.sub_cause == S.NO_CONVERGENCE and v.layer is None
     assert v.remedies == ["train longer or raise the learning rate", "check data, labels and loss"]
@@ -255,7 +255,7 @@ def test_a_judge_still_falling_is_no_setup_verdict_and_ok_notes_it():
                and "--steps 24" in e for e in v.evidence)
 
 
-@pytest.mark.parametrize("steps", [5, 8])
+@pytest.mark.parametrize("steps", [5, 8, 12, 20, 29])
 def test_a_short_run_whose_judge_has_not_converged_is_ok(steps):
     v = diagnose_evidence(evidence(converged=(False, False, False), steps=steps))
     assert v.category == "ok", v.headline
@@ -480,3 +480,34 @@ def test_the_main_symptom_is_the_first_one_the_drift_last():
     assert [s.name for s in ev.symptoms] == [S.NONFINITE_FORWARD, S.LAYER_ERROR, S.DRIFT]
     v = decide(ev, ok_verdict)
     assert v.category == "numerics" and v.symptoms == [S.NONFINITE_FORWARD, S.LAYER_ERROR, S.DRIFT]
+
+
+@pytest.mark.parametrize("name", [S.OSCILLATING_LOSS, S.LOSS_PLATEAU])
+def test_a_slow_start_of_a_short_run_is_a_note_of_ok_and_a_setup_verdict_at_the_default_length(name):
+    """Issue 24 item 4, seen on a held-out setup: a small CNN, batch 8, 10 steps, every arm tracking the judge
+    got `setup: oscillating loss` (exit 1) - a small batch's loss swings by more than 3% from batch to batch.
+    Below compare's default 30 steps such a symptom alone is a note of ``ok``; at 30 it is the setup."""
+    sym = S.Symptom(name, JUDGE, "the loss changes direction by >= 3% in 25% of the steps without falling")
+    v = diagnose_evidence(evidence(converged=(False, False, False), steps=10, judge_problems=(sym,)))
+    assert v.category == "ok", v.headline
+    assert any(e.startswith(f"note ({JUDGE}): {name}") for e in v.evidence), v.evidence
+    v = diagnose_evidence(evidence(converged=(False, False, False), steps=30, judge_problems=(sym,)))
+    assert v.category == "setup" and v.sub_cause == name, v.headline
+
+
+def test_a_slow_start_does_not_hide_a_real_symptom_of_a_short_run():
+    sym = S.Symptom(S.OSCILLATING_LOSS, JUDGE, "swings")
+    dead = S.Symptom(S.VANISHING_GRADIENTS, JUDGE, "gradient norm of the first layer is 1e-11", layer="1")
+    v = diagnose_evidence(evidence(converged=(False, False, False), steps=10, judge_problems=(sym, dead)))
+    assert v.category == "setup" and v.sub_cause == S.VANISHING_GRADIENTS, v.headline
+
+
+def test_two_converged_runs_near_a_loss_of_zero_end_alike():
+    """Issue 24 item 5: both arms converge from 2.4, one to 0.0047, the other to 0.0013 - 3.7x apart, but
+    within 5% of how far the loss fell: the same outcome (a finding there is a note). 2.17 against 1.91 is not."""
+    def outcomes(a, b):
+        return {"cpu": outcome("cpu", True, first=2.4, final=a), "cpu:bf16": outcome("cpu:bf16", True, first=2.4, final=b),
+                JUDGE: outcome(JUDGE, True, role="judge", first=2.4, final=a)}
+    assert not evidence(outcomes=outcomes(0.0047, 0.0013), envelope_finals=(0.0047,)).outcome_changed("cpu:bf16")
+    assert evidence(outcomes=outcomes(1.91, 2.17), envelope_finals=(1.91,)).outcome_changed("cpu:bf16")
+    assert not evidence(outcomes=outcomes(0.0047, 0.0013), envelope_finals=()).outcome_changed("cpu:bf16")

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stages",),
     ("pipeline",),
     ("bundle", "watch"),
-    ("assertions",),
+    ("assertions", "integrations"),
     ("cli", "pytest_plugin", "__main__"),
 ]
 

@@ -194,9 +194,29 @@ def test_the_terminal_and_summary_show_the_verification(flag, tmp_path, monkeypa
     out = capsys.readouterr().out
     assert code == 1  # a numerics verdict: verified or not, the run still has the problem
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    page = (tmp_path / "run" / "report.html").read_text()
     if flag is None:
         assert "verified: with '2' in float32, cpu:fp16" in out
         assert summary["verification"]["status"] == "verified"
+        # the HTML report: the line and the before/after loss plot (the arm as run, the re-run, the judge)
+        png = (tmp_path / "run" / "verify.png").read_bytes()
+        assert png.startswith(b"\x89PNG")
+        assert "<h2>Verified remedy</h2>" in page and "verified: with &#x27;2&#x27; in float32" in page
+        assert "alt='verify.png'" in page
     else:
         assert "verified" not in out
         assert summary["verification"]["status"] == "skipped"
+        assert not (tmp_path / "run" / "verify.png").exists() and "Verified remedy" not in page
+
+
+def test_a_rerun_without_verification_leaves_no_earlier_verify_png(tmp_path, monkeypatch, capsys):
+    """--force over a folder whose earlier run had a remedy re-run: its verify.png does not stay beside a
+    report that has none."""
+    from convcheck.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CONVCHECK_NO_PROGRESS", "1")
+    assert main(CLI + ["--out", "run"]) == 1
+    assert (tmp_path / "run" / "verify.png").is_file()
+    assert main(CLI + ["--out", "run", "--force", "--no-verify"]) == 1
+    assert not (tmp_path / "run" / "verify.png").exists()

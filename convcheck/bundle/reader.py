@@ -2,7 +2,7 @@
 
 A bundle is a directory or a ``.zip``. Every member is a regular file named by a relative path
 without ``..`` (symbolic links, devices, FIFOs, absolute names are refused); the manifest is read
-with a size limit and checked field by field against ``convcheck.bundle/1``; every array is read
+with a size limit and checked field by field against ``convcheck.bundle/2 (and /1)``; every array is read
 with ``allow_pickle=False``, no larger than the shape its index declares, and must have exactly that
 shape and the storage dtype of its declared dtype. Contents are checked too (``schema``'s list): each
 array file's SHA-256 where the index records one (older bundles have none), arrays finite where the
@@ -27,7 +27,8 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from convcheck.bundle.schema import (
-    ARRAY_GROUPS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK, SCHEMA, STORAGE,
+    ARRAY_GROUPS, CALLABLES, DETAIL_KINDS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK,
+    READABLE, SCHEMA, STORAGE,
 )
 from convcheck.errors import UsageError
 from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
@@ -189,7 +190,7 @@ def check_manifest(m) -> dict:
     if not isinstance(m, dict):
         raise BadField(f"manifest is {type(m).__name__}, expected an object")
     schema = m.get("schema")
-    if schema != SCHEMA:
+    if schema not in READABLE:
         raise BadField(f"schema {schema!r} is not {SCHEMA!r} (a newer convcheck, or not a bundle)")
     model = get_field(m, "model", dict, "manifest")
     get_field(model, "spec", str, "model")
@@ -236,9 +237,27 @@ def check_manifest(m) -> dict:
     weights = train.get("nonfinite_weights", {})  # optional: bundles before it was recorded
     if not isinstance(weights, dict) or not all(isinstance(v, bool) for v in weights.values()):
         raise BadField("training.nonfinite_weights is not an object of true/false")
+    if schema != READABLE[0] or "nonfinite_detail" in train:  # required from /2 on
+        _check_detail(get_field(train, "nonfinite_detail", dict, "training"))
     _check_names(m)
     _check_rows_content(m)
     return _check_arrays(get_field(m, "arrays", dict, "manifest"))
+
+
+def _check_detail(details: dict) -> None:
+    """``training.nonfinite_detail``: per arm an object whose known keys hold their kinds
+    (``schema.DETAIL_KINDS``), ``callable`` one of ``CALLABLES``, any other key a scalar."""
+    for arm, d in details.items():
+        where = f"training.nonfinite_detail[{arm!r:.40}]"
+        if not isinstance(d, dict):
+            raise BadField(f"{where} is not an object")
+        for key, v in d.items():
+            kinds = DETAIL_KINDS.get(key, (str, int, float, bool, type(None)))
+            allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+            if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+                raise BadField(f"{where}.{str(key):.40} holds {type(v).__name__}, not what it should")
+        if "callable" in d and d["callable"] not in CALLABLES:
+            raise BadField(f"{where}.callable is {str(d['callable'])!r:.40}, not one of {', '.join(CALLABLES)}")
 
 
 _FINITE_PARITY = ("u", "floor", "bound", "propagated", "local")

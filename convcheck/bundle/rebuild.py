@@ -48,6 +48,7 @@ def _rename(bundle: Bundle, target: Target) -> dict:
         r["target"] = name(r["target"])
     out["producer"] = {name(k): v for k, v in bundle["training"]["nonfinite_producer"].items()}
     out["weights"] = {name(k): v for k, v in bundle["training"].get("nonfinite_weights", {}).items()}
+    out["detail"] = {name(k): v for k, v in bundle["training"].get("nonfinite_detail", {}).items()}  # /2 on
     out["rows"] = [{**r, "target": name(r["target"])} for r in bundle["parity"]["rows"]]
     return out
 
@@ -133,13 +134,15 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
         stochastic_layers=a["parity"]["stochastic_layers"],
         self_difference={ta: a["parity"]["self_difference"], tb: b["parity"]["self_difference"]}, judge=judge.name)
     # The recorded judge arm: the one trained on A's machine, named as recorded.
-    arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]))
+    # (the recorded envelope runs were nudged once, before step 0, whatever the two targets' precisions)
+    arms = make_arms([ta, tb], cfg.envelope, cfg.seed, Target.parse(a["judge"]), every_step=False)
     curves, grads, acts, source = _curves(a, b, ra, rb, arms, cfg.steps)
     side = {arm: source[arm.name] for arm in arms}
     training = TrainResult.from_rows(
         curves, grads, acts, arms, TrainConfig(steps=cfg.steps, seed=cfg.seed, recipe=recipe), cfg.tolerances,
         nonfinite_producer={arm: tuple(s["producer"].get(arm.name) or ()) or None for arm, s in side.items()},
-        nonfinite_weights={arm: bool(s["weights"].get(arm.name, False)) for arm, s in side.items()})
+        nonfinite_weights={arm: bool(s["weights"].get(arm.name, False)) for arm, s in side.items()},
+        nonfinite_detail={arm: dict(s["detail"].get(arm.name) or {}) for arm, s in side.items()})
     fps = [Fingerprint.from_dict(x["fingerprint"]) for x in (a, b)]
     findings, seen = [], set()
     for fp in fps:

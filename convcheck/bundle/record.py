@@ -190,7 +190,9 @@ def _manifest(model_spec, layers, fingerprint, *, run, target, parity, training)
                      "activations": _records(training.activations),
                      "nonfinite_producer": {a.name: list(v) if v else None
                                             for a, v in training.nonfinite_producer.items()},
-                     "nonfinite_weights": {a.name: bool(v) for a, v in training.nonfinite_weights.items()}},
+                     "nonfinite_weights": {a.name: bool(v) for a, v in training.nonfinite_weights.items()},
+                     "nonfinite_detail": {a.name: {str(k): _plain(v) for k, v in (d or {}).items()}
+                                          for a, d in training.nonfinite_detail.items()}},
     }
 
 

@@ -12,13 +12,16 @@ import sys
 
 
 def add_diff_parser(sub, run) -> argparse.ArgumentParser:
-    p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record' or runs from convcheck.watch)",
+    p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record' or runs from "
+                                    "convcheck.watch), or one watched run against --judge",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a", metavar="RUN_A", help="a bundle folder or .zip")
-    p.add_argument("run_b", metavar="RUN_B", help="a bundle folder or .zip")
+    p.add_argument("run_b", metavar="RUN_B", nargs="?", default=None,
+                   help="a bundle folder or .zip (left out: one watched run diagnosed against --judge)")
     p.add_argument("--judge", default=None, metavar="SPEC|RUN_J",
                    help="a float64 target to re-run the judge here (default: this machine's judge), or a bundle "
-                        "recorded with a float64 target")
+                        "recorded with a float64 target; with one watched run, the judge it is diagnosed against "
+                        "(e.g. cpu:float64)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR", help="write the report files there (default: reports/...)")
     p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
@@ -29,8 +32,15 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 
 
 def run_diff(args) -> int:
+    from convcheck.watch.rankdiff import is_ranked_pair
     from convcheck.watch.reader import schema_of
 
+    if args.run_b is None:
+        return run_watched_judge(args)
+    if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
+        from convcheck.cli.diff_ranks import run_ranked_diff
+
+        return run_ranked_diff(args)
     kinds = [schema_of(p) for p in (args.run_a, args.run_b)]
     if any(k == "convcheck.watch/1" for k in kinds):
         return run_watched_diff(args, kinds)
@@ -65,21 +75,53 @@ class _removed_if_empty:
 def run_watched_diff(args, kinds) -> int:
     """Two runs from ``convcheck.watch``: their diff and verdict (``convcheck/watch/diff.py``)."""
     from convcheck.errors import UsageError
-    from convcheck.files import atomic_write_text, check_writable_file
     from convcheck.watch.diff import diff_watched
 
     if kinds[0] != kinds[1]:
         raise UsageError("diff: one run is watched (convcheck.watch) and the other recorded (convcheck record); "
                          "diff two of the same kind")
-    if args.judge:
-        raise UsageError("diff --judge on watched runs is not implemented yet (the float64 replay of snapshot "
-                         "layers); diff the two runs without it")
-    result = diff_watched(args.run_a, args.run_b)
+    result = diff_watched(args.run_a, args.run_b, judge=_watch_judge(args.judge))
+    return _show_watched(result, "watch_diff.json", args)
+
+
+def _watch_judge(spec):
+    """``--judge`` for watched runs: a float64 target spec (a recorded judge bundle is for recorded runs)."""
+    from convcheck.errors import UsageError
+    from convcheck.targets.spec import parse_judge
+
+    if spec is None:
+        return None
+    if not str(spec).strip() or "/" in str(spec) or "\\" in str(spec):
+        raise UsageError(f"--judge {spec!r}: with watched runs, name a float64 target of this machine "
+                         "(cpu:float64 or cuda:float64)")
+    return str(parse_judge(str(spec).strip()))
+
+
+def run_watched_judge(args) -> int:
+    """``convcheck diff RUN --judge SPEC``: one watched run against the float64 judge."""
+    from convcheck.errors import UsageError
+    from convcheck.targets.spec import default_judge
+    from convcheck.watch.diff import judge_watched
+    from convcheck.watch.reader import schema_of
+
+    if schema_of(args.run_a) != "convcheck.watch/1":
+        raise UsageError(f"diff: {args.run_a} is not a watched run (convcheck.watch); a recorded run needs a "
+                         "second one: convcheck diff RUN_A RUN_B")
+    judge = _watch_judge(args.judge) or str(default_judge()[0])
+    return _show_watched(judge_watched(args.run_a, judge), "watch_judge.json", args)
+
+
+def _show_watched(result, name: str, args) -> int:
+    from convcheck.errors import UsageError
+    from convcheck.files import atomic_write_text, check_writable_file
+
+    if args.out is not None and not str(args.out).strip():
+        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     if args.out and not args.no_save:
         from pathlib import Path
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = check_writable_file(Path(args.out) / "watch_diff.json", force=args.force, what="--out")
+        path = check_writable_file(Path(args.out) / name, force=args.force, what="--out")
         atomic_write_text(path, json.dumps(result.to_dict(), indent=2) + "\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

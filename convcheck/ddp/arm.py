@@ -16,6 +16,8 @@ ranks, and from the first step the modules drawing unshared random numbers
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from convcheck.ddp.evidence import RankEvidence
@@ -59,7 +61,7 @@ class DDPArmState:
         self.evidence = RankEvidence()
         # rank 0 writes its parameters here after every step (shared memory: nothing is pickled per step)
         self.shared = {n: torch.empty(p.shape, dtype=p.dtype).share_memory_() for n, p in self.model.named_parameters()}
-        job = RankJob(arm=Arm(arm.name, inner, arm.role, arm.perturb_seed, arm.reference), build=build,
+        job = RankJob(arm=replace(arm, target=inner), build=build,  # every_step included: each rank nudges alike
                       target=arm.target,
                       steps=steps, recipe=recipe, timeout_s=collective_timeout(),
                       threads=threads_per_rank(self.runner.world), sync_bn=sync_bn, shared_params=self.shared)

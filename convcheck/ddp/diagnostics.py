@@ -256,8 +256,9 @@ def drift_line(training, arm: str) -> str | None:
     env = c[c["role"] == "envelope"]
     spread = float(env[env["step"] == last["step"]]["dist_ref"].max()) if not env.empty else math.nan
     if math.isfinite(spread) and spread > 0:
+        envelope = training.envelope.null_model if getattr(training, "envelope", None) else "one-ulp envelope"
         return f"parameter distance between {arm} and {other} ends at {dist:.3g}, {dist / spread:.3g}x the spread " \
-               f"of the one-ulp envelope"
+               f"of the {envelope}"
     return f"parameter distance between {arm} and {other} ends at {dist:.3g}"
 
 

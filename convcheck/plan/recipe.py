@@ -70,6 +70,14 @@ def build_recipe(cfg, task: str = "classification") -> Recipe:
     return Recipe(loss, loss_name, make_opt, opt_name, make_sched, sched_name, cfg.clip_grad_norm, source)
 
 
+def check_classes(recipe: Recipe, task: str, num_classes: int | None) -> None:
+    """Refuse one class under the built-in cross-entropy: over a single class it is 0 for every input, so
+    nothing trains and every arm agrees - a run that would end ``ok`` and mean nothing."""
+    if num_classes == 1 and recipe.loss is cross_entropy and task in ("classification", "segmentation"):
+        raise UsageError("1 class: cross-entropy over a single class is 0 for every input, so nothing would "
+                         "train; give --classes 2 or more (or --loss for a model with one output)")
+
+
 def _recipe_again(fields: dict, task: str) -> Recipe:
     from types import SimpleNamespace
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from convcheck.errors import UsageError
 from convcheck.files import path_kind, refuse_special
 
-REPORT_FILES = ("summary.json", "layers.csv", "curves.csv", "env.json", "loss.png", "layers.png", "report.html")
+REPORT_FILES = ("summary.json", "layers.csv", "curves.csv", "env.json", "loss.png", "layers.png", "verify.png",
+                "report.html")
 _ATTEMPTS = 1000
 
 

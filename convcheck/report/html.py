@@ -8,6 +8,7 @@ import html
 from convcheck.report.plots import is_ddp_rows
 
 from convcheck.report.text import fmt, is_diff, model_line, recipe_line
+from convcheck.report.verification import verification_lines
 
 _CSS = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
@@ -43,6 +44,7 @@ def render_html(result, images: dict[str, bytes]) -> str:
         if v.remedies:
             parts.append("<h2>Remedies</h2><ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.remedies)
                          + "</ul>")
+    parts.append(_verification(result, images))
     for name, title in (("loss.png", "Training"), ("layers.png", "Per-layer error")):
         if name in images:
             data = base64.b64encode(images[name]).decode("ascii")
@@ -53,6 +55,26 @@ def render_html(result, images: dict[str, bytes]) -> str:
                  f"{len(result.batch_hashes)} batches hashed; schema convcheck.summary/2 in summary.json</small></p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _verification(result, images: dict[str, bytes]) -> str:
+    """The verify stage's lines and, when a remedy was re-run, its before/after loss plot."""
+    e = html.escape
+    lines = verification_lines(result, snippet=False)
+    if not lines:
+        return ""
+    v = result.verification
+    cls = "ok" if v.status == "verified" else "bad"
+    out = ["<h2>Verified remedy</h2>",
+           f"<div class='verdict {cls}'>" + "<br>".join(e(x) for x in lines) + "</div>"]
+    ok = v.verified
+    if ok is not None and ok.snippet:
+        out.append(f"<p>the change, applied:</p><pre><code>{e(ok.snippet)}</code></pre>")
+    if "verify.png" in images:
+        data = base64.b64encode(images["verify.png"]).decode("ascii")
+        out.append("<p>Before and after: the failing arm as it ran, each re-run with its remedy, and the judge.</p>"
+                   f"<img alt='verify.png' src='data:image/png;base64,{data}'>")
+    return "\n".join(out)
 
 
 def _layers_table(result) -> str:

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from convcheck.capture import tensors_in
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
+from convcheck.targets import executors
 from convcheck.targets.spec import Target
 
 RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
@@ -43,6 +46,9 @@ class Action:
     clip: float | None = None
     target: Target | None = None
     deterministic: bool = False
+    # options of the run's config changed for the re-run, applied through the executors' ``wrap_builder``
+    # (``{"ddp_sync_bn": True}``: the data-parallel copies' BatchNorms as SyncBatchNorm)
+    settings: tuple[tuple[str, object], ...] = ()
 
     # --- what the re-run does -------------------------------------------------------------------
 
@@ -54,14 +60,27 @@ class Action:
     def target_for(self, target: Target) -> Target:
         return self.target if self.target is not None else target
 
-    def wrap_build(self, build: Callable[[Target], nn.Module]) -> Callable[[Target], nn.Module]:
+    def wrap_build(self, build: Callable[[Target], nn.Module], config=None) -> Callable[[Target], nn.Module]:
+        """``build`` with this action's modules kept in float32 in a 16-bit target's model; the judge's
+        (float64) and any other target's model as built (a recipe change re-runs the judge beside it).
+        ``settings`` go through the executors' ``wrap_builder`` with ``config`` so changed."""
+        if self.settings:
+            if config is None:
+                raise ValueError(f"'{self.text}' changes the run's options and no config was given")
+            build = executors.wrap_builder(build, dataclasses.replace(config, **dict(self.settings)))
         if not self.modules:
             return build
         modules = self.modules
 
         def built(target: Target) -> nn.Module:
-            return keep_in_float32(build(target), modules, target)
+            model = build(target)
+            return keep_in_float32(model, modules, target) if target.runner.half_compute else model
         return built
+
+    def with_eps(self, eps: float, why: str) -> Action:
+        """This action and the optimizer's eps raised to ``eps`` (a second cause the re-run found)."""
+        return dataclasses.replace(self, kind=f"{self.kind}+eps", eps=eps,
+                                   text=f"{self.text} and the optimizer's eps raised to {eps:g} ({why})")
 
     def recipe(self, recipe):
         """The recipe with this action's optimizer and clipping changes (the same recipe when it has none)."""
@@ -96,6 +115,8 @@ class Action:
 
     def snippet(self) -> str:
         """The change as the user would write it."""
+        if self.modules and self.eps is not None:
+            return (float32_snippet(self.modules) + "\n" + dataclasses.replace(self, modules=()).snippet() + "\n")
         if self.modules:
             return float32_snippet(self.modules)
         if self.eps is not None:
@@ -109,6 +130,9 @@ class Action:
             return "torch.backends.cuda.matmul.allow_tf32 = False; torch.backends.cudnn.allow_tf32 = False"
         if self.deterministic:
             return "torch.use_deterministic_algorithms(True)"
+        if dict(self.settings).get("ddp_sync_bn"):
+            return ("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DistributedDataParallel"
+                    "(model); --ddp-sync-bn")
         return ""
 
 
@@ -203,6 +227,10 @@ class Context:
     is_judge: bool
     model: nn.Module | None
     recipe: object
+    # the judge's largest output magnitude of every module call, in call order (``judge_magnitudes``), which
+    # says how far a kept module's neighbours must stay in float32 too (None: unknown)
+    layers: object = None
+    config: object = None  # the run's ``CompareConfig`` (the options an action may change), None: unknown
 
     @property
     def sub_cause(self) -> str:
@@ -234,7 +262,113 @@ def _float32_module(ctx: Context) -> Action | None:
         return None
     if not _has_module(ctx, v.layer):
         return None
+    calls = _calls(ctx)
+    if ctx.sub_cause == S.ILL_CONDITIONED:
+        feeding = _feeding(calls, v.layer)
+        if feeding:
+            names = tuple(n for n in (*feeding, v.layer) if _has_module(ctx, n))
+            return Action("float32-module", f"with {_quoted(names)} in float32 ('{v.layer}' and the modules "
+                                            f"making its input: {_quoted(feeding)})", modules=names)
+    largest = t.runner.precision.narrowest.largest
+    after = _until_in_range(calls, v.layer, largest)
+    if after:
+        names = tuple(n for n in (v.layer, *after) if _has_module(ctx, n))
+        fmt = t.runner.precision.narrowest
+        return Action("float32-module", f"with {_quoted(names)} in float32 (the judge's values stay above {fmt}'s "
+                                        f"{largest:g} from '{v.layer}' {_upto(after, calls, largest)})", modules=names)
     return Action("float32-module", f"with '{v.layer}' in float32", modules=(v.layer,))
+
+
+# --- how far a kept module's neighbours must stay in float32 (the judge's magnitudes, from parity) ---
+
+FEEDING_RATIO = 8.0  # a producer whose values are 8x the layer's result carries what the layer cancels
+
+
+def _quoted(names) -> str:
+    return ", ".join(f"'{n}'" for n in names)
+
+
+def _calls(ctx: Context) -> list[tuple[str, float, bool]]:
+    """The model's calls in the order they finish: (module name, the judge's largest output magnitude,
+    False). ``ctx.layers`` holds them (``judge_magnitudes``: one float64 forward of the judge on the first
+    batch); empty when unknown."""
+    return list(ctx.layers or [])
+
+
+def judge_magnitudes(build, judge: Target, data, loss) -> list[tuple[str, float, bool]]:
+    """One forward of the judge's float64 model on the first batch, no gradients: every module's largest
+    output magnitude, in the order the calls finish (containers and the root left out: their output is
+    their last child's). ``[]`` when it cannot be measured (the plan's model is run as training runs it)."""
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    out: list[tuple[str, float, bool]] = []
+    try:
+        model = build(judge)
+        x, y = data.first()
+        handles = []
+        for name, module in model.named_modules():
+            if not name or isinstance(module, containers):
+                continue
+
+            def hook(m, args, output, _name=name):
+                values = [t.detach().abs().max().item() for t in tensors_in(output)
+                          if t.is_floating_point() and t.numel()]
+                out.append((_name, max(values) if values else math.nan, False))
+            handles.append(module.register_forward_hook(hook))
+        try:
+            with torch.no_grad():
+                judge.runner.forward_loss(model, x, y, loss)
+        finally:
+            for h in handles:
+                h.remove()
+    except Exception:  # noqa: BLE001 - no magnitudes: the named module alone
+        return []
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name == outer or name.startswith(outer + ".")
+
+
+def _until_in_range(calls, layer: str, largest: float) -> tuple[str, ...]:
+    """The modules after ``layer`` that must stay in float32 with it: its output (the judge's magnitude)
+    is beyond ``largest``, so every call until one whose output fits again (that one included: its input
+    is still beyond), or up to the model's end. Empty when its output fits (an op inside its own code
+    overflowed, or nothing is known)."""
+    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
+    if at is None or calls[at][2] or not calls[at][1] > largest:
+        return ()
+    out: list[str] = []
+    for name, absmax, _ in calls[at + 1:]:
+        if _inside(name, layer) or any(_inside(name, n) for n in out):
+            continue
+        out.append(name)
+        if not absmax > largest:  # its output fits again (NaN: not measured, stop too)
+            break
+    return tuple(out)
+
+
+def _upto(after, calls, largest: float) -> str:
+    last = after[-1]
+    fits = next((c[1] for c in calls if c[0] == last), math.nan)
+    return f"until '{last}'" if fits <= largest else "to the model's end"
+
+
+def _feeding(calls, layer: str) -> tuple[str, ...]:
+    """The modules making an ill-conditioned ``layer``'s input, in call order: the call just before it,
+    and the ones before that while their values (the judge's) stay ``FEEDING_RATIO`` times above the layer's
+    result - they carry the large values (an offset) the layer cancels, which the format cannot hold."""
+    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
+    if at is None:
+        return ()
+    own = calls[at][1]
+    out: list[str] = []
+    for name, absmax, _ in reversed(calls[:at]):
+        if _inside(name, layer) or any(_inside(name, n) or _inside(n, name) for n in out):
+            continue
+        if out and not (absmax > FEEDING_RATIO * own):
+            break
+        out.insert(0, name)
+    return tuple(out)
 
 
 def _optimizer_has(recipe, key: str) -> bool:
@@ -293,8 +427,20 @@ def _deterministic(ctx: Context) -> Action | None:
     return Action("deterministic", "with deterministic algorithms", deterministic=True)
 
 
+@action("sync-batchnorm")
+def _sync_batchnorm(ctx: Context) -> Action | None:
+    """A data-parallel target whose BatchNorm layers normalise each rank's slice on its own (the executor's
+    ``batchnorm_per_rank`` finding): the data-parallel arm re-run with SyncBatchNorm (``--ddp-sync-bn``)."""
+    t, v = ctx.target, ctx.verdict
+    if t is None or t.world is None or ctx.sub_cause != "ddp" or "batchnorm_per_rank" not in v.symptoms:
+        return None
+    if ctx.config is None or getattr(ctx.config, "ddp_sync_bn", True):
+        return None
+    return Action("sync-batchnorm", "with SyncBatchNorm (--ddp-sync-bn)", settings=(("ddp_sync_bn", True),))
+
+
 # most specific first: a module kept in float32 before a recipe change
-ORDER = ("float32-module", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
+ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
 
 
 def actions_for(ctx: Context) -> list[Action]:

@@ -24,12 +24,19 @@ class Attempt:
     final_gap: float  # |final loss - the judge's| / the judge's
     allowed_gap: float
     seconds: float
+    # what made the re-run's first NaN/Inf ("" when it stayed finite): "the optimizer step (Adam, eps 1e-08)
+    # makes the weights of '5' NaN/Inf", "'head' produces it (exp)"; ``by_optimizer``: the former kind
+    cause: str = ""
+    by_optimizer: bool = False
+    # the judge's losses of this re-run when the action changed the recipe (the judge re-run with it), else ()
+    judge_losses: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "action": self.text, "snippet": self.snippet, "arm": self.arm,
                 "verified": self.verified, "line": self.line, "converged": self.converged,
                 "losses": [_num(v) for v in self.losses], "final_gap": _num(self.final_gap),
-                "allowed_gap": _num(self.allowed_gap), "seconds": round(self.seconds, 4)}
+                "allowed_gap": _num(self.allowed_gap), "seconds": round(self.seconds, 4), "cause": self.cause,
+                "judge_losses": [_num(v) for v in self.judge_losses]}
 
 
 @dataclass(frozen=True)

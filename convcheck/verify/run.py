@@ -24,7 +24,7 @@ from convcheck.numerics.thresholds import FRAGILE_MARGIN
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.plan.user_code import one_line
 from convcheck.targets.spec import Target
-from convcheck.verify.actions import Action, Context, actions_for
+from convcheck.verify.actions import RAISED_EPS, Action, Context, actions_for, judge_magnitudes
 from convcheck.verify.bisect import candidates, ddmin
 from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
 
@@ -34,10 +34,12 @@ TRACK_MARGIN = FRAGILE_MARGIN  # a re-run ending within 10% of the judge's final
 def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, seed: int, training: TrainResult,
                    targets: Sequence[Target], judge: Target, mode: bool | None = None,
                    tolerances: Tolerances = DEFAULT_TOLERANCES, arm_seconds: float = math.nan,
-                   actions: Sequence[Action] | None = None) -> Verification:
+                   actions: Sequence[Action] | None = None, layers=None, config=None) -> Verification:
     """``mode``: False runs nothing; None (the default) tries the first fitting action when that costs one
     training run of one in-process arm; True tries every fitting action. ``actions`` replaces the derived
-    ones (a test plants a wrong diagnosis this way)."""
+    ones (a test plants a wrong diagnosis this way). ``layers``: the judge's output magnitude per module call
+    (``actions.judge_magnitudes``, measured here when None: which neighbours of a module kept in float32
+    must stay with it)."""
     if mode is False:
         return Verification(SKIPPED, "", reason="--no-verify")
     if verdict is None or verdict.category == "ok":
@@ -46,14 +48,17 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     if target is None:
         return Verification(NO_ACTION, f"not verified: no arm of this run to re-run for a {verdict.category} verdict",
                             reason="no arm")
-    if mode is None and target.world is not None:
-        return Verification(SKIPPED, "", reason=f"re-running {target} costs {target.world} processes, more than one "
-                                                "arm: --verify runs it")
     if actions is None:
         model = build(target)
-        actions = actions_for(Context(verdict, target, is_judge, model, recipe))
+        if layers is None and not is_judge and target.runner.half_compute:
+            layers = judge_magnitudes(build, judge, data, recipe.loss)
+        actions = actions_for(Context(verdict, target, is_judge, model, recipe, layers, config))
         del model
     actions = list(actions)
+    if mode is None and target.world is not None and actions:
+        return Verification(SKIPPED, "", untried=tuple(a.text for a in actions),
+                            reason=f"re-running {target} costs {target.world} processes, more than one arm: "
+                                   "--verify runs it")
     if not actions:
         return Verification(NO_ACTION, "remedies not verified: none of them is one convcheck can apply and re-run",
                             reason="no action")
@@ -65,15 +70,26 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     judge_losses = _losses(training, training.arm_of(judge).name)
     allowed = max(TRACK_MARGIN, _envelope_gap(training, judge_losses))
     attempts = []
+    follow: Action | None = None
     for a in tried:
         attempts.append(_attempt(a, target, judge, is_judge, build, data, recipe, steps, seed, tolerances,
-                                 judge_losses, allowed))
+                                 judge_losses, allowed, config))
         if attempts[-1].verified:
             break
+        follow = follow or _second_cause(a, attempts[-1], recipe, target)
+        if follow is not None and mode is True:
+            # the module kept in float32 fixed the first cause and the re-run found a second one, the
+            # optimizer's eps (0 at this precision): both together
+            attempts.append(_attempt(follow, target, judge, is_judge, build, data, recipe, steps, seed, tolerances,
+                                     judge_losses, allowed, config))
+            if attempts[-1].verified:
+                break
     if mode is True and not attempts[-1].verified and _bisectable(verdict, target, is_judge):
         attempts.append(_bisect(target, judge, build, data, recipe, steps, seed, tolerances, training,
                                 judge_losses, allowed))
-    untried = tuple(a.text for a in actions[len(attempts):]) if not any(a.verified for a in attempts) else ()
+    done = {a.text for a in attempts}
+    untried = () if any(a.verified for a in attempts) else tuple(
+        a.text for a in [*actions, *([follow] if follow is not None else [])] if a.text not in done)
     spent = sum(a.seconds for a in attempts)
     ratio = spent / arm_seconds if arm_seconds and math.isfinite(arm_seconds) and arm_seconds > 0 else math.nan
     ok = next((a for a in attempts if a.verified), None)
@@ -134,6 +150,53 @@ def _bisect(target: Target, judge: Target, build, data, recipe, steps: int, seed
     return dataclasses.replace(done, kind="bisect", seconds=time.perf_counter() - t0)
 
 
+def _second_cause(action: Action, attempt: Attempt, recipe, target: Target) -> Action | None:
+    """After a module kept in float32 that did not verify because the optimizer step then made weights
+    NaN/Inf with an eps the target's format cannot hold (Adam's 1e-8 is 0 in float16): the same modules
+    with the eps raised (None when that is not what the re-run showed)."""
+    if not action.modules or action.eps is not None or not attempt.by_optimizer:
+        return None
+    eps = _optimizer_eps(recipe)
+    if eps is None or eps >= RAISED_EPS:
+        return None
+    fmt = target.runner.precision.narrowest
+    held = "0" if eps < fmt.smallest_subnormal / 2 else "below its precision"
+    return action.with_eps(RAISED_EPS, f"its {eps:g} is {held} in {fmt}")
+
+
+def _optimizer_eps(recipe) -> float | None:
+    import torch
+
+    try:
+        opt = recipe.make_optimizer([torch.zeros(1, requires_grad=True)])
+    except Exception:  # noqa: BLE001 - a factory that wants the model's own parameters: unknown
+        return None
+    eps = [g["eps"] for g in opt.param_groups if isinstance(g.get("eps"), (int, float))]
+    return min(eps) if eps else None
+
+
+def _cause(result: TrainResult, t: Target) -> tuple[str, bool]:
+    """What made the re-run's first NaN/Inf: (the words, whether the optimizer step made weights NaN/Inf)."""
+    try:
+        arm = result.arm_of(t)
+    except StopIteration:
+        return "", False
+    found = result.nonfinite_producer.get(arm)
+    detail = dict(result.nonfinite_detail.get(arm) or {})
+    weights = bool(result.nonfinite_weights.get(arm)) or detail.get("callable") == "optimizer"
+    if weights:
+        opt = detail.get("optimizer")
+        eps = detail.get("eps")
+        what = ", ".join(x for x in (opt or "", f"eps {eps:g}" if isinstance(eps, (int, float)) else "") if x)
+        where = f" of '{found[1]}'" if found and found[1] else ""
+        return f"the optimizer step{f' ({what})' if what else ''} made the weights{where} NaN/Inf", True
+    if found:
+        op = detail.get("op")
+        who = f"'{found[1]}'" if detail.get("callable", "module") == "module" else f"the {detail['callable']}"
+        return f"{who} produces it{f' ({op})' if op else ''}", False
+    return "", False
+
+
 def _failing(verdict: Verdict, targets: Sequence[Target], judge: Target) -> tuple[Target | None, bool]:
     """The arm to re-run: the verdict's target, else (a setup verdict: the judge fails too) the judge."""
     if verdict.target:
@@ -164,7 +227,7 @@ def _envelope_gap(training: TrainResult, judge_losses: list[float]) -> float:
 
 
 def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, build, data, recipe, steps: int,
-             seed: int, tolerances: Tolerances, judge_losses: list[float], allowed: float) -> Attempt:
+             seed: int, tolerances: Tolerances, judge_losses: list[float], allowed: float, config=None) -> Attempt:
     """One re-run. The arm alone (role "judge": its own reference, no distance to measure) when the action
     leaves the judge's training as it was; with the judge beside it, both changed, when it changes the recipe."""
     t = action.target_for(target)
@@ -174,7 +237,7 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
     t0 = time.perf_counter()
     try:
         with action.applied():
-            result = run_training(action.wrap_build(build), data, arms,
+            result = run_training(action.wrap_build(build, config), data, arms,
                                   TrainConfig(steps=steps, seed=seed, recipe=action.recipe(recipe)),
                                   tolerances=tolerances)
             if with_judge:
@@ -194,8 +257,9 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
     change = f"({losses[0]:.4g} -> {final:.4g})" if losses else ""
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     judge_conv = converged(judge_losses, tolerances)
+    cause, by_optimizer = _cause(result, t) if bad is not None else ("", False)
     if bad is not None:
-        ok, why = False, f"{name} still goes NaN/Inf at step {bad}"
+        ok, why = False, f"{name} still goes NaN/Inf at step {bad}" + (f": {cause}" if cause else "")
     elif is_judge:
         ok = conv
         why = f"{name} converges {change}" if conv else f"{name} still does not converge {change}"
@@ -217,4 +281,5 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
                f"{judge_final:.4g}; allowed {allowed:.0%})")
     line = f"{'verified' if ok else 'not verified'}: {action.text}, {why}"
     return Attempt(action.kind, action.text, action.snippet(), name, ok, line, tuple(losses), conv, gap, allowed,
-                   seconds)
+                   seconds, cause=cause, by_optimizer=by_optimizer,
+                   judge_losses=tuple(judge_losses) if with_judge else ())

@@ -6,8 +6,12 @@ the environments diffed; a ``Verdict`` in ``compare``'s categories (exit 0 ok, 1
 by more than ``PART_FACTOR`` unit roundoffs of the coarser dtype (relative norm); at other steps, its output
 statistics (max |x|, mean, std) of the two runs differ by more than
 ``PART_FACTOR`` unit roundoffs of the coarser of the two output dtypes (relative to the layer's std, or
-its max |x| when the std is 0); NaN/Inf present on one side only always parts. Replaying the snapshot
-layers through the float64 judge is not done here (issue 25's stretch goal).
+its max |x| when the std is 0); NaN/Inf present on one side only always parts.
+
+At each run's snapshot steps every leaf call is replayed through the float64 judge of this machine
+(``replay.py``: local error against the measured floor, as ``compare`` does) when the model's class is
+importable here; otherwise one line says why and the diff goes on without it. ``judge_watched`` is
+``convcheck diff RUN --judge SPEC``: one watched run against the judge alone.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
 from convcheck.watch.layout import UNIT_ROUNDOFF
 from convcheck.watch.reader import WatchedRun, open_watched
-from convcheck.watch.verdict import Parting, decide, producer_text
+from convcheck.watch.replay import Replay, replay_run
+from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
 
 PART_FACTOR = 16
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class WatchDiff:
     producers: tuple[dict | None, dict | None]
     env: list = field(default_factory=list)
     flags: list = field(default_factory=list)
+    replays: tuple = (None, None)  # each run's ``replay.Replay`` (the float64 judge at its snapshot steps)
     verdict: Verdict | None = None
 
     def __bool__(self) -> bool:
@@ -51,6 +57,7 @@ class WatchDiff:
         for side, p in zip("AB", self.producers):
             if p is not None:
                 out.append(f"first non-finite in {side}: {producer_text(p)}")
+        out += judge_lines(self.replays)
         out += [f"version: {d.field}: {d.left} | {d.right}" for d in self.env]
         out += [f"math flag: {k}: {va} | {vb}" for k, va, vb in self.flags]
         v = self.verdict
@@ -63,7 +70,64 @@ class WatchDiff:
         return {"a": self.a, "b": self.b, "steps": list(self.steps), "data_step": self.data_step,
                 "parting": None if self.parting is None else vars(self.parting), "loss_step": self.loss_step,
                 "first_nonfinite": list(self.producers), "env_diff": [d.to_dict() for d in self.env],
-                "math_flags_diff": [list(f) for f in self.flags], "verdict": self.verdict.to_dict()}
+                "math_flags_diff": [list(f) for f in self.flags],
+                "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
+                "verdict": self.verdict.to_dict()}
+
+
+def judge_lines(replays, sides: str = "AB") -> list[str]:
+    """The judge's replay in the report: one line per run (one in all when both were not replayed for
+    the same reason), then what it skipped (the first three) and its rows above their floors."""
+    reps = [(s, r) for s, r in zip(sides, replays) if r is not None]
+    if not reps:
+        return []
+    judge = reps[0][1].judge
+    if len(reps) > 1 and all(not r.rows and r.note for _, r in reps) and len({r.note for _, r in reps}) == 1:
+        return [f"float64 judge ({judge}): not replayed: {reps[0][1].note}; diffed without the replay"]
+    out = []
+    for side, r in reps:
+        label = f" on {side}" if len(sides) > 1 else ""
+        out.append(f"float64 judge ({judge}){label}: {r.summary()}" + ("; diffed without the replay"
+                                                                      if not r.rows and r.note else ""))
+        out += [f"  above its floor: {row.text()}" for row in r.flagged[:5]]
+        out += [f"  overflow: {row.text()}" for row in r.overflows[:3]]
+        out += [f"  not replayed: {why}" for why in r.skipped[:3]]
+    return out
+
+
+@dataclass(frozen=True)
+class WatchJudge:
+    """``convcheck diff RUN --judge SPEC``: one watched run held against the float64 judge."""
+
+    run: str
+    steps: int
+    producer: dict | None
+    replay: Replay
+    verdict: Verdict
+
+    def __bool__(self) -> bool:
+        return self.verdict.category == "ok"
+
+    def lines(self) -> list[str]:
+        out = [f"watched run: {self.run} ({self.steps} steps)"]
+        out.append("first non-finite: " + ("none" if self.producer is None else producer_text(self.producer)))
+        out += judge_lines((self.replay,), sides="-")
+        v = self.verdict
+        out.append(f"verdict: {v.category}: {v.headline}")
+        out += [f"  - {e}" for e in v.evidence]
+        out += [f"  remedy: {r}" for r in v.remedies]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
+                "judge_replay": self.replay.to_dict(), "verdict": self.verdict.to_dict()}
+
+
+def judge_watched(path, judge: str) -> WatchJudge:
+    """One watched run against the float64 judge ``judge`` (a float64 target of this machine)."""
+    run = open_watched(path)
+    replay = replay_run(run, judge)
+    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay))
 
 
 def _rel(x: float, y: float, scale: float) -> float:
@@ -148,8 +212,9 @@ def _first_loss_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | No
     return None
 
 
-def diff_watched(path_a, path_b) -> WatchDiff:
-    """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model."""
+def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
+    """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model.
+    ``judge``: the float64 target that replays the snapshot steps (default: this machine's judge)."""
     a, b = open_watched(path_a), open_watched(path_b)
     pa = [(p["name"], p["shape"]) for p in a["model"]["parameters"]]
     pb = [(p["name"], p["shape"]) for p in b["model"]["parameters"]]
@@ -164,4 +229,9 @@ def diff_watched(path_a, path_b) -> WatchDiff:
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
                        first_parting(a, b, steps), _first_loss_difference(a, b, steps),
                        (a["first_nonfinite"], b["first_nonfinite"]), env, flags)
+    if judge is None:
+        from convcheck.targets.spec import default_judge
+
+        judge = str(default_judge()[0])
+    result = replace(result, replays=(replay_run(a, judge), replay_run(b, judge)))
     return replace(result, verdict=decide(result, a, b))

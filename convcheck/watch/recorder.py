@@ -21,6 +21,7 @@ import torch
 from convcheck.watch import stats as _stats
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.ranks import rank_out
 
 
 def seed_everything(seed: int) -> None:
@@ -64,6 +65,11 @@ def batch_hash(args, kwargs) -> str:
     return h.hexdigest()
 
 
+def _closure(args, kwargs) -> bool:
+    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
+    return (args[0] if args else kwargs.get("closure")) is not None
+
+
 def _nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
 
@@ -79,6 +85,13 @@ def math_flags() -> dict:
             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
 
 
+def _module_of(cls: type) -> str:
+    """The module ``cls`` can be imported from: a script run with ``python -m pkg.script`` is ``__main__``
+    here but ``pkg.script`` to ``convcheck diff`` (its float64 replay imports the model's class)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None) if cls.__module__ == "__main__" else None
+    return spec.name if spec is not None and spec.name else cls.__module__
+
+
 class Watch:
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
@@ -92,13 +105,15 @@ class Watch:
         if not (isinstance(max_bytes, int) and max_bytes > 0):
             raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.out, self.force = Path(out), force
+        self.out, self.distributed = rank_out(Path(out))  # under DDP: out/rank<k>
+        self.force = force
         self.snapshot_steps = {int(s) for s in snapshot_steps}
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.cpu = all(p.device.type == "cpu" for _, p in self.params)  # hooks on one thread: _stats.one_thread
+        self.device = str(self.params[0][1].device) if self.params else "cpu"
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
         self.producer: dict | None = None
@@ -201,6 +216,9 @@ class Watch:
                 bad = _nonfinite(outs)
             if outs and bad and not _nonfinite(_floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
+                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
+
+                self.producer.update(live_op(module, args))  # the op that made them
             elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
                 outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
         return None
@@ -230,12 +248,20 @@ class Watch:
     @_stats.single_threaded
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
+        if _closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
+            return None
+        self._read_grads()
+        return None
+
+    def _read_grads(self) -> None:
         self.grad_norms = self._norms()
         if self.taker is not None:
             self.taker.take_grads(self.params)
-        return None
 
+    @_stats.single_threaded
     def _post_step(self, optimizer, args, kwargs):
+        if _closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
+            self._read_grads()
         self.stepped = True
         self.pending = not self.explicit  # ended at the next forward (or w.step, or exit)
         return None
@@ -328,7 +354,8 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            "model": {"class": type(self.model).__name__,
+            "model": {"class": type(self.model).__name__, "module": _module_of(type(self.model)),
+                      "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],
                       "layers": [self.names[m] for m in self.names if m in self.leaves]},
@@ -337,6 +364,7 @@ class Watch:
             "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
             "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,
             "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in self.from_env.items()},
+            "distributed": self.distributed,
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 

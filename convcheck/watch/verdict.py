@@ -1,8 +1,10 @@
 """The verdict of a watched-run diff, in ``compare``'s categories (``diagnose/verdict.py``).
 
 In order: different data (``setup``), non-finite values on one side or from different producers
-(``numerics``), a parting beyond rounding explained by different precisions (``numerics``), by different
-stacks (``version``), or by nothing recorded (``nondeterminism``); otherwise ``ok``."""
+(``numerics``), a layer the float64 judge finds above its floor at a snapshot step (``layer``), a
+parting beyond rounding explained by different precisions (``numerics``), by different stacks
+(``version``), or by nothing recorded (``nondeterminism``); otherwise ``ok``. ``decide_single``: one
+run against the judge alone."""
 
 from __future__ import annotations
 
@@ -24,9 +26,19 @@ class Parting:
     why: str
 
 
+def producer_where(p: dict) -> str:
+    """``att (own code: matmul, forward)``: the producer, the op inside it when the run named one."""
+    op = p.get("op")
+    op = f": {op[:60]}" if isinstance(op, str) else ""
+    return f"{p['layer']} ({p['kind']}{op}, {p['direction']})"
+
+
 def producer_text(p: dict) -> str:
-    return f"{p['layer']} ({p['kind']}, {p['direction']}) at step {p['step']}" + (
-        f": {p['detail']}" if p.get("detail") else "")
+    from convcheck.watch.replay import magnitude_text
+
+    detail = [str(p["detail"])[:200]] if p.get("detail") else []
+    detail += [magnitude_text(p)] if magnitude_text(p) else []
+    return f"{producer_where(p)} at step {p['step']}" + (f": {'; '.join(detail)}" if detail else "")
 
 DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
                         "on both sides (set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA)"]
@@ -55,18 +67,62 @@ def _nonfinite(d) -> Verdict | None:
     side, p = ("B", pb) if pa is None or (pb is not None and pb["step"] < pa["step"]) else ("A", pa)
     other = "A" if side == "B" else "B"
     state = "stays finite" if d.producers["AB".index(other)] is None else "turns non-finite later or elsewhere"
-    return Verdict("numerics", f"{side} turns non-finite at step {p['step']} in {p['layer']} "
-                               f"({p['kind']}, {p['direction']}); {other} {state}",
-                   evidence=[f"first non-finite in {side}: {producer_text(p)}"] + _parting_lines(d),
-                   remedies=["keep that layer's operation in float32 (autocast(enabled=False) around it), or "
-                             "rescale its operands (e.g. divide the scores by sqrt(d) before the matmul)"],
-                   target=side, layer=p["layer"], sub_cause="overflow" if p["direction"] == "forward" else "backward")
+    return Verdict("numerics", f"{side} turns non-finite at step {p['step']} in {producer_where(p)}; "
+                               f"{other} {state}",
+                   evidence=[f"first non-finite in {side}: {producer_text(p)}"] + _parting_lines(d)
+                   + _overflow_lines(d.replays),
+                   remedies=list(NONFINITE_REMEDIES), target=side, layer=p["layer"],
+                   sub_cause="overflow" if p["direction"] == "forward" else "backward")
+
+
+NONFINITE_REMEDIES = ["keep that layer's operation in float32 (autocast(enabled=False) around it), or rescale its "
+                      "operands (e.g. divide the scores by sqrt(d) before the matmul)"]
+LAYER_REMEDIES = ["that layer computes less accurately than its precision allows on its own input (the float64 "
+                  "judge replayed it from the snapshot): check its implementation (a one-pass variance, a sum in "
+                  "a 16-bit type, a cast inside it), or run it in float32"]
+
+
+def _overflow_lines(replays) -> list[str]:
+    return [f"{side}: {r.text()}" for side, rep in zip("AB", replays) if rep is not None for r in rep.overflows[:3]]
+
+
+def first_flagged(replays) -> tuple[str, object] | None:
+    """``(side, row)`` of the earliest layer call the judge found above its floor (None when none)."""
+    rows = [(r.step, i, "AB"[i], r) for i, rep in enumerate(replays) if rep is not None for r in rep.flagged]
+    return min(rows, key=lambda x: x[:2])[2:] if rows else None
+
+
+def layer_verdict(side: str, row, prefix: str) -> Verdict:
+    over = row.local / row.floor if row.floor > 0 else float("inf")
+    return Verdict("layer", f"{prefix}{row.layer} computes beyond its floor at step {row.step}: local error "
+                            f"{row.local:.3g}, {over:.3g}x its measured floor",
+                   evidence=[f"float64 judge on {side or 'the run'}: {row.text()}"], remedies=list(LAYER_REMEDIES),
+                   target=side or None, layer=row.layer, sub_cause="local error")
 
 
 def _parting_lines(d) -> list[str]:
     if d.parting is None:
         return []
     return [f"the runs part at step {d.parting.step} in {d.parting.layer}: {d.parting.why}"]
+
+
+def decide_single(run, replay) -> Verdict:
+    """One watched run against the float64 judge: a layer above its floor at a snapshot step (``layer``)
+    or the first non-finite producer (``numerics``), the earlier of the two; otherwise ``ok``."""
+    p = run["first_nonfinite"]
+    flagged = first_flagged((replay,))
+    if flagged is not None and (p is None or flagged[1].step <= p["step"]):
+        return layer_verdict("", flagged[1], "")
+    if p is not None:
+        return Verdict("numerics", f"the run turns non-finite at step {p['step']} in {producer_where(p)}",
+                       evidence=[f"first non-finite: {producer_text(p)}"] + _overflow_lines((replay,)),
+                       remedies=list(NONFINITE_REMEDIES), layer=p["layer"],
+                       sub_cause="overflow" if p["direction"] == "forward" else "backward")
+    if replay is None or not replay.rows:
+        return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
+                       evidence=[replay.summary()] if replay is not None else [])
+    return Verdict("ok", "every replayed layer is within its floor and the run stays finite",
+                   evidence=[replay.summary()])
 
 
 def decide(d, a, b) -> Verdict:
@@ -79,6 +135,13 @@ def decide(d, a, b) -> Verdict:
     found = _nonfinite(d)
     if found is not None:
         return found
+    flagged = first_flagged(d.replays)
+    if flagged is not None:
+        side, row = flagged
+        other = d.replays["AB".index(side) ^ 1]
+        if other is not None and any(r.layer == row.layer for r in other.flagged):
+            return layer_verdict("", row, "in both runs, ")  # the layer's code, whatever the target
+        return layer_verdict(side, row, f"{side}'s ")
     part = d.parting
     if part is None and d.loss_step is not None:
         part = Parting(d.loss_step, "the loss", "the losses differ by more than 1e-3 (relative)")

@@ -221,6 +221,16 @@ CASES = {
     "curve of another arm": (_edit(lambda m: m["training"]["curves"][0].update(arm="x")), "not one of this run's"),
     "curve step missing": (_edit(lambda m: m["training"].update(curves=m["training"]["curves"][1:])),
                            "do not hold steps"),
+    "nan detail missing in /2": (_edit(lambda m: m["training"].pop("nonfinite_detail")),
+                                 "training.nonfinite_detail is missing"),
+    "nan detail not an object": (_edit(lambda m: m["training"].update(nonfinite_detail={"cpu": [1]})),
+                                 "training.nonfinite_detail['cpu'] is not an object"),
+    "nan detail op a number": (_edit(lambda m: m["training"].update(nonfinite_detail={"cpu": {"op": 3}})),
+                               "training.nonfinite_detail['cpu'].op holds int"),
+    "nan detail magnitude a bool": (_edit(lambda m: m["training"].update(
+        nonfinite_detail={"cpu": {"magnitude": True}})), "magnitude holds bool"),
+    "nan detail unknown callable": (_edit(lambda m: m["training"].update(
+        nonfinite_detail={"cpu": {"callable": "rm -rf"}})), "callable is 'rm -rf', not one of"),
     "manifest a list": (manifest_is_list, "manifest is list"),
     "manifest not json": (not_json, "not JSON"),
     "no manifest": (no_manifest, "manifest.json cannot be opened"),
@@ -263,10 +273,21 @@ def test_the_valid_bundle_reads(bundles):
     for b in bundles:
         bundle = open_bundle(b)
         bundle.check_arrays()
-        assert bundle["schema"] == "convcheck.bundle/1"
+        assert bundle["schema"] == "convcheck.bundle/2"
 
 
 def test_open_bundle_raises_usage_error(copy_a):
     (copy_a / "manifest.json").write_text("[]")
     with pytest.raises(UsageError):
         open_bundle(copy_a)
+
+
+def test_a_version_1_bundle_without_the_nan_detail_still_reads(copy_a):
+    """``convcheck.bundle/1`` had no ``training.nonfinite_detail``: read without it (required from /2 on)."""
+    m = _manifest(copy_a)
+    m["schema"] = "convcheck.bundle/1"
+    m["training"].pop("nonfinite_detail")
+    _set_manifest(copy_a, m)
+    bundle = open_bundle(copy_a)
+    bundle.check_arrays()
+    assert bundle["schema"] == "convcheck.bundle/1"

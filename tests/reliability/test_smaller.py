@@ -69,3 +69,13 @@ def test_one_option_written_twice_in_a_config_is_refused_naming_both_keys_and_th
     line = assert_one_error_line(code, 2, err, "'batch-size' and 'batch_size'")
     assert str(file) in line and "twice" in line, line
     assert not (tmp_path / "r").exists()
+
+
+def test_classes_1_under_cross_entropy_is_refused_not_an_ok_that_means_nothing(capsys, tmp_path):
+    """Cross-entropy over one class is 0 for every input: every arm 'agrees' at loss 0 and the run used to
+    end `ok`. A user's own --loss with one output stays allowed."""
+    code, _, err = run_cli(capsys, ["compare", "--model", "lenet", "--classes", "1", "--steps", "3",
+                                    "--envelope", "0", "--out", str(tmp_path / "run")])
+    line = assert_one_error_line(code, 2, err, "cross-entropy over a single class is 0")
+    assert "--classes 2" in line
+    assert not (tmp_path / "run").exists()

@@ -44,9 +44,9 @@ def test_an_inf_culprit_is_marked_at_the_top_not_drawn_tiny(overflow):
     assert list(marks[0].get_ydata()) and all(y == 1.0 for y in marks[0].get_ydata())  # the axis' top
     assert marks[0].get_transform() != ax.transData
     labels = [t.get_text() for t in ax.texts]
-    assert "2 (Blowup)" in labels and "inf" in labels  # the flagged layer named, the inf said
+    assert "2 (Blowup (own code: mul))" in labels and "inf" in labels  # the flagged layer and its op named, the inf said
     # layers in model order on x
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["0 (Flatten)", "1 (Linear)", "2 (Blowup)",
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0 (Flatten)", "1 (Linear)", "2 (Blowup (own code: mul))",
                                                              "3 (Linear)"]
     assert ax.get_yscale() == "log"
     assert all(_legend_outside(a) for a in fig.axes)

@@ -149,3 +149,24 @@ def test_focal_loss_overflowing_at_step_0_names_the_loss_not_a_layer():
     assert v.headline.startswith("float16 overflow in exp in the loss function 'focal_loss' on cpu:fp16: it "
                                  "produces the first Inf"), v.headline
     assert "subtract the maximum before exp" in v.remedies[0]
+
+
+def test_hand_layernorm_one_pass_variance_names_sqrt_in_the_leaf_and_the_stable_variance():
+    """Held-out class: a leaf module of the user's own code (no children) makes the first NaN; the op is
+    named as for a module with children (was: "'norm' produces the first NaN/Inf", remedy "find what
+    makes 'norm' produce NaN/Inf"), and the remedy is the stable variance, not a generic hint."""
+    r = compare(U.one_pass_norm_net, "cpu,cpu:bf16", steps=6, envelope=0, optimizer="adamw", lr=2e-3,
+                batch_size=16, verify=False, **MNIST)
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:bf16" and v.layer == "norm", v.headline
+    assert v.headline.startswith("sqrt in 'norm' (its own code) produces the first NaN/Inf on cpu:bf16"), v.headline
+    assert "x.var(dim, unbiased=False)" in v.remedies[0] and "clamp_min(0)" in v.remedies[0]
+    assert any("'norm' in float32" in rem for rem in v.remedies[1:]), v.remedies
+    assert not any(rem.startswith("find what makes") for rem in v.remedies), v.remedies
+    assert not any("Adam" in rem or "--eps" in rem for rem in v.remedies), v.remedies  # not the optimizer's eps
+
+
+def test_hand_layernorm_two_pass_variance_is_ok():
+    r = compare(U.two_pass_norm_net, "cpu,cpu:bf16", steps=6, envelope=0, optimizer="adamw", lr=2e-3,
+                batch_size=16, verify=False, **MNIST)
+    assert r.verdict.category == "ok", r.verdict.headline

@@ -104,3 +104,44 @@ class Sharpened(nn.Module):
 
 def sharpened_mlp() -> nn.Module:
     return Sharpened(mlp())
+
+
+class OnePassLayerNorm(nn.Module):
+    """A channel LayerNorm written by hand with the one-pass variance E[x^2] - E[x]^2: a leaf of the user's
+    own code (no children). On activations with a large mean the two terms cancel; in bfloat16 the
+    difference comes out negative and sqrt makes NaN."""
+
+    def __init__(self, c: int, eps: float = 1e-5, two_pass: bool = False):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.eps, self.two_pass = eps, two_pass
+
+    def forward(self, x):
+        mean = x.mean(dim=1, keepdim=True)
+        if self.two_pass:
+            var = ((x - mean) ** 2).mean(dim=1, keepdim=True)
+        else:
+            var = (x * x).mean(dim=1, keepdim=True) - mean * mean
+        x = (x - mean) / torch.sqrt(var + self.eps)
+        return x * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+class OffsetNormNet(nn.Module):
+    def __init__(self, two_pass: bool = False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.norm = OnePassLayerNorm(16, two_pass=two_pass)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, stride=2)
+        self.head = nn.Linear(32 * 14 * 14, 10)
+
+    def forward(self, x):
+        x = F.gelu(self.norm(self.conv1(x) + 40.0))  # activations with a large mean, as after a bias drift
+        return self.head(F.gelu(self.conv2(x)).flatten(1))
+
+
+def one_pass_norm_net() -> nn.Module:
+    return OffsetNormNet()
+
+
+def two_pass_norm_net() -> nn.Module:
+    return OffsetNormNet(two_pass=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class NaiveSoftmax(nn.Module):
@@ -41,3 +42,31 @@ def two_overflows_net() -> nn.Module:
 def mlp() -> nn.Module:
     """A plain MLP: with Adam's default eps in a float16 model its weights go NaN at the first step."""
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def loud_mlp() -> nn.Module:
+    """Inputs scaled by 30 before the first Linear (unnormalised data): SGD at lr 0.1 takes steps 30x too
+    large there and even the float64 judge diverges; gradients clipped to norm 1 keep the steps bounded."""
+    return nn.Sequential(nn.Flatten(), Scale(30.0), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+class ShiftedLinear(nn.Linear):
+    """``x @ W.T`` written as ``(x + c) @ W.T - c * W.sum(1)`` (a shift trick): exact in float64, but TF32
+    rounds the matmul's operand ``x + 8000`` to 10 bits (a spacing of 4), which loses most of ``x``."""
+
+    def __init__(self, inputs: int, outputs: int, shift: float = 8000.0):
+        super().__init__(inputs, outputs)
+        self.shift = shift
+
+    def forward(self, x):
+        return F.linear(x + self.shift, self.weight) - self.shift * self.weight.sum(1) + self.bias
+
+
+def shifted_linear_net() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), ShiftedLinear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def bn_mlp() -> nn.Module:
+    """A BatchNorm MLP (3x8x8 inputs, 4 classes): at 2 samples per rank, each rank's BatchNorm statistics
+    are those of 2 samples, not of the global batch: data-parallel training ends far from one device's."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))

@@ -58,7 +58,7 @@ def test_a_planted_fp16_overflow_is_named_with_its_module_and_step(tmp_path, cap
     assert code == 1
     v = json.loads(out)["verdict"]
     assert v["category"] == "numerics" and v["layer"] == "att" and v["target"] == "B"
-    assert v["headline"] == "B turns non-finite at step 4 in att (own code, forward); A stays finite"
+    assert v["headline"] == "B turns non-finite at step 4 in att (own code: matmul, forward); A stays finite"
 
 
 def test_json_and_out_folder_never_overwrite(runs, tmp_path, capsys):
@@ -155,4 +155,4 @@ def test_the_example_script_run_twice_and_diffed(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv("CONVCHECK_PRECISION", precision)
         example["main"](str(tmp_path / precision))
     code, out, _ = diff(capsys, tmp_path / "fp32", tmp_path / "fp16")
-    assert code == 1 and "first non-finite in B: att (own code, forward) at step 4" in out
+    assert code == 1 and "first non-finite in B: att (own code: matmul, forward) at step 4" in out

@@ -304,11 +304,13 @@ def lost_updates(curves: pd.DataFrame, target: str, unit_roundoff: float, weight
     return None
 
 
-def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str) -> Symptom | None:
+def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str,
+                   envelope: str = "one-ulp envelope") -> Symptom | None:
     """Drift between the two targets against the spread of the envelope runs of ``reference``.
 
     Returns a Symptom named "drift beyond envelope" when it leaves the envelope early and by
-    far, else one named "drift within envelope" carrying the largest ratio seen.
+    far, else one named "drift within envelope" carrying the largest ratio seen. ``envelope`` names
+    the envelope's null model (``EnvelopeSummary.null_model``); the symptom's ``extra["envelope"]``.
     """
     env = curves[curves["role"] == "envelope"]
     pair = curves[curves["arm"] == targets[0]].set_index("step")["dist_other"]
@@ -327,14 +329,15 @@ def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str) -> 
         if run >= min(ENVELOPE_RUN, len(window)):
             return Symptom(DRIFT, reference,
                            f"parameter distance between {targets[0]} and {targets[1]} is {ratio[s]:.3g}x the spread "
-                           f"of {reference}'s one-ulp envelope from step {start} (> {ENVELOPE_FAR:g}x for "
-                           f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s])
+                           f"of {reference}'s {envelope} from step {start} (> {ENVELOPE_FAR:g}x for "
+                           f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s],
+                           extra={"envelope": envelope})
     worst = max(ratio.values())
     size = ("rounding noise" if worst <= ENVELOPE_BENIGN
             else f"above {ENVELOPE_BENIGN:g}x at times but not {ENVELOPE_FAR:g}x early and for long")
     return Symptom(DRIFT_WITHIN, reference,
                    f"drift between {targets[0]} and {targets[1]} stays within {worst:.3g}x the spread of "
-                   f"{reference}'s one-ulp envelope ({size})", value=worst)
+                   f"{reference}'s {envelope} ({size})", value=worst, extra={"envelope": envelope})
 
 
 def outcome_vs_envelope(curves: pd.DataFrame, target: str) -> Symptom | None:

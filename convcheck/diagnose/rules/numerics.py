@@ -51,7 +51,8 @@ def precision_effect(ev: Evidence) -> Verdict | None:
     elif main.name in S.NONFINITE_TENSORS:
         headline = f"'{layer}' produces the first NaN/Inf on {main.arm} from finite inputs"
     elif main.name == S.DRIFT:
-        headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the one-ulp noise envelope "
+        envelope = main.extra.get("envelope", "one-ulp envelope").replace("envelope", "noise envelope")
+        headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the {envelope} "
                     f"from step {main.step}, while every layer is within its floor's bound")
     elif main.name == S.ILL_CONDITIONED:
         headline = (f"'{layer}' ({main.extra.get('module')}) is ill-conditioned at {main.arm}'s precision: rounding "
@@ -98,8 +99,11 @@ _OP_REMEDIES = {
             "F.logsigmoid or F.binary_cross_entropy_with_logits for a sigmoid (log(1 - sigmoid(x)) = "
             "logsigmoid(-x)); else clamp its operand (x.clamp_min(1e-4))"],
     "div": ["guard the division: divide by d.clamp_min(eps) (eps >= 1e-4 at 16-bit precision)"],
-    "sqrt": ["add an eps inside the square root (torch.sqrt(x + 1e-4)), never sqrt of a value that rounds to 0"],
-    "rsqrt": ["add an eps inside the square root (torch.rsqrt(x + 1e-4))"],
+    "sqrt": ["the value under the square root is negative or rounds to 0: clamp it and add an eps "
+             "(torch.sqrt(x.clamp_min(0) + 1e-4)); a variance written as E[x^2] - E[x]^2 goes negative at low "
+             "precision: use x.var(dim, unbiased=False) or F.layer_norm / F.group_norm"],
+    "rsqrt": ["the value under the square root is negative or rounds to 0: torch.rsqrt(x.clamp_min(0) + 1e-4); "
+              "a variance written as E[x^2] - E[x]^2 goes negative at low precision: use x.var(dim, unbiased=False)"],
     "pow": ["scale the operand down before the power, or compute it in float32"],
 }
 _OP_ALIASES = {"true_divide": "div", "divide": "div", "truediv": "div", "log1p": "log", "log2": "log",
@@ -186,13 +190,13 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     op = main.extra.get("op")
     if main.name == S.NONFINITE_USER_CODE:
         return _user_code_remedies(ev, main)
-    if main.name in S.NONFINITE_TENSORS and op:
-        out.extend(op_remedies(op))
+    stable = op_remedies(op) if main.name in S.NONFINITE_TENSORS else []
+    out.extend(stable)
     if main.name in S.NONFINITE_TENSORS and op and narrow and main.extra.get("overflow"):
         out.append(f"{op} in '{layer}' overflows {narrow}: scale its operands down before it (attention "
                    f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
                    + (" (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else ""))
-    elif main.name in S.NONFINITE_TENSORS and op:
+    elif main.name in S.NONFINITE_TENSORS and op and not stable:
         out.append(f"find what makes {op} in '{layer}' (its own code) produce NaN/Inf: its input range, a "
                    "division by zero, log or sqrt of a non-positive value")
     if main.name in S.NONFINITE_TENSORS or main.name == S.GRADSCALER_COLLAPSE:
@@ -202,9 +206,14 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         elif layer and narrow:  # float16's range ends at 65504, FP8's at 448/57344; bfloat16's and float32's do not
             out.append(f"keep '{layer}' in float32, or normalise its input so values stay below {narrow.largest:g}")
         elif layer:
-            out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
-                       "log or sqrt of a non-positive value")
-        out.append("scale activations down (add normalisation before the layer)")
+            keep = _keep_float32(t, f"'{layer}'")
+            if keep:
+                out.append(keep)
+            if not op:
+                out.append(f"find what makes '{layer}' produce NaN/Inf: its input range, a division by zero, "
+                           "log or sqrt of a non-positive value")
+        if not stable or main.extra.get("overflow"):
+            out.append("scale activations down (add normalisation before the layer)")
     if main.name == S.OUT_OF_RANGE and narrow:
         out.append(f"scale what '{layer}' produces into {narrow}'s range (below {narrow.largest:g}) before the "
                    "matmul/conv that reads it: normalise it, or give that operand a per-tensor scale as FP8 recipes do")

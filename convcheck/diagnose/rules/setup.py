@@ -9,7 +9,7 @@ from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_lines, training_lines, where_in
 from convcheck.diagnose.verdict import Verdict
-from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
+from convcheck.numerics.thresholds import SETUP_MIN_STEPS
 
 _LOWER_LR = "lower the learning rate (try 10x smaller)"
 _CLIP = "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
@@ -31,9 +31,9 @@ SETUP_PRIORITY = [S.NONFINITE_USER_CODE, R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R
                   S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
 SETUP_REMEDIES.update(R.REMEDIES)
 _UNLISTED = 99
-# Below this many steps a judge with no training problem that has not converged is a run too short to
-# say (pytest users write 5- and 8-step runs): the targets are held against it, no setup verdict.
-SHORT_RUN_STEPS = 2 * CONVERGENCE_MIN_STEPS
+# The judge's symptoms that a slow start shows too (a loss near chance, a small batch's loss swinging):
+# below ``SETUP_MIN_STEPS`` they are notes of ``ok``, not a setup verdict, unless something else is wrong.
+SLOW_START = (S.LOSS_PLATEAU, S.OSCILLATING_LOSS)
 
 
 @verdict_rule(
@@ -46,9 +46,9 @@ def judge_fails(ev: Evidence) -> Verdict | None:
     non-finite while the judge stays finite is never this rule's (the target's symptom decides). The
     main symptom is the judge's first training problem in ``SETUP_PRIORITY``; exploding gradients say
     "learning rate {lr} is too high, gradients explode ({why})"; without any, "no arm converges in
-    {steps} steps ({why})" - unless the judge's loss is still falling or the run is shorter than
-    ``SHORT_RUN_STEPS``: then the judge has not converged yet and the targets are held against it
-    (no verdict here; ``ok`` notes it). Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
+    {steps} steps ({why})" - unless the judge's loss is still falling, or the run is shorter than
+    ``SETUP_MIN_STEPS`` and the judge shows nothing but a slow start (``SLOW_START``): then the judge
+    has not converged yet and the targets are held against it (no verdict here; ``ok`` notes it). Remedies: the main symptom's in ``SETUP_REMEDIES``, else the registered ones."""
     judge = ev.judge_outcome
     if judge is None:
         return None
@@ -66,7 +66,8 @@ def judge_fails(ev: Evidence) -> Verdict | None:
                   key=lambda s: SETUP_PRIORITY.index(s.name) if s.name in SETUP_PRIORITY else _UNLISTED)
     lines = symptom_lines(syms, 4) + training_lines(ev)
     names = [s.name for s in syms]
-    if not syms and (ev.still_falling.get(ev.judge) or ev.steps < SHORT_RUN_STEPS):
+    if all(s.name in SLOW_START for s in syms) and (ev.steps < SETUP_MIN_STEPS
+                                                     or (not syms and ev.still_falling.get(ev.judge))):
         return None  # the judge has not converged yet, nothing is wrong with it: the targets are judged by it
     if not syms:
         return judge_fails.verdict(
@@ -101,9 +102,13 @@ def fragile_envelope(ev: Evidence) -> Verdict | None:
     if (not ev.judgeable or not failed or ev.step0_symptoms
             or not all(info.converged for _, info in _target_outcomes(ev))):
         return None
+    per_step = ev.envelope is not None and ev.envelope.every_step  # a same-precision pair's null model
     return fragile_envelope.verdict(
         [f"{failed}/{ev.envelope_runs} perturbed runs did not converge", *training_lines(ev)],
         {"failed": failed, "runs": ev.envelope_runs},
+        headline=(f"{failed} of {ev.envelope_runs} envelope runs of the lower-precision target fail from one-ulp "
+                  "changes of the weights and batches at every step: the setup is fragile, not the device")
+        if per_step else None,
         sub_cause="fragile setup", symptoms=[S.ENVELOPE_RUNS_FAIL])
 
 

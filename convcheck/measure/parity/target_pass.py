@@ -118,6 +118,8 @@ class TargetPass:
         propagated = self._propagated(out, judged) if measured else None
         row = self._row(key, type(module).__name__, inputs, out, judged)
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
+        if row["nan"] + row["inf"] and not row["input_nonfinite"] and not type(module).__module__.startswith("torch."):
+            self._name_the_leaf_op(key, name, module, inputs, out, row)  # a layer of the user's own code
         if measured:
             row.update(self._forward_errors(module, jc, args, got, judged, propagated, out.dtype))
             self.floors.forget_output()  # (one its floor did not need)
@@ -173,6 +175,16 @@ class TargetPass:
         if produced:
             self._name_the_op(call, row, check)
         self._add(call.key, row, out)
+
+    def _name_the_leaf_op(self, key, name, module, inputs, out, row: dict) -> None:
+        """A leaf of the user's own code (no children: its forward is all its own) that turns finite
+        inputs into NaN/Inf: the op that does, as for a module with children."""
+        try:
+            found = first_nonfinite_op(ParentCall(key, name, module, tuple(inputs), {}, out))
+        except REPLAY_FAILURES:
+            return
+        if found is not None:
+            row["module"] = own_code_label(type(module).__name__, found[1])
 
     def _name_the_op(self, call: ParentCall, row: dict, check: OwnCodeCheck | None) -> None:
         try:

@@ -1,7 +1,8 @@
 """Lockstep training on every arm, and the perturbation envelope; per-step curves.
 
 Every arm (the two targets, the judge, and the envelope runs of the
-lower-precision target) starts from the same initial weights and sees the same
+lower-precision target, nudged by one ulp before step 0 and, for two targets of the
+same precision, after every step: ``arms.make_arms``) starts from the same initial weights and sees the same
 batches in the same order, one step at a time. Per step and arm we keep
 scalars only: the loss, the global and per-layer gradient norms, the relative
 parameter distance to the judge (and, for envelope runs, to the target they
@@ -23,7 +24,7 @@ from convcheck.targets.executors import ArmJob, executor_for
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.measure.train.arm_state import ArmState
 from convcheck.measure.table_schema import CurveRow, columns
-from convcheck.measure.train.arms import PERTURB_SLOT, Arm, lower_precision, make_arms, perturb_
+from convcheck.measure.train.arms import PERTURB_SLOT, Arm, lower_precision, make_arms, perturb_, same_precision
 from convcheck.measure.train.distances import Distances
 from convcheck.measure.train.stats import Scratch
 from convcheck.measure.train.result import (
@@ -36,7 +37,7 @@ CURVE_COLUMNS = columns(CurveRow)
 
 __all__ = [
     "Arm", "ArmOutcome", "CONVERGED_RULE", "CURVE_COLUMNS", "EnvelopeSummary", "TrainConfig",
-    "TrainResult", "converged", "lower_precision", "make_arms", "perturb_", "run_training",
+    "TrainResult", "converged", "lower_precision", "make_arms", "perturb_", "run_training", "same_precision",
 ]
 
 _SEED_MOD = 2**63  # torch seeds are 64-bit: derived seeds wrap instead of overflowing

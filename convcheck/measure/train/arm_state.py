@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from convcheck.capture import SharedDropoutMasks, leaf_modules, named_modules
 from convcheck.numerics.thresholds import SATURATED_ABS
-from convcheck.measure.train.arms import Arm, perturb_
+from convcheck.measure.train.arms import STEP_PERTURB_SLOT, Arm, nudged, perturb_, step_seed
 from convcheck.measure.train.nonfinite import FirstProducer, all_finite, loss_op
 from convcheck.measure.train.stats import Scratch, fraction_abs_above, fraction_le_zero, norms_and_zeros, seed_generators
 
@@ -26,6 +26,10 @@ class ArmState:
         self.model = build(arm.target)
         if arm.perturb_seed is not None:
             perturb_(self.model, self.runner.ulp, arm.perturb_seed, self.scratch)
+        self._steps_done = 0  # optimizer steps taken (an ``every_step`` envelope run's nudges are seeded by it)
+        # an envelope run of a same-precision pair: nudged again at every step (an arm-like object without
+        # the field is not)
+        self._every_step = bool(getattr(arm, "every_step", False)) and arm.perturb_seed is not None
         self.opt = recipe.make_optimizer(self.model.parameters())
         self.schedule = recipe.make_schedule(self.opt, steps)
         self.clip = recipe.clip_grad_norm
@@ -116,6 +120,8 @@ class ArmState:
             # parity's probe names the layers that make such draws.
             seed_generators(rng_seed)
             self.opt.zero_grad(set_to_none=True)
+            if self._every_step and x.is_floating_point():
+                x = nudged(x, runner.ulp, step_seed(self.arm.perturb_seed, -1 - self._steps_done))
             out, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
             loss_value = float(loss.detach())
             if (not math.isfinite(loss_value) and self.first_producer.found is None
@@ -128,6 +134,11 @@ class ArmState:
             lr = self.opt.param_groups[0]["lr"]
             clipped = self._clip(stats["grad_norm"])
             scale, skipped = runner.optimizer_step(self.opt, self.scaler)
+            if self._every_step:
+                # the null model of a same-precision pair: another one-ulp nudge after every step
+                perturb_(self.model, runner.ulp, step_seed(self.arm.perturb_seed, self._steps_done), self.scratch,
+                         STEP_PERTURB_SLOT)
+            self._steps_done += 1
             if self.first_producer.found is None:
                 self._last_update = (float(lr), math.isfinite(stats["grad_norm"]))
             if self.schedule is not None:

@@ -83,6 +83,8 @@ class FirstProducer:
                 self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
                 if _finite(args):
                     self._blame(name, module)
+                    if not type(module).__module__.startswith("torch."):  # a layer of the user's own code
+                        self.detail.update(own_code_op(ParentCall(name, name, module, args, {}, output)))
 
         return hook
 

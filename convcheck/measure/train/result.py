@@ -49,6 +49,12 @@ class EnvelopeSummary:
     runs: int
     converged: int
     failed: int  # failed clearly: non-finite, or unconverged and > FRAGILE_MARGIN above the reference
+    every_step: bool = False  # nudged by one ulp after every step too (the null model of a same-precision pair)
+
+    @property
+    def null_model(self) -> str:
+        """The envelope in words: "one-ulp envelope", or "per-step one-ulp envelope"."""
+        return "per-step one-ulp envelope" if self.every_step else "one-ulp envelope"
 
 
 @dataclass(frozen=True)
@@ -178,4 +184,5 @@ def envelope_summary(arms, curves: pd.DataFrame, tol: Tolerances) -> EnvelopeSum
         ref = ref_losses[-1] if ref_losses else math.nan
         if not math.isfinite(mine) or not math.isfinite(ref) or mine > ref * (1 + FRAGILE_MARGIN):
             failed += 1
-    return EnvelopeSummary(reference=runs[0].reference, runs=len(runs), converged=ok, failed=failed)
+    return EnvelopeSummary(reference=runs[0].reference, runs=len(runs), converged=ok, failed=failed,
+                           every_step=bool(runs[0].every_step))

@@ -1,0 +1,232 @@
+"""``convcheck diff`` of watched DDP runs (``ranks.py``): rank by rank, and across the ranks of each run.
+
+Two DDP runs (folders of ``rank0/`` .. ``rank<N-1>/``, the same N) are diffed rank k against rank k with
+``diff.diff_watched``. Within each run, every rank is held against rank 0: the ranks see different
+batches by design (the sampler shards the data), so their batch hashes, losses and activations are not
+compared; what DDP makes equal is: the parameters (at the steps both snapshotted), the averaged
+gradients' norms at every step (within ``PART_FACTOR`` roundoffs of the parameter's dtype) and the
+learning rates. A rank whose gradients part from rank 0's was not averaged with it (the model not
+wrapped in DDP, ``no_sync()`` left on, a parameter outside the reduction): a ``setup`` finding, as is
+every rank seeing the same batches (no ``DistributedSampler``). ``diff RUN/rank0 RUN/rank1`` (two ranks of
+one run) is that across-ranks check alone, never a "different data" finding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from convcheck.diagnose.verdict import Verdict
+from convcheck.errors import UsageError
+from convcheck.watch.diff import PART_FACTOR, WatchDiff, diff_watched
+from convcheck.watch.layout import UNIT_ROUNDOFF
+from convcheck.watch.ranks import RANK_DIR, rank_folders
+from convcheck.watch.reader import WatchedRun, open_watched
+
+UNSYNCED_REMEDIES = ["wrap the model in DistributedDataParallel on every rank and step through the wrapper; use "
+                     "no_sync() only on the micro-batches before the last of an accumulated step",
+                     "a parameter the forward does not use on some step: DistributedDataParallel(..., "
+                     "find_unused_parameters=True)"]
+UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and call sampler.set_epoch(epoch)) so "
+                      "that each rank trains on its own share of the data"]
+
+
+@dataclass(frozen=True)
+class RankFinding:
+    """One rank of one run against its reference rank: where DDP should have made them equal and did not."""
+
+    run: str
+    rank: int
+    reference: int
+    step: int | None
+    kind: str  # "gradients", "parameters", "lr", "steps" or "same data"
+    text: str
+
+    def line(self) -> str:
+        return f"{self.run}: rank {self.rank} against rank {self.reference}: {self.text}"
+
+
+def _distributed(run: WatchedRun) -> dict:
+    d = run.manifest.get("distributed")
+    if not (isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool)
+                                        for k in ("rank", "world_size"))
+            and 0 <= d["rank"] < d["world_size"] <= 10**6):
+        raise UsageError(f"watched run {run.path}: its manifest has no valid distributed rank "
+                         "(it was not watched under torch.distributed)")
+    return d
+
+
+def _unit(dtypes: dict, name: str) -> float:
+    return UNIT_ROUNDOFF.get(dtypes.get(name, "float32"), 2.0**-24)
+
+
+def _rel(x: float, y: float) -> float:
+    if x == y:
+        return 0.0
+    scale = max(abs(x), abs(y))
+    return abs(x - y) / scale if scale > 0 and math.isfinite(scale) else math.inf
+
+
+def against(ref: WatchedRun, other: WatchedRun, run: str) -> list[RankFinding]:
+    """What rank ``other`` of a DDP run does differently from ``ref`` (rank 0) where DDP makes them equal."""
+    r0, rk = _distributed(ref)["rank"], _distributed(other)["rank"]
+    if [(p["name"], p["shape"]) for p in ref["model"]["parameters"]] != \
+            [(p["name"], p["shape"]) for p in other["model"]["parameters"]]:
+        raise UsageError(f"watched runs {ref.path} and {other.path} are ranks of one run with different models")
+    dtypes = {p["name"]: p.get("dtype", "float32") for p in ref["model"]["parameters"]}
+    found = []
+
+    def add(step, kind, text):
+        found.append(RankFinding(run, rk, r0, step, kind, text))
+
+    if len(ref.steps) != len(other.steps):
+        add(None, "steps", f"{len(other.steps)} steps recorded, rank {r0} {len(ref.steps)}: compared the first "
+                           f"{min(len(ref.steps), len(other.steps))}")
+    steps = min(len(ref.steps), len(other.steps))
+    snapped = {s["step"] for s in ref["snapshots"]} & {s["step"] for s in other["snapshots"]}
+    for k in range(steps):
+        if k in snapped:
+            sa, sb = ref.snapshot(k), other.snapshot(k)
+            for name in dtypes:
+                x, y = sa.get(f"param/{name}"), sb.get(f"param/{name}")
+                if x is not None and y is not None and x.shape == y.shape and not np.array_equal(x, y):
+                    d = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+                    add(k, "parameters", f"parameter {name} differs at the start of step {k} (max |difference| "
+                                         f"{d:.3g}): the ranks no longer hold the same model")
+                    return found
+        a, b = ref.steps[k], other.steps[k]
+        if a["lr"] != b["lr"]:
+            add(k, "lr", f"learning rates {b['lr']} at step {k}, rank {r0} {a['lr']}")
+            return found
+        for name, x in a["grad_norms"].items():
+            y = b["grad_norms"].get(name)
+            if y is None:
+                add(k, "gradients", f"no gradient for {name} at step {k}, rank {r0} has one")
+                return found
+            d = _rel(x, y)
+            if d > PART_FACTOR * _unit(dtypes, name):
+                add(k, "gradients", f"the gradient of {name} at step {k} has norm {y:.6g}, rank {r0}'s {x:.6g} "
+                                    f"({d:.3g} relative): the gradients were not averaged across the ranks, so "
+                                    "the ranks' parameters part after this step")
+                return found
+    hashes = [(ref.steps[k]["batch_sha256"], other.steps[k]["batch_sha256"]) for k in range(steps)]
+    if hashes and all(x and x == y for x, y in hashes):
+        add(0, "same data", f"the same batches as rank {r0} at every step: the data is not sharded across the "
+                            "ranks (each rank trains on the same batches)")
+    return found
+
+
+def across(runs: list[WatchedRun], label: str) -> list[RankFinding]:
+    """Every rank of one DDP run against rank 0 (the first of ``runs``)."""
+    worlds = {_distributed(r)["world_size"] for r in runs}
+    if len(worlds) != 1:
+        raise UsageError(f"{label}: its ranks report different world sizes ({', '.join(map(str, sorted(worlds)))})")
+    return [f for r in runs[1:] for f in against(runs[0], r, label)]
+
+
+@dataclass(frozen=True)
+class RankedDiff:
+    a: str
+    b: str
+    world: int
+    per_rank: list[WatchDiff] = field(default_factory=list)
+    findings: list[RankFinding] = field(default_factory=list)
+    verdict: Verdict | None = None
+
+    def __bool__(self) -> bool:
+        return self.verdict is not None and self.verdict.category == "ok"
+
+    def lines(self) -> list[str]:
+        if not self.per_rank:
+            out = [f"ranks of one DDP run: A = {self.a}, B = {self.b} (world size {self.world})"]
+        else:
+            out = [f"DDP runs: A = {self.a}, B = {self.b}, {self.world} ranks each, diffed rank by rank"]
+        explained = any(f.kind != "steps" for f in self.findings)
+        for k, d in enumerate(self.per_rank):
+            note = " (a consequence of the finding across ranks below)" if explained and not d else ""
+            out.append(f"rank {k}: {d.verdict.category}: {d.verdict.headline}{note}")
+        if self.per_rank:
+            for run in ("A", "B"):
+                mine = [f for f in self.findings if f.run == run]
+                out.append(f"across the ranks of {run}: " + ("the parameters, averaged gradients and learning "
+                                                            "rates agree at every step" if not mine else
+                                                            f"{len(mine)} finding(s) against rank 0"))
+        v = self.verdict
+        out += [f"  - {f.line()}" for f in self.findings if f.line() not in v.evidence]
+        out.append(f"verdict: {v.category}: {v.headline}")
+        out += [f"  - {e}" for e in v.evidence]
+        out += [f"  remedy: {r}" for r in v.remedies]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "world_size": self.world,
+                "per_rank": [d.to_dict() for d in self.per_rank],
+                "across_ranks": [vars(f) for f in self.findings], "verdict": self.verdict.to_dict()}
+
+
+def _decide(findings: list[RankFinding], per_rank: list[WatchDiff]) -> Verdict:
+    for f in findings:  # a run whose ranks part is wrong on its own, whatever the other run did
+        if f.kind in ("gradients", "parameters", "lr"):
+            return Verdict("setup", f"in {f.run}, rank {f.rank} parts from rank {f.reference} at step {f.step}: "
+                                    f"its {f.kind} differ where DDP makes them equal",
+                           evidence=[x.line() for x in findings], remedies=list(UNSYNCED_REMEDIES),
+                           target=f.run, sub_cause="ranks not synchronised")
+    for f in findings:
+        if f.kind == "same data":
+            return Verdict("setup", f"in {f.run}, ranks {f.reference} and {f.rank} trained on the same batches at "
+                                    "every step", evidence=[x.line() for x in findings],
+                           remedies=list(UNSHARDED_REMEDIES), target=f.run, sub_cause="data not sharded")
+    for k, d in enumerate(per_rank):
+        if d.verdict.category != "ok":
+            v = d.verdict
+            return Verdict(v.category, f"rank {k}: {v.headline}", evidence=list(v.evidence),
+                           remedies=list(v.remedies), target=v.target, layer=v.layer, sub_cause=v.sub_cause)
+    evidence = [x.line() for x in findings]
+    if per_rank:
+        return Verdict("ok", "every rank agrees with its counterpart within rounding, and within each run the "
+                             "ranks agree where DDP makes them equal", evidence=evidence)
+    return Verdict("ok", "the two ranks agree where DDP makes them equal (parameters, averaged gradients, learning "
+                         "rates); their different batches are the sampler's sharding, not a data difference",
+                   evidence=evidence)
+
+
+def is_ranked_pair(path_a, path_b) -> bool:
+    """Whether ``diff PATH_A PATH_B`` is a DDP diff: either is a folder of rank folders, or the two are
+    rank folders of one run (``RUN/rank0 RUN/rank1``)."""
+    if rank_folders(path_a) is not None or rank_folders(path_b) is not None:
+        return True
+    a, b = Path(path_a), Path(path_b)
+    try:
+        same = a.resolve().parent == b.resolve().parent and a.resolve() != b.resolve()
+    except OSError:
+        return False
+    return same and all(RANK_DIR.fullmatch(p.name) for p in (a, b))
+
+
+def diff_ranked(path_a, path_b, judge: str | None = None) -> RankedDiff:
+    """Two DDP runs rank by rank (and each run's ranks against its rank 0), or two ranks of one run;
+    ``judge``: the float64 target that replays each rank pair's snapshot steps (``diff.diff_watched``)."""
+    fa, fb = rank_folders(path_a), rank_folders(path_b)
+    if fa is None and fb is None:  # two ranks of one run
+        ra, rb = open_watched(path_a), open_watched(path_b)
+        world = _distributed(ra)["world_size"]
+        findings = across([ra, rb], str(Path(path_a).parent))
+        return RankedDiff(str(path_a), str(path_b), world, [], findings, _decide(findings, []))
+    if fa is None or fb is None:
+        single, ranked = (path_a, path_b) if fa is None else (path_b, path_a)
+        raise UsageError(f"diff: {ranked} is a DDP run (one folder per rank) and {single} one process's run; diff two DDP runs "
+                         f"with the same number of ranks, or one rank of each (e.g. {Path(ranked) / 'rank0'})")
+    if len(fa) != len(fb):
+        raise UsageError(f"diff: {path_a} ran on {len(fa)} ranks and {path_b} on {len(fb)}; diff them rank by "
+                         f"rank needs the same number (or diff one rank of each: {fa[0]} {fb[0]})")
+    runs_a, runs_b = [open_watched(p) for p in fa], [open_watched(p) for p in fb]
+    for k, (x, y) in enumerate(zip(runs_a, runs_b)):
+        for r, p in ((x, fa[k]), (y, fb[k])):
+            if _distributed(r)["rank"] != k:
+                raise UsageError(f"watched run {p}: its manifest says rank {_distributed(r)['rank']}, not {k}")
+    findings = across(runs_a, "A") + across(runs_b, "B")
+    per_rank = [diff_watched(x, y, judge=judge) for x, y in zip(fa, fb)]
+    return RankedDiff(str(path_a), str(path_b), len(fa), per_rank, findings, _decide(findings, per_rank))

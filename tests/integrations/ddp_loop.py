@@ -1,0 +1,48 @@
+"""A data-parallel training loop as a user writes it, launched by torchrun in the tests, watched by
+``convcheck.watch``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 ddp_loop.py OUT:BUG ...``
+(one launch, one watched run per ``OUT:BUG``, one after the other in the same process group).
+
+BUG plants a real DDP mistake: ``no_sync`` (every step inside ``model.no_sync()``: the gradients are never
+averaged, the ranks' models part) or ``unsharded`` (no DistributedSampler: every rank trains on the same
+batches); ``none`` is a correct run."""
+
+import contextlib
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import convcheck
+
+
+def train(out: str, bug: str = "none", steps: int = 3) -> None:
+    if bug not in ("none", "no_sync", "unsharded"):
+        raise SystemExit(f"ddp_loop.py: unknown bug {bug!r}")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    sampler = None if bug == "unsharded" else DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _, (x, y) in zip(range(steps), loader):
+            with model.no_sync() if bug == "no_sync" else contextlib.nullcontext():
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        for arg in sys.argv[1:]:
+            train(*arg.rsplit(":", 1))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,138 @@
+"""``convcheck.watch`` under torch.distributed: each rank writes ``out/rank<k>/``; ``convcheck diff`` of two
+DDP runs diffs rank by rank and, within each run, every rank against rank 0 where DDP makes them equal
+(parameters, averaged gradients, learning rates), never calling the ranks' sharded batches a data difference.
+The slow tests launch ``ddp_loop.py`` with torchrun (2 processes, gloo), as a user launches a DDP script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import convcheck
+from convcheck.cli.main import main
+
+LOOP = Path(__file__).resolve().parent / "ddp_loop.py"
+
+
+def diff(capsys, *args) -> tuple[int, str, str]:
+    code = main(["diff", *map(str, args), "--no-save"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_rank_run(out: Path, tmp: Path) -> None:
+    """A real process group of one rank (gloo, file rendezvous) around a watched loop in this process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with convcheck.watch(model, opt, out=out) as w:
+            for _ in range(2):
+                loss = nn.functional.cross_entropy(model(torch.randn(4, 4, generator=g)),
+                                                   torch.randint(0, 2, (4,), generator=g))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+    finally:
+        dist.destroy_process_group()
+        (tmp / "rendezvous").unlink(missing_ok=True)
+
+
+def test_under_a_process_group_the_watch_writes_its_rank_folder(tmp_path, capsys):
+    one_rank_run(tmp_path / "a", tmp_path)
+    one_rank_run(tmp_path / "b", tmp_path)
+    assert sorted(os.listdir(tmp_path / "a")) == ["rank0"]
+    manifest = json.loads((tmp_path / "a" / "rank0" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["distributed"] == {"rank": 0, "world_size": 1, "backend": "gloo"}
+    code, out, _ = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0
+    assert "DDP runs: A = " in out and "1 ranks each, diffed rank by rank" in out
+    assert "verdict: ok: every rank agrees with its counterpart within rounding" in out
+
+
+def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_line(tmp_path, capsys):
+    one_rank_run(tmp_path / "ddp", tmp_path)
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp" / "rank0")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "is a DDP run (one folder per rank)" in err
+    (tmp_path / "ddp" / "rank0").rename(tmp_path / "ddp" / "rank1")
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
+    assert code == 2 and "rank0/ is missing" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """One torchrun launch of 2 gloo ranks: a correct run twice, one with no_sync left on, one unsharded."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    runs = {"good": "none", "good_again": "none", "no_sync": "no_sync", "unsharded": "unsharded"}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(LOOP), *(f"{tmp / name}:{bug}" for name, bug in runs.items())],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.slow
+def test_two_correct_ddp_runs_agree_rank_by_rank_and_across_ranks(ddp_runs, capsys):
+    assert sorted(os.listdir(ddp_runs / "good")) == ["rank0", "rank1"]
+    code, out, _ = diff(capsys, ddp_runs / "good", ddp_runs / "good_again")
+    assert code == 0
+    assert "rank 0: ok:" in out and "rank 1: ok:" in out
+    assert "across the ranks of A: the parameters, averaged gradients and learning rates agree at every step" in out
+    assert "verdict: ok: every rank agrees with its counterpart within rounding" in out
+
+
+@pytest.mark.slow
+def test_two_ranks_of_one_run_are_not_a_data_difference(ddp_runs, capsys):
+    code, out, _ = diff(capsys, ddp_runs / "good" / "rank0", ddp_runs / "good" / "rank1")
+    assert code == 0
+    assert "different data" not in out
+    assert "their different batches are the sampler's sharding, not a data difference" in out
+
+
+@pytest.mark.slow
+def test_gradients_never_averaged_part_the_ranks(ddp_runs, capsys):
+    code, out, _ = diff(capsys, ddp_runs / "good", ddp_runs / "no_sync", "--json")
+    assert code == 1
+    result = json.loads(out)
+    v = result["verdict"]
+    assert v["category"] == "setup" and v["target"] == "B" and v["sub_cause"] == "ranks not synchronised"
+    assert v["headline"] == "in B, rank 1 parts from rank 0 at step 0: its gradients differ where DDP makes them equal"
+    assert any("no_sync() only on the micro-batches" in r for r in v["remedies"])
+    assert [f["run"] for f in result["across_ranks"]] == ["B"]
+
+
+@pytest.mark.slow
+def test_every_rank_on_the_same_batches_is_named(ddp_runs, capsys):
+    code, out, _ = diff(capsys, ddp_runs / "good", ddp_runs / "unsharded")
+    assert code == 1
+    assert "verdict: setup: in B, ranks 0 and 1 trained on the same batches at every step" in out
+    assert "DistributedSampler" in out
+
+
+def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(tmp_path, capsys):
+    import shutil
+
+    one_rank_run(tmp_path / "ddp", tmp_path)
+    shutil.copytree(tmp_path / "ddp" / "rank0", tmp_path / "ddp" / "rank1")  # rank1/ says it is rank 0
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "rank1: its manifest says rank 0, not 1" in err
+    manifest = tmp_path / "ddp" / "rank1" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["distributed"] = {"rank": "1", "world_size": 2}
+    manifest.write_text(json.dumps(m))
+    code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
+    assert code == 2 and "has no valid distributed rank" in err and len(err.strip().splitlines()) == 1
