@@ -45,6 +45,7 @@ def _cases(dtype):
                        dtype=torch.int64 if dtype == torch.float64 else torch.int32).view(dtype)
     yield "low-payload nan", torch.cat([base, low])
     yield "non-contiguous", base.view(64, 64).t()
+    yield "channels last", base.view(4, 16, 8, 8).to(memory_format=torch.channels_last)
     yield "empty", base[:0]
 
 
@@ -81,3 +82,5 @@ def test_round_to_gives_the_same_bits_as_the_float_forms(dtype):
         for label, t in _cases(dtype):
             got, want = round_to(t, fmt), _plain_round(t, fmt)
             assert got.shape == want.shape and torch.equal(_bits(got), _bits(want)), (fmt.name, label)
+            # the layout too: a kernel may take another path (other last bits) on another one
+            assert got.stride() == want.stride(), (fmt.name, label)

@@ -171,7 +171,7 @@ def _keep_nonfinite(t: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     """``rounded`` with ``t``'s NaN and Inf put back; one ``aminmax`` pass (it propagates NaN, an Inf is
     the least or the largest value) shows there are none, which ``isfinite`` + ``where`` took two slow
     passes to find (~15 ms a million float64 values, five times the rounding itself)."""
-    if t.numel():
+    if t.numel() and t.is_contiguous():  # (``where`` lays its result out as ``t``: kept for any other layout)
         lo, hi = torch.aminmax(t)
         if math.isfinite(float(lo)) and math.isfinite(float(hi)):
             return rounded
