@@ -2,12 +2,14 @@
 
     old = main_module("convcheck/targets/runners/precision.py")          # git show main:PATH
 
-Its imports resolve against this tree's package (relative ``convcheck.*`` modules as they are here).
+The ref is ``$AB_REF`` where set (once this branch is merged, main is no "before": give the commit
+before it), else ``main``. Its imports resolve against this tree's package (relative ``convcheck.*`` modules as they are here).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main_module(path: str, ref: str = "main"):
+def main_module(path: str, ref: str | None = None):
+    ref = ref or os.environ.get("AB_REF") or "main"
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], capture_output=True, text=True,
                          check=True).stdout
-    name = f"_{ref}_" + path.replace("/", "_").removesuffix(".py")
+    name = "_ab_" + "".join(c if c.isalnum() else "_" for c in ref) + "_" + path.replace("/", "_").removesuffix(".py")
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     mod.__dict__["__package__"] = path.rsplit("/", 1)[0].replace("/", ".")
     sys.modules[name] = mod  # (a dataclass looks its module up there)
