@@ -27,7 +27,8 @@ For each model it times, in one process and on the same seeded batches:
             ratio against a bare float32 forward/backward.
 
 Results: a table on stdout, ``benchmarks/results/<date>-<host>.json`` and
-``benchmarks/results/latest.md`` (both written to a temporary name and renamed).
+``benchmarks/results/latest.md`` (both written to a temporary name and renamed; latest.md keeps
+what it held below its table, from its first ``## `` heading on: the history of earlier runs).
 Nothing here asserts a time: the test suite never does, this only measures.
 """
 
@@ -688,6 +689,19 @@ def _markdown(results: dict, trows, mrows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _history(path: Path) -> str:
+    """What ``latest.md`` holds below its table: everything from its first ``## `` heading that this
+    script does not write itself (its ``## Profile:`` sections), kept when the table is rewritten."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except OSError:
+        return ""
+    for i, line in enumerate(lines):
+        if line.startswith("## ") and not line.startswith("## Profile: "):
+            return "\n" + "".join(lines[i:])
+    return ""
+
+
 # --------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
@@ -792,7 +806,8 @@ def main(argv=None) -> int:
         results["results_file"] = str(json_path)
     results["table"] = dict(timing=trows, memory=mrows)
     _write_atomic(json_path, json.dumps(results, indent=1, default=float) + "\n")
-    _write_atomic(out_dir / "latest.md", _markdown(results, trows, mrows))
+    latest = out_dir / "latest.md"
+    _write_atomic(latest, _markdown(results, trows, mrows) + _history(latest))
     print(_tables(trows, mrows, markdown=False))
     print(f"\nwrote {json_path} and {out_dir / 'latest.md'} ({results['wall_s']:.0f}s)")
     return 0

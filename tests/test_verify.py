@@ -220,3 +220,16 @@ def test_a_rerun_without_verification_leaves_no_earlier_verify_png(tmp_path, mon
     assert (tmp_path / "run" / "verify.png").is_file()
     assert main(CLI + ["--out", "run", "--force", "--no-verify"]) == 1
     assert not (tmp_path / "run" / "verify.png").exists()
+
+
+def test_a_rerun_converging_near_zero_is_held_to_the_judges_fall_not_to_its_tiny_final_loss():
+    """Held-out: a hand LayerNorm kept in float32 on cpu:bf16 converged 2.292 -> 4.294e-05 against the judge's
+    2.297 -> 3.477e-05 and was 'not verified: ends 24% from the judge's 3.477e-05'. Both reach ~0."""
+    from convcheck.verify.run import _gap
+
+    gap, of = _gap(4.294e-05, [2.297, 1.0, 3.477e-05])
+    assert gap < 1e-5 and of == "of the judge's fall 2.297 -> 3.477e-05"
+    gap, of = _gap(1.673, [1.6, 1.3, 1.119])  # a loss that fell less than it ends at: its own size
+    assert abs(gap - (1.673 - 1.119) / 1.119) < 1e-12 and of == "of the judge's 1.119"
+    gap, _ = _gap(0.9, [2.3, float("nan")])
+    assert gap != gap  # no judge to measure against: NaN, never "verified"

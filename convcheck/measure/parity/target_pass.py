@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
 from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
-from convcheck.numerics.metrics import abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2
+from convcheck.numerics.metrics import (abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2,
+                                        rel_l2_finite)
 from convcheck.measure.parity import checks
 from convcheck.measure.parity.checks import LocalGrads, check_forward, row_verdict
 from convcheck.measure.parity.known import selects
@@ -95,13 +96,13 @@ class TargetPass:
 
     def _grad_out(self, row: dict, g: torch.Tensor) -> None:
         with self.modes.measuring():
-            row["grad_out_nonfinite"] = sum(nonfinite_count(g))
+            row["grad_out_nonfinite"] = sum(self.counts(g))
 
     def _grad_in(self, key: str, g: torch.Tensor) -> None:
         row = self.by_key.get(key)
         if row is not None:
             with self.modes.measuring():
-                row["grad_in_nonfinite"] += sum(nonfinite_count(g))
+                row["grad_in_nonfinite"] += sum(self.counts(g))
 
     def _on_call(self, key, name, module, inputs, out):
         with self.modes.measuring():
@@ -164,7 +165,7 @@ class TargetPass:
             except REPLAY_FAILURES:  # code that cannot be replayed on recorded values is not measured
                 check, errors = None, None
         # the full scan of its inputs and its children's only where a NaN/Inf has been seen
-        produced = (self.nonfinite_seen or sum(nonfinite_count(out)) > 0) and own_code_produces(call)
+        produced = (self.nonfinite_seen or sum(self.counts(out)) > 0) and own_code_produces(call)
         if errors is None and not produced:
             return
         row = self._row(call.key, own_code_label(type(call.module).__name__), call.inputs, out,
@@ -202,13 +203,22 @@ class TargetPass:
 
     def counts(self, t: torch.Tensor) -> tuple[int, int]:
         """``nonfinite_count(t)``, once per tensor and version: a layer's input is mostly the output
-        the row before counted, and a tensor whose error against the judge came out finite has none."""
-        hit = self._counted.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
+        the row before counted, and a tensor whose error against the judge came out finite has none.
+        A view of a counted tensor over the very same elements has its counts (``same_elements``):
+        each call's input reaches its row as such a view of the tensor it was given (``LeafCalls``
+        watches its gradient through one), and a gradient as one of the gradient of that view."""
+        hit = self._hit(t)
+        if hit is None and same_elements(t, t._base):
+            hit = self._hit(t._base)
+        if hit is not None:
+            return hit
         found = nonfinite_count(t)
         self._counted[id(t)] = (weakref.ref(t), t._version, found)
         return found
+
+    def _hit(self, t: torch.Tensor) -> tuple[int, int] | None:
+        hit = self._counted.get(id(t))
+        return hit[2] if hit is not None and hit[0]() is t and hit[1] == t._version else None
 
     def _propagated(self, out: torch.Tensor, judged: Judged) -> float:
         """The target's output against the judge's; when that shows every value finite, ``out``'s
@@ -309,11 +319,11 @@ class TargetPass:
     def _own_grad_row(self, order, name, label, full, p, g, jg) -> dict:
         """A parameter of a module's own code: its gradient against the judge's (propagated error and
         NaN/Inf; no one-layer re-run separates its own part)."""
-        nan, inf = nonfinite_count(g)
+        propagated, (nan, inf) = _against(g, jg)
         return dict(
             target=self.name, order=order, kind="grad", layer=name, module=label, param=full,
             shape="x".join(map(str, p.shape)), K=0, u=self.runner.unit_roundoff, floor=math.nan, bound=math.nan,
-            propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
+            propagated=propagated, local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
             ref_absmax=abs_max(jg), flagged=False,
         )
@@ -322,16 +332,30 @@ class TargetPass:
         """A parameter's gradient row: the target's own gradient against the judge's, and ``local``
         (``_local_checks``: K, u and the local columns)."""
         full, p = param
-        nan, inf = nonfinite_count(g)
+        propagated, (nan, inf) = _against(g, jg)
         row = dict(
             target=self.name, order=order, kind="grad", layer=name, module=label, param=full,
             shape="x".join(map(str, p.shape)), K=0, u=math.nan, floor=math.nan, bound=math.nan,
-            propagated=rel_l2(g, jg), local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
+            propagated=propagated, local=math.nan, intrinsic=math.nan, over_floor=math.nan, needed=math.nan,
             nan=nan, inf=inf, input_nonfinite=0, grad_out_nonfinite=0, grad_in_nonfinite=0,
             ref_absmax=local["ref_absmax"] if "ref_absmax" in local else abs_max(jg), flagged=False,
         )
         row.update(local)
         return row
+
+
+def _against(g: torch.Tensor, jg: torch.Tensor) -> tuple[float, tuple[int, int]]:
+    """``(rel_l2(g, jg), nonfinite_count(g))``; the count is known without a pass of its own where the
+    error came out with every value finite (``rel_l2_finite``)."""
+    err, finite = rel_l2_finite(g, jg)
+    return err, (0, 0) if finite else nonfinite_count(g)
+
+
+def same_elements(t: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Whether ``t`` (a view of ``base``, whose version it shares) holds exactly ``base``'s elements:
+    the same start, dtype and number of elements, both contiguous (``view_as``, a flatten)."""
+    return (base is not None and base.dtype == t.dtype and base.data_ptr() == t.data_ptr()
+            and base.numel() == t.numel() and base.is_contiguous() and t.is_contiguous())
 
 
 def _unscaled(g: torch.Tensor, scale: float) -> torch.Tensor:
