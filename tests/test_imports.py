@@ -2,7 +2,9 @@
 
 A circle between packages can hide behind the order the suite happens to import things in
 (``ddp.diagnostics`` imported first once failed while the suite passed). One subprocess imports
-each module as the first of the package, with every ``convcheck`` module dropped before it.
+each module as the first of the package, with every ``convcheck`` module dropped before it. An
+integration whose optional extra (lightning, transformers) is not installed refuses in one line, as it
+does for a user; where the extra is installed (the slow CI run) it is imported like any other.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ for name in names:
     try:
         importlib.import_module(name)
     except Exception as exc:
+        if type(exc).__name__ == "UsageError" and "pip install 'convcheck[" in str(exc):
+            continue  # an integration whose optional extra is not installed here: its one-line refusal
         failed.append(f"{name}: {type(exc).__name__}: {exc}")
 print("\n".join(failed))
 print(f"checked {len(names)}")
