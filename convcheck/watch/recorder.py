@@ -112,7 +112,6 @@ class Watch:
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         self.params = [(n, p) for n, p in model.named_parameters()]
-        self.cpu = all(p.device.type == "cpu" for _, p in self.params)  # hooks on one thread: _stats.one_thread
         self.device = str(self.params[0][1].device) if self.params else "cpu"
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
@@ -181,7 +180,6 @@ class Watch:
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.model.training and not self.truncated
 
-    @_stats.single_threaded
     def _root_pre(self, module, args, kwargs):
         if self.pending:
             self._end_step(loss=None)
@@ -191,7 +189,6 @@ class Watch:
                 self.taker.take_params(self.params)
         return None
 
-    @_stats.single_threaded
     def _forward(self, module, args, output):
         if not self._recording():
             return None
@@ -225,10 +222,6 @@ class Watch:
 
     def _grad_hook(self, name: str):
         def hook(grad):
-            with _stats.one_thread(self.cpu):
-                return check(grad)
-
-        def check(grad):
             if self.producer is None and not _stats.finite(grad):
                 after = self.order.index(name) + 1 if name in self.order else len(self.order)
                 consumer = self.order[after] if after < len(self.order) else "the loss"
@@ -245,7 +238,6 @@ class Watch:
                                        budget=self._budget())
             self.snapshot_steps.add(self.step_index)
 
-    @_stats.single_threaded
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
         if _closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
@@ -258,7 +250,6 @@ class Watch:
         if self.taker is not None:
             self.taker.take_grads(self.params)
 
-    @_stats.single_threaded
     def _post_step(self, optimizer, args, kwargs):
         if _closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
             self._read_grads()
@@ -288,7 +279,6 @@ class Watch:
         return {n: float(v) for (n, _), v in zip(named, norms)}
 
     # --- the user's call -----------------------------------------------------------
-    @_stats.single_threaded
     def step(self, loss=None) -> None:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True

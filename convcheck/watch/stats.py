@@ -5,41 +5,11 @@ reduced in float32 so that the mean and std of a bfloat16 output are not themsel
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import torch
 
 FIELDS = ("n", "max_abs", "min_nonzero", "mean", "std", "zeros", "nan", "inf", "dtype", "calls")
-
-
-@contextlib.contextmanager
-def one_thread(on: bool = True):
-    """The watch's own CPU work on one intra-op thread, the user's thread count restored after. Each of its
-    reductions is short: on more threads each pays a fork/join, which on a busy machine (a descheduled
-    worker) costs more than the reduction itself (measured: 5-10x the single-threaded time on a loaded
-    2-core machine). Only the watch's reductions run inside; the user's operations never do."""
-    n = torch.get_num_threads() if on else 1
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def single_threaded(method):
-    """A ``Watch`` hook run under ``one_thread`` when the watch's model lives on the CPU (``self.cpu``):
-    on an accelerator the reductions are kernels there, and the hook may run on autograd's device thread,
-    concurrently with the user's CPU work, whose thread count it must not touch."""
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        with one_thread(self.cpu):
-            return method(self, *args, **kwargs)
-    return wrapped
 
 
 def dtype_name(t: torch.Tensor) -> str:

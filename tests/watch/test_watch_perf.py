@@ -140,7 +140,7 @@ def test_nothing_accumulates_per_step(tmp_path):
     with convcheck.watch(model, opt, out=tmp_path / "run") as w:
         for i in range(40):
             loss = nn.functional.cross_entropy(model(x[i % 60:i % 60 + 4]), y[i % 60:i % 60 + 4])
-            assert torch.get_num_threads() == threads  # the hooks' one thread is theirs only
+            assert torch.get_num_threads() == threads  # the watch never changes the thread count
             opt.zero_grad()
             loss.backward()
             opt.step()
