@@ -39,8 +39,10 @@ def verify_figure(result):
             marks.append((bad, line.get_color(), label))
 
     if before_name != judge_name:
-        curve(before["step"], before["loss"], f"{before_name} as run (before)", color="tab:red", lw=1.5)
-    curve(judge["step"], judge["loss"], f"{judge_name} (judge)", color="k", ls="--", lw=1.2)
+        # a wide pale band underneath, the judge dashed on top: curves that coincide stay visible
+        curve(before["step"], before["loss"], f"{before_name} as run (before)", color="tab:red", lw=5, alpha=0.35,
+              zorder=1)
+    curve(judge["step"], judge["loss"], f"{judge_name} (judge)", color="k", ls="--", lw=1.2, zorder=4)
     for i, a in enumerate(v.attempts):
         status = "verified" if a.verified else "not verified"
         label = _short(f"{a.arm} {_plain(a.text)} ({status})")
