@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 import convcheck.diagnose.detectors.training as S
+import convcheck.diagnose.detectors.recipe as RD
 from convcheck.diagnose import (
     RULE_IDS, RULES, Evidence, LayerMargin, TargetFacts, Verdict, decide, ok_verdict,
     verdict_rule,
@@ -482,7 +483,7 @@ def test_the_main_symptom_is_the_first_one_the_drift_last():
     assert v.category == "numerics" and v.symptoms == [S.NONFINITE_FORWARD, S.LAYER_ERROR, S.DRIFT]
 
 
-@pytest.mark.parametrize("name", [S.OSCILLATING_LOSS, S.LOSS_PLATEAU])
+@pytest.mark.parametrize("name", [S.OSCILLATING_LOSS, S.LOSS_PLATEAU, RD.DECAY_ON_NORMS])
 def test_a_slow_start_of_a_short_run_is_a_note_of_ok_and_a_setup_verdict_at_the_default_length(name):
     """Issue 24 item 4, seen on a held-out setup: a small CNN, batch 8, 10 steps, every arm tracking the judge
     got `setup: oscillating loss` (exit 1) - a small batch's loss swings by more than 3% from batch to batch.

@@ -31,9 +31,11 @@ SETUP_PRIORITY = [S.NONFINITE_USER_CODE, R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R
                   S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
 SETUP_REMEDIES.update(R.REMEDIES)
 _UNLISTED = 99
-# The judge's symptoms that a slow start shows too (a loss near chance, a small batch's loss swinging):
-# below ``SETUP_MIN_STEPS`` they are notes of ``ok``, not a setup verdict, unless something else is wrong.
-SLOW_START = (S.LOSS_PLATEAU, S.OSCILLATING_LOSS)
+# The judge's symptoms that a slow start shows too (a loss near chance, a small batch's loss swinging), and
+# a recipe habit that fails nothing by itself (AdamW's weight decay on every parameter, norms included: a
+# held-out 8-step run was `setup` on it alone): below ``SETUP_MIN_STEPS`` they are notes of ``ok``, not a
+# setup verdict, unless something else is wrong.
+SLOW_START = (S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS)
 
 
 @verdict_rule(
