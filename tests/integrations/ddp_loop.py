@@ -45,4 +45,5 @@ if __name__ == "__main__":
         for arg in sys.argv[1:]:
             train(*arg.rsplit(":", 1))
     finally:
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
         dist.destroy_process_group()

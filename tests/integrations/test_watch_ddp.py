@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,9 +78,20 @@ def ddp_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     runs = {"good": "none", "good_again": "none", "no_sync": "no_sync", "unsharded": "unsharded"}
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(LOOP), *(f"{tmp / name}:{bug}" for name, bug in runs.items())],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+
+    def launch():
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(LOOP), *(f"{tmp / name}:{bug}"
+                                            for name, bug in runs.items())],
+                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+
+    done = launch()
+    if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
+        # gloo's teardown race on a loaded machine (a rank aborts in destroy_process_group after its work):
+        # torch's, not the watch's; one fresh launch into fresh folders
+        for name in runs:
+            shutil.rmtree(tmp / name, ignore_errors=True)
+        done = launch()
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp
 
