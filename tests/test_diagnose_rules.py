@@ -512,3 +512,15 @@ def test_two_converged_runs_near_a_loss_of_zero_end_alike():
     assert not evidence(outcomes=outcomes(0.0047, 0.0013), envelope_finals=(0.0047,)).outcome_changed("cpu:bf16")
     assert evidence(outcomes=outcomes(1.91, 2.17), envelope_finals=(1.91,)).outcome_changed("cpu:bf16")
     assert not evidence(outcomes=outcomes(0.0047, 0.0013), envelope_finals=()).outcome_changed("cpu:bf16")
+
+
+def test_an_update_ratio_below_the_papers_threshold_is_not_called_too_high():
+    """Held-out: a loss that rose 2.5 -> 12 in 6 steps with a largest update ratio of 0.0959 read
+    '= 0.0959 (DeepDiagnosis: > 0.1 is too high)', as if the ratio were the evidence."""
+    import pandas as pd
+
+    curves = pd.DataFrame({"arm": [JUDGE] * 6, "step": range(6), "loss": [2.5, 3.0, 5.0, 8.0, 10.0, 12.0],
+                           "grad_norm": [1.0] * 6, "update_ratio": [0.05, 0.0959, 0.07, 0.06, 0.05, 0.04]})
+    none = pd.DataFrame({"arm": [], "step": [], "layer": [], "kind": []})
+    syms = [s for s in S.training_problems(curves, none, none, JUDGE, 10, 0.05) if s.name == S.EXPLODING_GRADIENTS]
+    assert syms and "= 0.0959 (below DeepDiagnosis' 0.1)" in syms[0].evidence, syms

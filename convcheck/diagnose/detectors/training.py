@@ -175,8 +175,10 @@ def _gradient_problems(c: pd.DataFrame, g: pd.DataFrame, arm: str, lr: float, lo
         if rising:
             why.append(f"loss rose from {losses[0]:.3g} to {losses[-1]:.3g}")
         if ratios:
-            why.append(f"largest update ratio lr*|g|/|W| = {max(ratios):.3g} (DeepDiagnosis: > {UPDATE_RATIO_HIGH:g} "
-                       "is too high)")
+            high = max(ratios) > UPDATE_RATIO_HIGH
+            why.append(f"largest update ratio lr*|g|/|W| = {max(ratios):.3g} "
+                       + (f"(DeepDiagnosis: > {UPDATE_RATIO_HIGH:g} is too high)" if high
+                          else f"(below DeepDiagnosis' {UPDATE_RATIO_HIGH:g})"))
         out.append(Symptom(EXPLODING_GRADIENTS, arm, "; ".join(why), step=step,
                            value=max(ratios) if ratios else None, extra={"lr": lr}))
     if len(g):
