@@ -38,9 +38,11 @@ def run_diff(args) -> int:
     if args.run_b is None:
         return run_watched_judge(args)
     if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
-        from convcheck.cli.diff_ranks import run_ranked_diff
+        from convcheck.watch.rankdiff import diff_ranked
 
-        return run_ranked_diff(args)
+        # rank by rank (each pair with --judge's replay) and across ranks, shown as any watched diff
+        return _show_watched(diff_ranked(args.run_a, args.run_b, judge=_watch_judge(args.judge)), "watch_diff.json",
+                             args)
     kinds = [schema_of(p) for p in (args.run_a, args.run_b)]
     if any(k == "convcheck.watch/1" for k in kinds):
         return run_watched_diff(args, kinds)

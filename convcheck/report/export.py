@@ -130,7 +130,6 @@ def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool
     writer.text("env.json", json.dumps(summary["env"], indent=2) + "\n")
     if plots:
         from convcheck.report.html import render_html
-        from convcheck.report.plots import render_plots
 
         images = render_plots(result)
         if "verify.png" not in images:  # no remedy re-run: none to write, and none of an earlier run left
@@ -194,3 +193,16 @@ class _Writer:
                               f"not written: {', '.join(missing)}") from None
         if target not in self.written:
             self.written.append(target)
+
+
+def render_plots(result) -> dict[str, bytes]:
+    """``loss.png``, ``layers.png`` and, when a remedy was re-run, ``verify.png`` as PNG bytes, by file name
+    (here, beside the folder they are written to: ``verify_plot`` draws with ``plots``' helpers)."""
+    from convcheck.report.plots import figure_png, layers_figure, loss_figure
+    from convcheck.report.verify_plot import verify_figure
+
+    out = {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
+    fig = verify_figure(result)
+    if fig is not None:
+        out["verify.png"] = figure_png(fig)
+    return out

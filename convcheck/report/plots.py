@@ -167,15 +167,3 @@ def figure_png(fig) -> bytes:
     fig.savefig(buf, format="png", dpi=90)
     _pyplot().close(fig)
     return buf.getvalue()
-
-
-def render_plots(result) -> dict[str, bytes]:
-    """``loss.png``, ``layers.png`` and, when a remedy was re-run, ``verify.png`` as PNG bytes, by file name."""
-    from convcheck.report.verify_plot import verify_figure
-
-    out = {"loss.png": figure_png(loss_figure(result)), "layers.png": figure_png(layers_figure(result))}
-    fig = verify_figure(result)
-    if fig is not None:
-        out["verify.png"] = figure_png(fig)
-    return out
-
