@@ -189,6 +189,12 @@ class LeafCalls:
         return hook
 
 
+def own_code_leaf(module: nn.Module) -> bool:
+    """A leaf whose class is not torch's (a hand-written LayerNorm, a gain): its forward is the user's own
+    code, replayed like a parent's own code when it makes the first NaN/Inf."""
+    return not type(module).__module__.startswith("torch.")
+
+
 def made_in_own_code(call: ParentCall, finite: Callable[[object], bool]) -> bool:
     """Whether NaN/Inf first appear in ``call``'s own code: its output (or an input it hands a child)
     is non-finite while its inputs and every child's output from finite inputs are finite.

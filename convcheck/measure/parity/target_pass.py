@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from convcheck.batch import batch_size_of, tensors_of
-from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, tensors_in
+from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, \
+    own_code_leaf, tensors_in
 from convcheck.numerics.metrics import (abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2,
                                         rel_l2_finite)
 from convcheck.measure.parity import checks
@@ -119,7 +120,7 @@ class TargetPass:
         propagated = self._propagated(out, judged) if measured else None
         row = self._row(key, type(module).__name__, inputs, out, judged)
         self.nonfinite_seen |= row["nan"] + row["inf"] + row["input_nonfinite"] > 0
-        if row["nan"] + row["inf"] and not row["input_nonfinite"] and not type(module).__module__.startswith("torch."):
+        if row["nan"] + row["inf"] and not row["input_nonfinite"] and own_code_leaf(module):
             self._name_the_leaf_op(key, name, module, inputs, out, row)  # a layer of the user's own code
         if measured:
             row.update(self._forward_errors(module, jc, args, got, judged, propagated, out.dtype))

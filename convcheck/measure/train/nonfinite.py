@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from convcheck.batch import map_tensors
 from convcheck.capture import ChildCall, ParentCall, first_tensor, hooks_live, leaf_modules, made_in_own_code, \
-    named_modules, tensors_in
+    named_modules, own_code_leaf, tensors_in
 from convcheck.measure.parity.own_code import FirstNonfinite, child_attribute, run_own_code
 
 
@@ -83,7 +83,7 @@ class FirstProducer:
                 self._dirty = True  # a NaN/Inf reached a leaf: the parents around it look closer
                 if _finite(args):
                     self._blame(name, module)
-                    if not type(module).__module__.startswith("torch."):  # a layer of the user's own code
+                    if own_code_leaf(module):
                         self.detail.update(own_code_op(ParentCall(name, name, module, args, {}, output)))
 
         return hook
