@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,14 @@ def diff(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
-def one_rank_run(out: Path, tmp: Path) -> None:
-    """A real process group of one rank (gloo, file rendezvous) around a watched loop in this process."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=0, world_size=1)
+def one_rank_run(out: Path) -> None:
+    """A real process group of one rank (gloo) around a watched loop in this process. Its rendezvous is an
+    in-memory store. A ``file://`` rendezvous at one path, reused by the next group, hung the suite in CI at
+    this test: the DDP wrapper sits in a reference cycle, so the earlier group's FileStore is freed whenever
+    the garbage collector runs, and its destructor then removes the file the new group is using (its last
+    worker deletes the path), whose keys the new group then waits for. A short timeout turns any other stall
+    into a failure rather than a hung suite."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
@@ -47,12 +53,11 @@ def one_rank_run(out: Path, tmp: Path) -> None:
                 w.step(loss)
     finally:
         dist.destroy_process_group()
-        (tmp / "rendezvous").unlink(missing_ok=True)
 
 
 def test_under_a_process_group_the_watch_writes_its_rank_folder(tmp_path, capsys):
-    one_rank_run(tmp_path / "a", tmp_path)
-    one_rank_run(tmp_path / "b", tmp_path)
+    one_rank_run(tmp_path / "a")
+    one_rank_run(tmp_path / "b")
     assert sorted(os.listdir(tmp_path / "a")) == ["rank0"]
     manifest = json.loads((tmp_path / "a" / "rank0" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["distributed"] == {"rank": 0, "world_size": 1, "backend": "gloo"}
@@ -63,7 +68,7 @@ def test_under_a_process_group_the_watch_writes_its_rank_folder(tmp_path, capsys
 
 
 def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_line(tmp_path, capsys):
-    one_rank_run(tmp_path / "ddp", tmp_path)
+    one_rank_run(tmp_path / "ddp")
     code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp" / "rank0")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "is a DDP run (one folder per rank)" in err
@@ -137,7 +142,7 @@ def test_every_rank_on_the_same_batches_is_named(ddp_runs, capsys):
 def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(tmp_path, capsys):
     import shutil
 
-    one_rank_run(tmp_path / "ddp", tmp_path)
+    one_rank_run(tmp_path / "ddp")
     shutil.copytree(tmp_path / "ddp" / "rank0", tmp_path / "ddp" / "rank1")  # rank1/ says it is rank 0
     code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
     assert code == 2 and len(err.strip().splitlines()) == 1
