@@ -8,17 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.nn as nn
 
-import convcheck
 from convcheck.cli.main import main
 
 LOOP = Path(__file__).resolve().parent / "ddp_loop.py"
@@ -30,45 +26,44 @@ def diff(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
-def one_rank_run(out: Path) -> None:
-    """A real process group of one rank (gloo) around a watched loop in this process. Its rendezvous is an
-    in-memory store. A ``file://`` rendezvous at one path, reused by the next group, hung the suite in CI at
-    this test: the DDP wrapper sits in a reference cycle, so the earlier group's FileStore is freed whenever
-    the garbage collector runs, and its destructor then removes the file the new group is using (its last
-    worker deletes the path), whose keys the new group then waits for. A short timeout turns any other stall
-    into a failure rather than a hung suite."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> Path:
+    """``ddp_loop.py`` run as one rank of a gloo world of one (``env://`` on 127.0.0.1, as torchrun sets it),
+    in its own process: two correct watched runs, ``a`` and ``b``. Never in the pytest process: a process
+    group made there (file rendezvous, DDP wrapper) hung CI's suite at this test until its time limit."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(1)
-        with convcheck.watch(model, opt, out=out) as w:
-            for _ in range(2):
-                loss = nn.functional.cross_entropy(model(torch.randn(4, 4, generator=g)),
-                                                   torch.randint(0, 2, (4,), generator=g))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                w.step(loss)
-    finally:
-        dist.destroy_process_group()
+        done = subprocess.run([sys.executable, str(LOOP), f"{tmp / 'a'}:none", f"{tmp / 'b'}:none"],
+                              capture_output=True, text=True, timeout=180, env=env, cwd=tmp)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"a one-rank gloo run of ddp_loop.py did not finish in 180 s: {exc.stderr!r:.2000}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp
 
 
-def test_under_a_process_group_the_watch_writes_its_rank_folder(tmp_path, capsys):
-    one_rank_run(tmp_path / "a")
-    one_rank_run(tmp_path / "b")
-    assert sorted(os.listdir(tmp_path / "a")) == ["rank0"]
-    manifest = json.loads((tmp_path / "a" / "rank0" / "manifest.json").read_text())
+def ddp_copy(one_rank: Path, tmp_path: Path) -> Path:
+    """A copy of the one-rank run ``a`` that a test may change."""
+    shutil.copytree(one_rank / "a", tmp_path / "ddp")
+    return tmp_path / "ddp"
+
+
+def test_under_a_process_group_the_watch_writes_its_rank_folder(one_rank, capsys):
+    assert sorted(os.listdir(one_rank / "a")) == ["rank0"]
+    manifest = json.loads((one_rank / "a" / "rank0" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["distributed"] == {"rank": 0, "world_size": 1, "backend": "gloo"}
-    code, out, _ = diff(capsys, tmp_path / "a", tmp_path / "b")
+    code, out, _ = diff(capsys, one_rank / "a", one_rank / "b")
     assert code == 0
     assert "DDP runs: A = " in out and "1 ranks each, diffed rank by rank" in out
     assert "verdict: ok: every rank agrees with its counterpart within rounding" in out
 
 
-def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_line(tmp_path, capsys):
-    one_rank_run(tmp_path / "ddp")
+def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_line(one_rank, tmp_path, capsys):
+    ddp_copy(one_rank, tmp_path)
     code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp" / "rank0")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "is a DDP run (one folder per rank)" in err
@@ -139,10 +134,8 @@ def test_every_rank_on_the_same_batches_is_named(ddp_runs, capsys):
     assert "DistributedSampler" in out
 
 
-def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(tmp_path, capsys):
-    import shutil
-
-    one_rank_run(tmp_path / "ddp")
+def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(one_rank, tmp_path, capsys):
+    ddp_copy(one_rank, tmp_path)
     shutil.copytree(tmp_path / "ddp" / "rank0", tmp_path / "ddp" / "rank1")  # rank1/ says it is rank 0
     code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp")
     assert code == 2 and len(err.strip().splitlines()) == 1
