@@ -36,12 +36,20 @@ def _reference(t: torch.Tensor) -> dict:
             "nan": int(torch.isnan(x).sum()), "inf": int(torch.isinf(x).sum())}
 
 
+@pytest.mark.parametrize("chunk", [stats.CHUNK, 7], ids=["whole", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_the_statistics_are_exact_on_every_kind_of_tensor(dtype):
+def test_the_statistics_are_exact_on_every_kind_of_tensor(dtype, chunk, monkeypatch):
+    """Exact on whole tensors and through the reused buffer a large tensor is measured in (its chunks
+    made 7 elements long here, so that the test's tensors take that path)."""
+    monkeypatch.setattr(stats, "CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(30, 20, generator=g)
-    cases = [x, x.relu(), -x.relu(), x.t(), x[:, ::3], x * (torch.rand(30, 20, generator=g) > 0.5),
+    late = torch.full((40,), 3.0)
+    late[33] = 2.0**-9  # the smallest nonzero magnitude in the last chunk, zeros in the first
+    late[:5] = 0.0
+    cases = [x, x.relu(), -x.relu(), x.t(), x[:, ::3], x * (torch.rand(30, 20, generator=g) > 0.5), late, -late,
              torch.zeros(5), torch.tensor([0.0, -0.0, 3.0]), torch.tensor([-1.0, -0.0, -3.0]),
+             torch.tensor([-0.0, 0.0, 3.0, 2.0**-14]), torch.tensor([0.0, -0.0]), torch.tensor([-0.0, -2.0, 0.0]),
              torch.tensor([2.0**-20, 0.0, 5.0]), torch.tensor([float("nan"), 0.0, 1.0]),
              torch.tensor([float("inf"), -1.0, 0.0]), torch.tensor([])]
     if dtype in (torch.float32, torch.float64):
