@@ -132,16 +132,25 @@ def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool
         from convcheck.report.html import render_html
 
         images = render_plots(result)
-        if "verify.png" not in images:  # no remedy re-run: none to write, and none of an earlier run left
+        if "verify.png" not in images:  # no remedy re-run: none to write
             writer.expected.remove("verify.png")
-            stale = path / "verify.png"
-            if stale.is_file() and not stale.is_symlink():
-                stale.unlink()
         for name, data in images.items():
             writer.data(name, data)
         writer.text("report.html", render_html(result, images))
     writer.text("summary.json", json.dumps({**summary, "complete": True}, indent=2) + "\n")
+    remove_stale(path, writer.written)
     return writer.written
+
+
+def remove_stale(path: Path, written) -> None:
+    """The report files of an earlier run (replaced with ``--force``) that this run did not write again:
+    removed, so that the folder never holds two runs' files side by side (a plot of one beside the
+    summary of the other). Only regular files with a report's name; anything else is left alone."""
+    keep = {Path(p).name for p in written}
+    for name in REPORT_FILES:
+        stale = path / name
+        if name not in keep and stale.is_file() and not stale.is_symlink():
+            stale.unlink()
 
 
 def write_partial(out: str | os.PathLike, info: dict, parity=None, curves: list | None = None) -> Path:
@@ -165,6 +174,7 @@ def write_partial(out: str | os.PathLike, info: dict, parity=None, curves: list 
             "rows": len(parity.layers), "file": "layers.csv"}}
     atomic_write_text(path, json.dumps(_clean({"schema": SUMMARY_SCHEMA, "complete": False, **info}), indent=2)
                       + "\n")
+    remove_stale(Path(out), ["summary.json"] + ["curves.csv"] * bool(curves) + ["layers.csv"] * (parity is not None))
     return path
 
 

@@ -2,8 +2,11 @@
 
 - ``--out DIR``: checked (and created) before the run, so a bad path fails
   before any work. A folder that already holds a report file is refused
-  unless ``--force``; other files in it are never touched. A report file that
-  is a link, a device or a FIFO is refused even with ``--force``.
+  unless ``--force``; with it, the earlier report's files that the new run
+  does not write again (a stopped run's plots, say) are removed when it writes
+  (``export.remove_stale``), so the folder never mixes two runs. Other files in
+  it are never touched. A report file that is a link, a device or a FIFO is
+  refused even with ``--force``.
 - The default, ``reports/<UTC time to the millisecond>-<model>``, is created
   only when there is something to write, with an exclusive ``mkdir``: a second
   run in the same millisecond gets ``-2``, ``-3``..., never the same folder.

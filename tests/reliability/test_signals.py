@@ -79,6 +79,27 @@ def test_a_stop_while_training_keeps_a_partial_summary(tmp_path, sig):
     assert signal.Signals(sig).name in summary["stopped"]
 
 
+def test_a_stopped_run_replacing_a_report_with_force_leaves_no_file_of_the_old_one(tmp_path):
+    """``--out run --force`` over a finished report, stopped while training: the folder holds the new
+    run's partial summary, layers and curves only, never the old run's plots, HTML and env beside them (a
+    folder describing two runs); files that are not a report's are left alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {"report.html": "<html>old</html>", "loss.png": "png", "layers.png": "png", "env.json": "{}",
+           "layers.csv": "old", "summary.json": '{"complete": true}'}
+    for name, text in old.items():
+        (run / name).write_text(text)
+    (run / "notes.txt").write_text("mine")
+    proc, _ = _start(tmp_path, "18", "--out", "run", "--force")
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    assert code == 3 and "complete: false" in _one_line(err), err
+    assert sorted(os.listdir(run)) == ["curves.csv", "layers.csv", "notes.txt", "summary.json"]
+    assert (run / "layers.csv").read_text() != "old"  # the new run's one-step check, measured before the stop
+    assert json.loads((run / "summary.json").read_text())["complete"] is False
+    assert (run / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.slow
 def test_three_ctrl_c_in_a_row_still_exit_3_with_one_line(tmp_path):
     proc, _ = _start(tmp_path, "18", "--out", "run")
