@@ -132,6 +132,8 @@ def test_one_step_is_not_judged_for_convergence():
     v = diagnose(fake_result(steps=1))
     assert v.category == "ok"
     assert v.evidence[-1] == "convergence is not judged from 1 step; run --steps 5 or more for that"
+    assert diagnose(fake_result(steps=3)).evidence[-1] == \
+        "convergence is not judged from 3 steps; run --steps 5 or more for that"
 
 
 def test_gather_passes_stochastic_layers_on():

@@ -39,7 +39,8 @@ def ok_verdict(ev: Evidence) -> Verdict:
                         f"targets track it: run --steps {2 * ev.steps} or more to judge convergence")
         evidence += [f"note ({s.arm}): {s.name}: {s.evidence}" for s in ev.judge_problems]
     if not ev.judgeable:
-        evidence.append(f"convergence is not judged from {ev.steps} step; run --steps {CONVERGENCE_MIN_STEPS} "
+        steps = f"{ev.steps} step" + ("s" if ev.steps != 1 else "")
+        evidence.append(f"convergence is not judged from {steps}; run --steps {CONVERGENCE_MIN_STEPS} "
                         "or more for that")
     return Verdict("ok", f"both targets train alike: {' and '.join(ev.targets)} agree with the float64 judge "
                    "within the expected rounding", evidence, [], symptoms=[])
