@@ -8,7 +8,8 @@ precision plugin's GradScaler when there is one; each optimizer step is one watc
 accumulated step: Lightning hands each one over divided by ``accumulate_grad_batches``). The hash of the
 batch the loader gave is recorded at ``on_train_batch_start`` (besides the model's own forward inputs, which
 the watch hashes when ``training_step`` calls ``self(...)``). ``on_train_end`` closes the watch;
-``on_exception`` closes it as stopped, so that ``convcheck diff`` refuses the run. Under DDP each rank
+``on_exception`` closes it as stopped (the manifest's ``stopped``: the exception and the step), and
+``convcheck diff`` reads the steps up to there. Under DDP each rank
 writes ``out/rank<k>/`` (``convcheck.watch`` does that).
 """
 

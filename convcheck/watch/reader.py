@@ -3,7 +3,9 @@
 The same refusals as a recorded bundle's (``bundle/reader.py``: its member and size checks are reused):
 a folder or ``.zip`` of regular files, a manifest checked field by field, ``steps.jsonl`` checked line by
 line (steps 0..N-1 in order, every field its type), snapshot arrays read with ``allow_pickle=False``
-against their declared shapes. A run that did not finish (``complete: false``) is refused. Anything wrong
+against their declared shapes. A run whose process was killed inside the block (``complete: false``) is
+refused; a block that raised or was interrupted closed its record (``stopped``: the exception, its message
+and the step) and is read. Anything wrong
 is a one-line ``UsageError`` naming the run and the field.
 """
 
@@ -47,8 +49,9 @@ def _check_manifest(m) -> None:
     if m.get("schema") != WATCH_SCHEMA:
         raise _Bad(f"schema {m.get('schema')!r:.60} is not {WATCH_SCHEMA!r}")
     if not bundle_reader.get_field(m, "complete", bool, "manifest"):
-        raise _Bad("is incomplete: the watched run stopped before its `with convcheck.watch(...)` block ended "
-                   "(killed, or the block raised); diff reads finished runs only")
+        raise _Bad("is incomplete: the process was killed inside its `with convcheck.watch(...)` block, before "
+                   "the watch could close its record; diff reads closed records only (a block that raised or was "
+                   "interrupted closes its record)")
     steps = bundle_reader.get_field(m, "steps", int, "manifest")
     if not 0 <= steps <= 10**8:
         raise _Bad(f"steps = {steps} is outside 0..10^8")
@@ -66,6 +69,12 @@ def _check_manifest(m) -> None:
     bundle_reader.get_field(m, "scaler", bool, "manifest")
     if not all(isinstance(n, str) for n in bundle_reader.get_field(m, "notes", list, "manifest")):
         raise _Bad("notes holds a non-string")
+    stopped = bundle_reader.get_field(m, "stopped", dict, "manifest", optional=True)  # older runs: no field
+    if stopped is not None:
+        for key, kind in (("exception", str), ("message", str), ("step", int)):
+            bundle_reader.get_field(stopped, key, kind, "stopped")
+        if not 0 <= stopped["step"] <= 10**8:
+            raise _Bad(f"stopped.step = {stopped['step']} is outside 0..10^8")
     p = bundle_reader.get_field(m, "first_nonfinite", dict, "manifest", optional=True)
     if p is not None:
         for key, kind in (("layer", str), ("step", int), ("direction", str), ("kind", str)):

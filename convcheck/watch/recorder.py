@@ -162,9 +162,12 @@ class Watch:
         if self.layers or self.hashes:
             self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
         self.steps_file.close()
-        if exc_type is not None:
-            self.notes.append(f"the watched block stopped with {exc_type.__name__}")
-        self._write_manifest(complete=exc_type is None)
+        if exc_type is not None:  # an orderly stop: what was recorded is whole, and says where it stopped
+            detail = " ".join(str(exc).split())[:200] if exc is not None else ""
+            self.stopped = {"exception": exc_type.__name__, "message": detail, "step": self.step_index}
+            self.notes.append(f"the watched block stopped with {exc_type.__name__} at step {self.step_index}"
+                              + (f": {detail}" if detail else ""))
+        self._write_manifest(complete=True)  # only a killed process leaves complete: false
         return False
 
     def _install(self) -> None:
@@ -354,7 +357,7 @@ class Watch:
             "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
             "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,
             "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in self.from_env.items()},
-            "distributed": self.distributed,
+            "distributed": self.distributed, "stopped": getattr(self, "stopped", None),
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 

@@ -132,12 +132,23 @@ def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
     assert any("max_bytes=3000" in n for n in run["notes"])
 
 
-def test_a_run_that_raised_is_refused_by_the_reader(tmp_path):
-    model = nn.Linear(10, 2)
-    with pytest.raises(RuntimeError):
-        with convcheck.watch(model, out=tmp_path / "run"):
-            model(torch.randn(3, 10))
-            raise RuntimeError("the user's loop failed")
-    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"] is False
-    with pytest.raises(UsageError, match="is incomplete"):
-        open_watched(tmp_path / "run")
+def test_a_run_whose_loop_raised_is_read_and_says_where_it_stopped(tmp_path):
+    """The commonest stop of a run with the problem: the user's loop raises on a NaN loss. Its steps up to
+    there are whole and readable; the manifest says which exception, its message and the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(FloatingPointError):
+        with convcheck.watch(model, opt, out=tmp_path / "run") as w:
+            for step in range(5):
+                loss = nn.functional.cross_entropy(model(torch.randn(3, 10)), torch.randint(0, 2, (3,)))
+                if step == 3:
+                    raise FloatingPointError(f"loss is nan at step {step}")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+    run = open_watched(tmp_path / "run")
+    assert run["complete"] is True and run["steps"] == 3 and len(run.steps) == 3
+    assert run["stopped"] == {"exception": "FloatingPointError", "message": "loss is nan at step 3", "step": 3}
+    assert "the watched block stopped with FloatingPointError at step 3: loss is nan at step 3" in run["notes"]
