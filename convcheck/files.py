@@ -134,3 +134,14 @@ def read_limited(path: str | os.PathLike, limit: int, what: str) -> bytes:
         raise UsageError(f"{what} {path} is larger than {limit // 1024} KiB, more than such a file ever holds; "
                          "refusing to read it")
     return data
+
+
+def array_load_error(exc: BaseException) -> str:
+    """What numpy's failure to load an array file says, in words that do not invite the unsafe fix: numpy
+    takes any file that is not an array for pickled data and suggests ``allow_pickle=True``, which would
+    run code from the file. convcheck never loads pickles."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "allow_pickle" in text or "pickled" in text:
+        return "not an array file numpy can read without running code from it (numpy took it for pickled " \
+               "data, which convcheck never loads)"
+    return text

@@ -31,6 +31,7 @@ from convcheck.bundle.schema import (
     READABLE, SCHEMA, STORAGE,
 )
 from convcheck.errors import UsageError
+from convcheck.files import array_load_error
 from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
 from convcheck.plan.stream import HASHES_LISTED
 
@@ -390,7 +391,7 @@ class Bundle:
         # numpy parses an array's header with tokenize and ast: a damaged one raises their errors
         except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError, TypeError, SyntaxError,
                 tokenize.TokenError, RecursionError, zlib.error) as exc:
-            raise BadField(f"{rel} is not a plain array file ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            raise BadField(f"{rel} is not a plain array file ({array_load_error(exc)})") from None
 
     def _wrap(self, fn, *args):
         try:

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from convcheck.errors import UsageError
+from convcheck.files import array_load_error
 
 _IMAGES_MAGIC = 2051
 _LABELS_MAGIC = 2049
@@ -124,7 +125,7 @@ def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     try:
         f = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise UsageError(f"{path}: cannot read as .npz ({e})") from None
+        raise UsageError(f"{path}: cannot read as .npz ({array_load_error(e)})") from None
     if not isinstance(f, np.lib.npyio.NpzFile):
         raise UsageError(f"{path}: a single array, not an .npz archive with arrays 'x' and 'y'")
     with f:
@@ -137,7 +138,7 @@ def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
         try:
             x, y = f["x"], f["y"]
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise UsageError(f"{path}: cannot read arrays x and y ({e})") from None
+            raise UsageError(f"{path}: cannot read arrays x and y ({array_load_error(e)})") from None
     if x.dtype.kind not in "fiub":
         raise UsageError(f"{path}: x has dtype {x.dtype}, expected numbers")
     if x.ndim == 3 and input_shape[0] == 1:
