@@ -24,6 +24,8 @@ def run_compare(args) -> int:
 
     if args.out is not None and not str(args.out).strip():
         raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
+    if args.no_save and args.out is not None:
+        raise UsageError(f"--no-save writes no files, --out {args.out} writes them there: pass one of the two")
     config = config_from_options(vars(args))  # bad numbers fail here, before any work
     from convcheck.targets.executors import serve
 

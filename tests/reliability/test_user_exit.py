@@ -66,6 +66,12 @@ def test_an_empty_out_is_refused(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # not the default reports/ folder either
 
 
+def test_no_save_with_an_out_is_refused_before_any_work(capsys, tmp_path):
+    got, _, err = run_cli(capsys, ["compare", "--model", _user("good"), *TINY, "--no-save", "--out", "zz"])
+    assert_one_error_line(got, 2, err, "--no-save writes no files, --out zz writes them there")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_json_says_complete(capsys):
     got, out, err = run_cli(capsys, ["compare", "--model", _user("good"), *TINY, "--no-save", "--json"])
     assert got in (0, 1), err
