@@ -28,7 +28,7 @@ import numpy as np
 
 from convcheck.bundle.schema import (
     ARRAY_GROUPS, CALLABLES, DETAIL_KINDS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK,
-    READABLE, SCHEMA, STORAGE,
+    READABLE, SCHEMA, STORAGE, WATCH_SCHEMA,
 )
 from convcheck.errors import UsageError
 from convcheck.files import array_load_error
@@ -191,6 +191,9 @@ def check_manifest(m) -> dict:
     if not isinstance(m, dict):
         raise BadField(f"manifest is {type(m).__name__}, expected an object")
     schema = m.get("schema")
+    if schema == WATCH_SCHEMA:
+        raise BadField("is a watched run (convcheck.watch), not a recorded bundle: compare two watched runs, or "
+                       "one against the float64 judge, with `convcheck diff`")
     if schema not in READABLE:
         raise BadField(f"schema {schema!r} is not {SCHEMA!r} (a newer convcheck, or not a bundle)")
     model = get_field(m, "model", dict, "manifest")

@@ -193,6 +193,25 @@ def test_compare_against_a_recorded_run(bundles, tmp_path, capsys, monkeypatch):
     assert "--targets SPEC" in capsys.readouterr().err
 
 
+def test_compare_against_a_watched_run_points_to_diff(tmp_path, capsys):
+    import torch
+    import torch.nn as nn
+
+    import convcheck
+
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "run") as w:
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        opt.step()
+        w.step(loss)
+    assert main(["compare", "--against", str(tmp_path / "run"), "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "is a watched run (convcheck.watch)" in err
+    assert "`convcheck diff`" in err
+
+
 NET = """
 import torch.nn as nn
 
