@@ -22,7 +22,9 @@ def failure_message(result, max_rows: int = 5) -> str:
         for r in result.parity.worst(max_rows).itertuples():
             if not r.flagged:
                 continue
-            name = f"{r.layer if r.kind == 'forward' else r.param} ({r.module})"
+            layer = r.layer if r.kind == 'forward' else r.param
+            # the model's own code is its class's row: 'Net (own code: exp)', not 'Net (Net (own code: exp))'
+            name = r.module if str(r.module).startswith(f"{layer} (") else f"{layer} ({r.module})"
             own = r.intrinsic if r.intrinsic == r.intrinsic else r.local  # NaN: not measured, the local error
             lines.append(f"{r.target:<18} {name:<40} {fmt(own):>10} {fmt(r.floor):>10} {fmt(r.over_floor):>10} "
                          f"{fmt(r.needed):>14}")
