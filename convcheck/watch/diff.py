@@ -25,12 +25,12 @@ from convcheck.diagnose.verdict import Verdict
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
-from convcheck.watch.layout import UNIT_ROUNDOFF
+from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.replay import Replay, replay_run
+from convcheck.watch.setup import initial_weights_difference, lr_difference, optimizer_difference
 from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
 
-PART_FACTOR = 16
 @dataclass(frozen=True)
 class WatchDiff:
     a: str
@@ -43,6 +43,7 @@ class WatchDiff:
     env: list = field(default_factory=list)
     flags: list = field(default_factory=list)
     replays: tuple = (None, None)  # each run's ``replay.Replay`` (the float64 judge at its snapshot steps)
+    setup: tuple = ()  # ``setup.Setup``: what the runs were set up with differently (optimizer, lr, initial weights)
     verdict: Verdict | None = None
 
     def __bool__(self) -> bool:
@@ -54,6 +55,7 @@ class WatchDiff:
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
                                   f"step {self.parting.step}, layer {self.parting.layer}: {self.parting.why}"))
+        out += [f"setup: {f.headline}" for f in self.setup]
         for side, p in zip("AB", self.producers):
             if p is not None:
                 out.append(f"first non-finite in {side}: {producer_text(p)}")
@@ -72,6 +74,7 @@ class WatchDiff:
                 "first_nonfinite": list(self.producers), "env_diff": [d.to_dict() for d in self.env],
                 "math_flags_diff": [list(f) for f in self.flags],
                 "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
+                "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
                 "verdict": self.verdict.to_dict()}
 
 
@@ -226,9 +229,11 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     env = env_diff(Fingerprint.from_dict(a["fingerprint"]), Fingerprint.from_dict(b["fingerprint"]))
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
+    setup = tuple(f for f in (optimizer_difference(a, b), lr_difference(a, b, steps),
+                              initial_weights_difference(a, b)) if f is not None)
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
                        first_parting(a, b, steps), _first_loss_difference(a, b, steps),
-                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags)
+                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup)
     if judge is None:
         from convcheck.targets.spec import default_judge
 

@@ -67,6 +67,7 @@ def _check_manifest(m) -> None:
     bundle_reader.get_field(m, "fingerprint", dict, "manifest")
     bundle_reader.get_field(m, "math_flags", dict, "manifest")
     bundle_reader.get_field(m, "scaler", bool, "manifest")
+    bundle_reader.get_field(m, "optimizer", str, "manifest", optional=True)
     if not all(isinstance(n, str) for n in bundle_reader.get_field(m, "notes", list, "manifest")):
         raise _Bad("notes holds a non-string")
     stopped = bundle_reader.get_field(m, "stopped", dict, "manifest", optional=True)  # older runs: no field

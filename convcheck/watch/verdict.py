@@ -1,16 +1,20 @@
 """The verdict of a watched-run diff, in ``compare``'s categories (``diagnose/verdict.py``).
 
-In order: different data (``setup``), non-finite values on one side or from different producers
-(``numerics``), a layer the float64 judge finds above its floor at a snapshot step (``layer``), a
-parting beyond rounding explained by different precisions (``numerics``), by different stacks
-(``version``), or by nothing recorded (``nondeterminism``); otherwise ``ok``. ``decide_single``: one
-run against the judge alone."""
+In order: different data, a different optimizer class, different learning rates at an aligned step,
+different initial weights in the step-0 snapshots (``setup``, the first as the headline, the others as
+evidence; ``setup.py``), non-finite values on one side or from different producers (``numerics``), a
+layer the float64 judge finds above its floor at a snapshot step (``layer``), a parting beyond rounding
+explained by different precisions (``numerics``), by different stacks (``version``), or by nothing
+recorded (``nondeterminism``); otherwise ``ok``. ``decide_single``: one run against the judge alone,
+its exploding loss a ``setup`` finding."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from convcheck.diagnose.rules.numerics import op_remedies
 from convcheck.diagnose.verdict import Verdict
+from convcheck.watch.setup import divergence
 
 DATA_REMEDIES = ["give the DataLoader a seeded generator (DataLoader(..., generator=torch.Generator().manual_seed(s)))"
                  " and its workers a worker_init_fn, or call convcheck.seed_everything(seed) before building it",
@@ -71,12 +75,22 @@ def _nonfinite(d) -> Verdict | None:
                                f"{other} {state}",
                    evidence=[f"first non-finite in {side}: {producer_text(p)}"] + _parting_lines(d)
                    + _overflow_lines(d.replays),
-                   remedies=list(NONFINITE_REMEDIES), target=side, layer=p["layer"],
+                   remedies=nonfinite_remedies(p), target=side, layer=p["layer"],
                    sub_cause="overflow" if p["direction"] == "forward" else "backward")
 
 
 NONFINITE_REMEDIES = ["keep that layer's operation in float32 (autocast(enabled=False) around it), or rescale its "
                       "operands (e.g. divide the scores by sqrt(d) before the matmul)"]
+KEEP_FLOAT32 = "keep that layer's operation in float32 (autocast(enabled=False) around it)"
+
+
+def nonfinite_remedies(p: dict) -> list[str]:
+    """As ``compare`` (``diagnose/rules/numerics.op_remedies``): the stable form of the op that made the first
+    NaN/Inf when it has one (``exp``: subtract the maximum), then float32; else float32 or rescaling."""
+    own = op_remedies(p.get("op")) if isinstance(p.get("op"), str) else []
+    return own + [KEEP_FLOAT32] if own else list(NONFINITE_REMEDIES)
+
+
 LAYER_REMEDIES = ["that layer computes less accurately than its precision allows on its own input (the float64 "
                   "judge replayed it from the snapshot): check its implementation (a one-pass variance, a sum in "
                   "a 16-bit type, a cast inside it), or run it in float32"]
@@ -107,16 +121,23 @@ def _parting_lines(d) -> list[str]:
 
 
 def decide_single(run, replay) -> Verdict:
-    """One watched run against the float64 judge: a layer above its floor at a snapshot step (``layer``)
-    or the first non-finite producer (``numerics``), the earlier of the two; otherwise ``ok``."""
+    """One watched run against the float64 judge: a layer above its floor at a snapshot step (``layer``),
+    a loss that explodes (``setup``: ``setup.divergence``) or the first non-finite producer (``numerics``),
+    the earliest of them (in that order on the same step); otherwise ``ok``."""
     p = run["first_nonfinite"]
     flagged = first_flagged((replay,))
-    if flagged is not None and (p is None or flagged[1].step <= p["step"]):
+    diverged = divergence(run)
+    if flagged is not None and (p is None or flagged[1].step <= p["step"]) and (
+            diverged is None or flagged[1].step <= diverged.step):
         return layer_verdict("", flagged[1], "")
+    if diverged is not None and (p is None or diverged.step <= p["step"]):
+        extra = [f"then the first non-finite: {producer_text(p)}"] if p is not None else []
+        return Verdict("setup", diverged.headline, evidence=diverged.evidence + extra,
+                       remedies=list(diverged.remedies), sub_cause=diverged.sub_cause)
     if p is not None:
         return Verdict("numerics", f"the run turns non-finite at step {p['step']} in {producer_where(p)}",
                        evidence=[f"first non-finite: {producer_text(p)}"] + _overflow_lines((replay,)),
-                       remedies=list(NONFINITE_REMEDIES), layer=p["layer"],
+                       remedies=nonfinite_remedies(p), layer=p["layer"],
                        sub_cause="overflow" if p["direction"] == "forward" else "backward")
     if replay is None or not replay.rows:
         return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
@@ -125,13 +146,28 @@ def decide_single(run, replay) -> Verdict:
                    evidence=[replay.summary()])
 
 
-def decide(d, a, b) -> Verdict:
+def _setup_verdict(d) -> Verdict | None:
+    """The first thing the runs were set up with differently (data, optimizer, lr, initial weights), the
+    others as evidence; None when none."""
+    found = []
     if d.data_step is not None:
-        return Verdict("setup", f"the runs did not see the same data: different data from step {d.data_step} "
-                                "(batch hashes differ)",
-                       evidence=[f"batch hashes of step {d.data_step} differ; a loader, sampler or worker-seeding "
-                                 "difference, not the numerics"] + _parting_lines(d),
-                       remedies=list(DATA_REMEDIES), sub_cause="data order")
+        found.append((f"the runs did not see the same data: different data from step {d.data_step} "
+                      "(batch hashes differ)",
+                      [f"batch hashes of step {d.data_step} differ; a loader, sampler or worker-seeding "
+                       "difference, not the numerics"], DATA_REMEDIES, "data order"))
+    found += [(f.headline, f.evidence, f.remedies, f.sub_cause) for f in d.setup]
+    if not found:
+        return None
+    headline, evidence, remedies, sub_cause = found[0]
+    evidence = list(evidence) + [f"also: {h}" for h, *_ in found[1:]] + _parting_lines(d)
+    remedies = list(dict.fromkeys(r for *_, rs, _ in found for r in rs))
+    return Verdict("setup", headline, evidence=evidence, remedies=remedies, sub_cause=sub_cause)
+
+
+def decide(d, a, b) -> Verdict:
+    setup = _setup_verdict(d)
+    if setup is not None:
+        return setup
     found = _nonfinite(d)
     if found is not None:
         return found

@@ -66,7 +66,11 @@ def test_one_run_against_the_judge_names_the_overflow_with_the_judges_magnitude(
     assert code == 1
     assert "verdict: numerics: the run turns non-finite at step 4 in att (own code: matmul, forward)" in out
     assert "> 65504 (float16's largest)" in out
+    # float32 stays finite, but its inputs grow 4x a step and its loss with them (1.07 -> 43 at step 4): not ok
     code, out, _ = diff(capsys, runs / "att32", "--judge", "cpu:float64")
+    assert code == 1
+    assert "verdict: setup: the loss explodes: 43.05 at step 4, 40.3x its first value 1.068 (step 0)" in out
+    code, out, _ = diff(capsys, runs / "off", "--judge", "cpu:float64")
     assert code == 0
     assert "verdict: ok: every replayed layer is within its floor and the run stays finite" in out
 

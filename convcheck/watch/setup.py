@@ -1,0 +1,139 @@
+"""What the user set up differently, read from the watched runs before any numerics is blamed
+(``setup`` verdicts): the optimizer's class (the manifest's ``optimizer``), the learning rates each step
+used (``steps.jsonl``'s ``lr``), the initial weights (the ``param/<name>`` arrays of both runs' step-0
+snapshots, taken before any update); and, for one run, a loss that explodes.
+
+A finding is a ``Setup``: a headline naming the difference, its evidence and remedies."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
+
+LR_RTOL = 1e-9
+EXPLODE_FACTOR = 10.0  # a finite loss above this many times its first value: the run diverged
+RISE_FACTOR = 2.0  # a loss that never falls below its first value and ends at this many times it
+RISE_MIN_STEPS = 3
+
+OPTIMIZER_REMEDIES = ["build the same optimizer on both sides (its class and its hyperparameters), then diff again"]
+LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimizer's lr=, the scheduler and where "
+               "its step() is called), then diff again"]
+INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
+                 "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
+                 "then diff again"]
+DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
+                    "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    headline: str
+    sub_cause: str
+    evidence: list = field(default_factory=list)
+    remedies: list = field(default_factory=list)
+    step: int | None = None
+
+
+def _optimizer(run) -> str | None:
+    o = run.manifest.get("optimizer")
+    return o if isinstance(o, str) else None
+
+
+def optimizer_difference(a, b) -> Setup | None:
+    oa, ob = _optimizer(a), _optimizer(b)
+    if oa == ob:
+        return None
+    name = lambda o: o if o is not None else "no optimizer"  # noqa: E731
+    return Setup(f"different optimizers: A uses {name(oa)}, B uses {name(ob)}", "optimizer",
+                 evidence=[f"the manifests' optimizer: {name(oa)} | {name(ob)}"], remedies=list(OPTIMIZER_REMEDIES),
+                 step=0)
+
+
+def _same(x: float, y: float) -> bool:
+    return x == y or abs(x - y) <= LR_RTOL * max(abs(x), abs(y))
+
+
+def _lrs(lr: list) -> str:
+    return repr(float(lr[0])) if len(lr) == 1 else "[" + ", ".join(repr(float(v)) for v in lr) + "]"
+
+
+def lr_difference(a, b, steps: int) -> Setup | None:
+    """The first aligned step whose recorded learning rates differ (per parameter group)."""
+    for k in range(steps):
+        la, lb = a.steps[k]["lr"], b.steps[k]["lr"]
+        if len(la) == len(lb) and all(_same(x, y) for x, y in zip(la, lb)):
+            continue
+        if len(la) != len(lb):
+            what = (f"A's optimizer has {len(la)} parameter groups, B's {len(lb)} (learning rates {_lrs(la)} | "
+                    f"{_lrs(lb)}) from step {k}")
+        else:
+            g = next(i for i, (x, y) in enumerate(zip(la, lb)) if not _same(x, y))
+            group = f" (parameter group {g})" if len(la) > 1 else ""
+            what = f"B's learning rate{group} is {float(lb[g])!r} where A's is {float(la[g])!r} from step {k}"
+        if k > 0:
+            what += f" (the same before: {_lrs(a.steps[k - 1]['lr'])})"
+        return Setup(f"different learning rates: {what}", "learning rate",
+                     evidence=[f"steps.jsonl lr at step {k}: {_lrs(la)} | {_lrs(lb)}"], remedies=list(LR_REMEDIES),
+                     step=k)
+    return None
+
+
+def _params_at_step0(run) -> tuple[dict, dict] | None:
+    e = next((s for s in run.manifest["snapshots"] if s["step"] == 0), None)
+    if e is None or not any(x["key"].startswith("param/") for x in e["arrays"]):
+        return None
+    dtypes = {x["key"]: x["dtype"] for x in e["arrays"]}
+    return run.snapshot(0), dtypes
+
+
+def initial_weights_difference(a, b) -> Setup | None:
+    """The first parameter (in the model's order) whose step-0 values, before any update, differ between
+    the runs beyond rounding of the coarser dtype (relative norm, as a snapshot parting)."""
+    pa, pb = _params_at_step0(a), _params_at_step0(b)
+    if pa is None or pb is None:
+        return None
+    (sa, da), (sb, db) = pa, pb
+    for p in a.manifest["model"]["parameters"]:
+        key = f"param/{p['name']}"
+        if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
+            continue
+        x, y = sa[key].astype(np.float64), sb[key].astype(np.float64)
+        if not (np.isfinite(x).all() and np.isfinite(y).all()):
+            continue
+        norm = max(np.linalg.norm(x), np.linalg.norm(y))
+        d = float(np.linalg.norm(x - y) / norm) if norm else 0.0
+        u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
+        if d > PART_FACTOR * u:
+            return Setup(f"different initial weights: {p['name']} already differs at step 0, before any update",
+                         "initial weights",
+                         evidence=[f"step-0 snapshots: {p['name']} differs by {d:.3g} (relative, element by element), "
+                                   f"{d / u:.3g}x the roundoff of {da[key]}; the model was not built from the same "
+                                   "seed or state"],
+                         remedies=list(INIT_REMEDIES), step=0)
+    return None
+
+
+def divergence(run) -> Setup | None:
+    """One run whose loss explodes: a finite loss above ``EXPLODE_FACTOR`` times the first (positive) one,
+    or a loss that never falls below the first and ends at ``RISE_FACTOR`` times it or more."""
+    losses = [(s["step"], s["loss"]) for s in run.steps
+              if isinstance(s["loss"], (int, float)) and math.isfinite(s["loss"])]
+    if len(losses) < 2 or losses[0][1] <= 0:
+        return None
+    k0, first = losses[0]
+    curve = "the loss: " + ", ".join(f"{v:.4g}" for _, v in losses[:8]) + (" ..." if len(losses) > 8 else "")
+    high = next(((k, v) for k, v in losses[1:] if v > EXPLODE_FACTOR * first), None)
+    if high is not None:
+        k, v = high
+        return Setup(f"the loss explodes: {v:.4g} at step {k}, {v / first:.3g}x its first value {first:.4g} "
+                     f"(step {k0})", "divergence", evidence=[curve], remedies=list(DIVERGE_REMEDIES), step=k)
+    (kn, last) = losses[-1]
+    if len(losses) >= RISE_MIN_STEPS and all(v >= first for _, v in losses[1:]) and last >= RISE_FACTOR * first:
+        return Setup(f"the loss never falls below its first value {first:.4g} (step {k0}) and ends at {last:.4g} "
+                     f"(step {kn}), {last / first:.3g}x it", "divergence", evidence=[curve],
+                     remedies=list(DIVERGE_REMEDIES), step=kn)
+    return None

@@ -1,0 +1,82 @@
+"""Training loops written as a user would, set up differently from run to run: the optimizer, its
+learning rate or schedule, the seed the model is built from; a run that diverges; and own code whose
+``exp`` overflows float16."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import convcheck
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        h = nn.functional.max_pool2d(torch.relu(self.conv2(h)), 2)
+        return self.fc(h.flatten(1))
+
+
+def cnn_run(out, optimizer: str = "adam", lr: float = 1e-3, model_seed: int = 0, steps: int = 4,
+            lr_at: dict | None = None) -> list[float]:
+    """The same batches every time (their own generator); the model built after ``manual_seed(model_seed)``;
+    ``lr_at``: {step: lr} set on the optimizer's group before that step (a hand-written schedule)."""
+    torch.manual_seed(model_seed)
+    model = SmallCNN()
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = (lr_at or {}).get(step, group["lr"])
+            x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            losses.append(loss.item())
+    return losses
+
+
+class ExpSoftmax(nn.Module):
+    """A softmax written by hand, exp of the raw scores (no maximum subtracted): overflows float16."""
+
+    def forward(self, s):
+        e = torch.exp(s)
+        return e / e.sum(-1, keepdim=True)
+
+
+class ExpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.soft, self.fc2 = nn.Linear(8, 16), ExpSoftmax(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.soft(self.fc1(x)))
+
+
+def exp_run(out, half: bool, steps: int = 4) -> None:
+    """Inputs grow 4x a step: under float16 autocast, exp of fc1's output passes 65504 at a later step."""
+    torch.manual_seed(0)
+    model = ExpNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(steps):
+            x = torch.randn(4, 8, generator=g) * (4.0 ** step)
+            y = torch.randint(0, 3, (4,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
