@@ -80,3 +80,33 @@ def exp_run(out, half: bool, steps: int = 4) -> None:
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc(x).squeeze(-1)
+
+
+def regression_run(out, lr: float, steps: int = 5) -> list[float]:
+    """Least squares on one fixed batch with plain SGD: past 2 / (the loss's largest curvature) every step
+    overshoots further, and the loss grows a little each step (a slow divergence, never 10x)."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(32, generator=g)
+    losses = []
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            losses.append(loss.item())
+    return losses

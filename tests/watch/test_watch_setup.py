@@ -10,7 +10,7 @@ import pytest
 
 from convcheck.cli.main import main
 
-from .setup_loops import cnn_run, exp_run
+from .setup_loops import cnn_run, exp_run, regression_run
 
 
 def diff(capsys, *args) -> tuple[int, str, str]:
@@ -93,6 +93,18 @@ def test_one_run_whose_loss_explodes_is_not_ok(runs, capsys):
     code, out, _ = diff(capsys, runs / "adam", "--judge", "cpu:float64")  # 1.00, 1.17, 1.12, 1.09: not exploding
     assert code == 0
     assert verdict(out) == "verdict: ok: every replayed layer is within its floor and the run stays finite"
+
+
+def test_a_loss_that_never_falls_and_ends_far_above_its_start_is_not_ok(tmp_path, capsys):
+    losses = regression_run(tmp_path / "slow", lr=0.8, steps=4)  # 18.6, 19.2, 43.9, 115: never 10x in one step
+    assert max(losses) < 10 * losses[0]
+    code, out, _ = diff(capsys, tmp_path / "slow", "--judge", "cpu:float64")
+    assert code == 1
+    assert verdict(out).startswith("verdict: setup: the loss never falls below its first value 18.57 (step 0) and "
+                                   "ends at 114.9 (step 3), ")
+    regression_run(tmp_path / "fine", lr=0.5, steps=4)  # 18.6, 3.05, 1.06, 0.48
+    code, out, _ = diff(capsys, tmp_path / "fine", "--judge", "cpu:float64")
+    assert code == 0 and verdict(out).startswith("verdict: ok: ")
 
 
 def test_an_exp_overflow_in_own_code_gets_the_remedy_for_exp(tmp_path, capsys):
