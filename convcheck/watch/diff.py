@@ -44,6 +44,7 @@ class WatchDiff:
     flags: list = field(default_factory=list)
     replays: tuple = (None, None)  # each run's ``replay.Replay`` (the float64 judge at its snapshot steps)
     setup: tuple = ()  # ``setup.Setup``: what the runs were set up with differently (optimizer, lr, initial weights)
+    stopped: tuple = (None, None)  # each run's ``stopped`` (its block raised or was interrupted), or None
     verdict: Verdict | None = None
 
     def __bool__(self) -> bool:
@@ -51,6 +52,7 @@ class WatchDiff:
 
     def lines(self) -> list[str]:
         out = [f"watched runs: A = {self.a} ({self.steps[0]} steps), B = {self.b} ({self.steps[1]} steps)"]
+        out += [stopped_line(side, s) for side, s in zip("AB", self.stopped) if s is not None]
         out.append("data: " + ("the same batches at every aligned step" if self.data_step is None else
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
@@ -75,7 +77,14 @@ class WatchDiff:
                 "math_flags_diff": [list(f) for f in self.flags],
                 "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
                 "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
-                "verdict": self.verdict.to_dict()}
+                "stopped": list(self.stopped), "verdict": self.verdict.to_dict()}
+
+
+def stopped_line(side: str, s: dict) -> str:
+    """A run whose ``with convcheck.watch`` block raised or was interrupted: what, where; diffed up to there."""
+    who = "the run" if side == "-" else f"{side}"
+    return (f"stopped: {who} stopped at step {s['step']} with {s['exception']}"
+            + (f" ({s['message']})" if s["message"] else "") + "; its steps up to there are diffed")
 
 
 def judge_lines(replays, sides: str = "AB") -> list[str]:
@@ -107,12 +116,15 @@ class WatchJudge:
     producer: dict | None
     replay: Replay
     verdict: Verdict
+    stopped: dict | None = None
 
     def __bool__(self) -> bool:
         return self.verdict.category == "ok"
 
     def lines(self) -> list[str]:
         out = [f"watched run: {self.run} ({self.steps} steps)"]
+        if self.stopped is not None:
+            out.append(stopped_line("-", self.stopped))
         out.append("first non-finite: " + ("none" if self.producer is None else producer_text(self.producer)))
         out += judge_lines((self.replay,), sides="-")
         v = self.verdict
@@ -123,14 +135,15 @@ class WatchJudge:
 
     def to_dict(self) -> dict:
         return {"run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
-                "judge_replay": self.replay.to_dict(), "verdict": self.verdict.to_dict()}
+                "judge_replay": self.replay.to_dict(), "stopped": self.stopped, "verdict": self.verdict.to_dict()}
 
 
 def judge_watched(path, judge: str) -> WatchJudge:
     """One watched run against the float64 judge ``judge`` (a float64 target of this machine)."""
     run = open_watched(path)
     replay = replay_run(run, judge)
-    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay))
+    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay),
+                      stopped=run.manifest.get("stopped"))
 
 
 def _rel(x: float, y: float, scale: float) -> float:
@@ -233,7 +246,8 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                               initial_weights_difference(a, b)) if f is not None)
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
                        first_parting(a, b, steps), _first_loss_difference(a, b, steps),
-                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup)
+                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup,
+                       stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")))
     if judge is None:
         from convcheck.targets.spec import default_judge
 

@@ -132,22 +132,39 @@ def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
     assert any("max_bytes=3000" in n for n in run["notes"])
 
 
-def test_a_run_whose_loop_raised_is_read_and_says_where_it_stopped(tmp_path):
-    """The commonest stop of a run with the problem: the user's loop raises on a NaN loss. Its steps up to
-    there are whole and readable; the manifest says which exception, its message and the step."""
+def _stopping_loop(out, stop_at=None):
+    """A user's loop that raises on a bad loss (here: at step ``stop_at``, as a NaN check would)."""
     torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
     model = nn.Sequential(nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(5):
+            loss = nn.functional.cross_entropy(model(torch.randn(3, 10, generator=g)),
+                                               torch.randint(0, 2, (3,), generator=g))
+            if step == stop_at:
+                raise FloatingPointError(f"loss is nan at step {step}")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+def test_a_run_whose_loop_raised_is_read_and_says_where_it_stopped(tmp_path, capsys):
+    """The commonest stop of a run with the problem: the user's loop raises on a NaN loss. Its steps up to
+    there are whole and readable; the manifest says which exception, its message and the step; diff
+    reads it and says so."""
+    from convcheck.cli.main import main
+
     with pytest.raises(FloatingPointError):
-        with convcheck.watch(model, opt, out=tmp_path / "run") as w:
-            for step in range(5):
-                loss = nn.functional.cross_entropy(model(torch.randn(3, 10)), torch.randint(0, 2, (3,)))
-                if step == 3:
-                    raise FloatingPointError(f"loss is nan at step {step}")
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                w.step(loss)
+        _stopping_loop(tmp_path / "run", stop_at=3)
+    _stopping_loop(tmp_path / "whole")
+    code = main(["diff", str(tmp_path / "whole"), str(tmp_path / "run"), "--no-save"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "B = " in out and "(3 steps)" in out
+    assert "stopped: B stopped at step 3 with FloatingPointError (loss is nan at step 3); its steps up to " \
+           "there are diffed" in out
     run = open_watched(tmp_path / "run")
     assert run["complete"] is True and run["steps"] == 3 and len(run.steps) == 3
     assert run["stopped"] == {"exception": "FloatingPointError", "message": "loss is nan at step 3", "step": 3}
