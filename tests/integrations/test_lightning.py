@@ -135,3 +135,4 @@ def test_a_run_that_raised_is_closed_as_stopped_and_diffed_up_to_there(runs, tmp
     code = main(["diff", str(tmp_path / "broken"), "--judge", "cpu:float64", "--no-save"])
     out, err = capsys.readouterr()
     assert code in (0, 1) and "Traceback" not in err, err  # the two steps it recorded are read
+    assert "stopped: the run stopped at step 2 with RuntimeError (the user's training step failed)" in out
