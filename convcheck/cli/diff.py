@@ -39,8 +39,7 @@ def run_diff(args) -> int:
     if args.out is not None and not str(args.out).strip():
         raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     if args.no_save and args.out is not None:
-        raise UsageError(f"--no-save writes no files and --out {args.out} names where to write them: pass one of "
-                         "the two")
+        raise UsageError(f"--no-save writes no files, --out {args.out} writes them there: pass one of the two")
     if args.run_b is None:
         return run_watched_judge(args)
     if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank

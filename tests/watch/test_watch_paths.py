@@ -97,7 +97,7 @@ def test_diff_no_save_with_out_is_refused(runs, tmp_path, capsys):
     capsys.readouterr()
     for args in ([runs / "fp32", runs / "bf16"], [runs / "fp32", "--judge", "cpu:float64"]):
         code, stdout, err = run_cli(capsys, *args, "--no-save", "--out", tmp_path / "x")
-        assert code == 2 and stdout == "" and "--no-save writes no files and --out" in one_line(err)
+        assert code == 2 and stdout == "" and "--no-save writes no files, --out" in one_line(err)
     assert not (tmp_path / "x").exists()
 
 
