@@ -32,26 +32,32 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 
 
 def run_diff(args) -> int:
+    from convcheck.errors import UsageError
     from convcheck.watch.rankdiff import is_ranked_pair
     from convcheck.watch.reader import schema_of
 
+    if args.out is not None and not str(args.out).strip():
+        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
+    if args.no_save and args.out is not None:
+        raise UsageError(f"--no-save writes no files, --out {args.out} writes them there: pass one of the two")
     if args.run_b is None:
         return run_watched_judge(args)
     if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
         from convcheck.watch.rankdiff import diff_ranked
 
         # rank by rank (each pair with --judge's replay) and across ranks, shown as any watched diff
-        return _show_watched(diff_ranked(args.run_a, args.run_b, judge=_watch_judge(args.judge)), "watch_diff.json",
-                             args)
+        judge = _watch_judge(args.judge)
+        return _watched(args, "watch_diff.json", lambda: diff_ranked(args.run_a, args.run_b, judge=judge))
     kinds = [schema_of(p) for p in (args.run_a, args.run_b)]
     if any(k == "convcheck.watch/1" for k in kinds):
         return run_watched_diff(args, kinds)
+    for path in (args.run_a, args.run_b):  # neither is watched: a path that is no bundle at all said as such
+        why = not_a_run(path, strict=False)
+        if why:
+            raise UsageError(why)
     from convcheck.bundle.diff import diff_bundles
-    from convcheck.errors import UsageError
     from convcheck.report.folder import RunFolder
 
-    if args.out is not None and not str(args.out).strip():
-        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     folder = None
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
@@ -59,6 +65,86 @@ def run_diff(args) -> int:
         result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
     _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
+
+
+_REPORTS = ("summary.json", "watch_diff.json", "watch_judge.json")
+
+
+def not_a_run(path, *, strict: bool = True) -> str | None:
+    """What is wrong with ``path`` as a run to diff (its manifest names no run's schema), in one line: missing, a
+    plain file, a report folder, a folder without a manifest. ``strict=False`` (neither side watched: the
+    bundle reader says the rest, "not a readable bundle zip", "manifest.json cannot be opened"): only a missing
+    path, a device or FIFO, and a report folder."""
+    import os
+    import stat
+    from pathlib import Path
+
+    runs = "diff reads what convcheck.watch or convcheck record wrote"
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return f"diff: {path}: no such folder"
+    except OSError as exc:
+        return f"diff: {path}: cannot be read ({exc.strerror or exc})"
+    p = Path(path)
+    if stat.S_ISREG(mode):
+        if not strict:  # the bundle reader: "not a readable bundle zip"
+            return None
+        return f"diff: {path}: not a watched run or a recorded bundle ({runs})"
+    if not stat.S_ISDIR(mode):
+        return f"diff: {path}: not a watched run or a recorded bundle (it is not a folder or a file; {runs})"
+    has_manifest = os.path.lexists(p / "manifest.json")
+    if not has_manifest and any(os.path.lexists(p / r) for r in _REPORTS):
+        return f"diff: {path}: a report folder (what compare or diff wrote), not a run; {runs}"
+    if not strict:
+        return None
+    if not has_manifest:
+        return f"diff: {path}: not a watched run or a recorded bundle (no manifest.json in it; {runs})"
+    return f"diff: {path}: not a watched run or a recorded bundle (its manifest.json is not a convcheck run's)"
+
+
+def _watched(args, name: str, compute) -> int:
+    """A watched diff (``compute()``) with its ``--out`` checked (and made) first; the folder goes again,
+    if this run made it, when ``compute`` fails."""
+    folder = _watched_out(args, name)
+    with _removed_if_empty(folder):
+        result = compute()
+    return _show_watched(result, name, args, folder)
+
+
+def _watched_out(args, name: str):
+    """``--out`` of a watched diff as ``compare --out``'s (``RunFolder.explicit``: never through a device, FIFO
+    or link; ``name`` replaced only with ``--force``), and never a run's folder or one inside a run."""
+    from pathlib import Path
+
+    from convcheck.errors import UsageError
+    from convcheck.report.folder import RunFolder
+    from convcheck.watch.ranks import rank_folders
+    from convcheck.watch.reader import schema_of
+
+    if not args.out or args.no_save:
+        return None
+    out = Path(args.out)
+    runs = [Path(r) for r in (args.run_a, args.run_b) if r is not None]
+    if out.is_dir():
+        try:
+            ranked = rank_folders(out) is not None
+        except UsageError:
+            ranked = False
+        kind = schema_of(out)
+        if ranked or kind is not None:
+            what = "a recorded run (convcheck record)" if kind == "convcheck.bundle/1" else \
+                "a watched run (convcheck.watch)"
+            raise UsageError(f"--out {out}: that folder is {what}; diff never writes into a run: name another "
+                             "folder")
+    try:
+        inside = next((r for r in runs if r.is_dir() and out.resolve().is_relative_to(r.resolve())), None)
+    except (OSError, RuntimeError):  # a link loop: RunFolder.explicit says what is there
+        inside = None
+    if inside is not None:
+        raise UsageError(f"--out {out}: that folder is inside the run {inside}; diff never writes into a run: "
+                         "name another folder")
+    return RunFolder.explicit(out, force=args.force, files=(name,))
 
 
 class _removed_if_empty:
@@ -79,11 +165,14 @@ def run_watched_diff(args, kinds) -> int:
     from convcheck.errors import UsageError
     from convcheck.watch.diff import diff_watched
 
+    for path, kind in zip((args.run_a, args.run_b), kinds):
+        if kind is None:  # not a run at all: what is wrong with that path
+            raise UsageError(not_a_run(path) or f"diff: {path}: not a watched run or a recorded bundle")
     if kinds[0] != kinds[1]:
         raise UsageError("diff: one run is watched (convcheck.watch) and the other recorded (convcheck record); "
                          "diff two of the same kind")
-    result = diff_watched(args.run_a, args.run_b, judge=_watch_judge(args.judge))
-    return _show_watched(result, "watch_diff.json", args)
+    judge = _watch_judge(args.judge)
+    return _watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge))
 
 
 def _watch_judge(spec):
@@ -106,24 +195,21 @@ def run_watched_judge(args) -> int:
     from convcheck.watch.diff import judge_watched
     from convcheck.watch.reader import schema_of
 
-    if schema_of(args.run_a) != "convcheck.watch/1":
+    kind = schema_of(args.run_a)
+    if kind is None:
+        raise UsageError(not_a_run(args.run_a) or f"diff: {args.run_a}: not a watched run or a recorded bundle")
+    if kind != "convcheck.watch/1":
         raise UsageError(f"diff: {args.run_a} is not a watched run (convcheck.watch); a recorded run needs a "
                          "second one: convcheck diff RUN_A RUN_B")
     judge = _watch_judge(args.judge) or str(default_judge()[0])
-    return _show_watched(judge_watched(args.run_a, judge), "watch_judge.json", args)
+    return _watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge))
 
 
-def _show_watched(result, name: str, args) -> int:
-    from convcheck.errors import UsageError
+def _show_watched(result, name: str, args, folder) -> int:
     from convcheck.files import atomic_write_text, check_writable_file
 
-    if args.out is not None and not str(args.out).strip():
-        raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
-    if args.out and not args.no_save:
-        from pathlib import Path
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        path = check_writable_file(Path(args.out) / name, force=args.force, what="--out")
+    if folder is not None:
+        path = check_writable_file(folder.path / name, force=args.force, what="--out")
         atomic_write_text(path, json.dumps(result.to_dict(), indent=2) + "\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

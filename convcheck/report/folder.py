@@ -39,9 +39,9 @@ def default_folder_name(model: str, now: float | None = None) -> str:
     return f"{stamp:%Y%m%dT%H%M%S}.{stamp.microsecond // 1000:03d}Z-{safe_name(model)}"
 
 
-def check_report_files(path: Path, *, force: bool) -> None:
-    """Report files already in ``path``: refused without ``force``; only regular files may be replaced."""
-    present = [name for name in REPORT_FILES if os.path.lexists(path / name)]
+def check_report_files(path: Path, *, force: bool, files: tuple[str, ...] = REPORT_FILES) -> None:
+    """Report files (``files``) already in ``path``: refused without ``force``; only regular files may be replaced."""
+    present = [name for name in files if os.path.lexists(path / name)]
     for name in present:
         refuse_special(path / name, "--out")
     if present and not force:
@@ -61,8 +61,9 @@ class RunFolder:
         self.created: list[Path] = []  # folders this run made, outermost first
 
     @classmethod
-    def explicit(cls, out: str | os.PathLike, *, force: bool) -> "RunFolder":
-        """``--out DIR``: a directory (or a link to one) or nothing yet; created now, report files checked."""
+    def explicit(cls, out: str | os.PathLike, *, force: bool, files: tuple[str, ...] = REPORT_FILES) -> "RunFolder":
+        """``--out DIR``: a directory (or a link to one) or nothing yet; created now, report files (``files``:
+        those the command writes) checked."""
         folder = cls(Path(out), force=force)
         kind = path_kind(folder.path)
         if kind == "symbolic link" and folder.path.is_dir():
@@ -71,7 +72,7 @@ class RunFolder:
             raise UsageError(f"--out {folder.path}: exists and is not a directory (it is a {kind})")
         if kind is None:
             folder._make(folder.path)
-        check_report_files(folder.path, force=force)
+        check_report_files(folder.path, force=force, files=files)
         return folder
 
     @classmethod

@@ -40,10 +40,16 @@ def prepare_out(out: Path, force: bool) -> Path:
     anything else there is a one-line ``UsageError``. Never overwrites without ``force``."""
     kind = path_kind(out)
     if kind is None:
-        out.mkdir(parents=True)
+        try:
+            out.mkdir(parents=True)
+        except OSError as exc:  # /proc/foo, a read-only disk, no permission: the user's path, one line
+            raise UsageError(f"convcheck.watch: out={out}: cannot create the folder ({exc.strerror or exc})") from None
     elif kind != "directory":
         raise UsageError(f"convcheck.watch: out={out} exists and is a {kind}, not a folder")
-    entries = sorted(os.listdir(out))
+    try:
+        entries = sorted(os.listdir(out))
+    except OSError as exc:
+        raise UsageError(f"convcheck.watch: out={out}: cannot read the folder ({exc.strerror or exc})") from None
     if entries and (MANIFEST not in entries or not force):
         raise UsageError(f"convcheck.watch: out={out} is not empty"
                          + ("; pass force=True to replace the watched run there" if MANIFEST in entries else ""))

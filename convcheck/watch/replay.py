@@ -201,6 +201,12 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     if added:
         sys.path.insert(0, here)
     try:
+        runs = runs_code_on_import(mod)
+        if runs is not None:  # importing it would run the user's script (its training, its argparse)
+            name, line = runs
+            return None, (f"{name} runs code when imported (line {line}, no `if __name__ == \"__main__\":` guard): "
+                          f"the model's class {label} is not imported; put the model class in a module of its "
+                          "own or guard the script")
         obj = importlib.import_module(mod)
         for part in qual.split("."):
             obj = getattr(obj, part)
@@ -213,6 +219,117 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
         return None, f"{label} is not a torch.nn.Module class"
     return obj, None
+
+
+MAX_SOURCE_BYTES = 4 * 1024**2
+_HARMLESS_CALLS = {"getLogger", "TypeVar", "namedtuple", "NamedTuple", "field", "device", "dtype", "compile",
+                   "Path", "getenv", "frozenset", "set", "dict", "tuple", "list", "object"}
+
+
+def runs_code_on_import(mod: str) -> tuple[str, int] | None:
+    """``(file name, line)`` of the first top-level statement that would run code when ``mod`` (or a package
+    above it) is imported, None when importing defines things only. Read, not executed: each part found
+    with ``PathFinder.find_spec`` (which imports no parent package) and parsed with ``ast``. Only the user's
+    own files (a source file outside ``site-packages``) are checked; an installed library is imported as
+    before; a module already imported runs nothing again."""
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    search = None
+    parts = mod.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[:i + 1])
+        if name in sys.modules:
+            search = getattr(sys.modules[name], "__path__", None)
+            continue
+        try:
+            spec = PathFinder.find_spec(name, search)
+            if spec is None and i == 0:
+                spec = find_spec(name)  # another finder (an editable install's); a top-level name imports nothing
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None  # the import says it is not there
+        origin = spec.origin if spec.has_location else None
+        if isinstance(origin, str) and origin.endswith(".py") and _users_file(origin):
+            line = _first_code_line(origin)
+            if line is not None:
+                return os.path.basename(origin), line
+        search = spec.submodule_search_locations
+        if search is None and i < len(parts) - 1:
+            return None
+    return None
+
+
+def _users_file(path: str) -> bool:
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    return "site-packages" not in parts and "dist-packages" not in parts
+
+
+def _first_code_line(path: str) -> int | None:
+    """The line of the first top-level statement of ``path`` that runs code on import, or None: imports,
+    ``def``/``class`` (their decorators and bodies are not looked into), assignments of constants and simple
+    expressions, docstrings, ``try``/``if`` made of those, and an ``if __name__ == "__main__":`` block are
+    definitions. A file too large, unreadable or not Python is left to the import to say."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+        if len(data) > MAX_SOURCE_BYTES:
+            return 1
+        tree = ast.parse(data, filename=path)
+    except (OSError, SyntaxError, ValueError, RecursionError):
+        return None
+    return next((st.lineno for st in tree.body if not _defines(st)), None)
+
+
+def _defines(st) -> bool:
+    import ast
+
+    if isinstance(st, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Pass)):
+        return True
+    if isinstance(st, ast.Expr):
+        return isinstance(st.value, ast.Constant)
+    if isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+        return all(_simple(t) for t in targets) and (st.value is None or _simple(st.value))
+    if isinstance(st, ast.If):
+        if _is_main_guard(st.test):
+            return True
+        return _simple(st.test) and all(_defines(x) for x in st.body + st.orelse)
+    if isinstance(st, ast.Try):
+        return all(_defines(x) for x in st.body + st.orelse + st.finalbody) and \
+            all(_simple(h.type) if h.type is not None else True for h in st.handlers) and \
+            all(_defines(x) for h in st.handlers for x in h.body)
+    return False
+
+
+def _is_main_guard(test) -> bool:
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and \
+        any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
+
+
+def _simple(node) -> bool:
+    """No call (but a few harmless constructors: ``logging.getLogger``, ``TypeVar``, ``torch.device``, ...),
+    no ``await``/``yield``; a lambda's body is not run."""
+    import ast
+
+    if isinstance(node, ast.Lambda):
+        return all(_simple(d) for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None])
+    if isinstance(node, (ast.Await, ast.Yield, ast.YieldFrom)):
+        return False
+    if isinstance(node, ast.Call):
+        f = node.func
+        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        if callee not in _HARMLESS_CALLS or not _simple(f):
+            return False
+    return all(_simple(c) for c in ast.iter_child_nodes(node))
 
 
 def _build(cls: type, manifest: dict) -> tuple[nn.Module | None, str | None]:
