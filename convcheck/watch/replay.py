@@ -378,6 +378,12 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
 
     judge = parse_judge(judge_spec).runner
     out = Replay(str(judge_spec))
+    if not any(e["step"] < len(run.steps) for e in run["snapshots"]):  # nothing to replay: say why
+        capped = run.manifest.get("skipped_snapshots") or []
+        out.note = (f"no snapshot was kept: {capped[0]['reason']}" if capped else
+                    "the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none; the default "
+                    "keeps step 0)")
+        return out
     cls, why = model_class(run.manifest)
     if cls is None:
         out.note = why

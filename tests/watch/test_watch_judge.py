@@ -237,3 +237,24 @@ def test_a_cnn_with_batchnorm_inplace_relu_and_dropout_replays_within_its_floors
     assert "float64 judge (cpu:float64): 3 layer calls at step 0 replayed: all within their floors" in out
     assert "not replayed: step 0, relu: works in place (its input was not kept)" in out
     assert "not replayed: step 0, drop: a random layer (its draw is not recorded)" in out
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"snapshot_steps": ()}, "the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none"),
+    ({"max_bytes": 3000}, "no snapshot was kept: snapshot of step 0"),
+])
+def test_a_run_with_no_snapshot_says_why_it_is_not_replayed(tmp_path, capsys, kw, why):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "run", **kw) as w:
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 3, (4,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    capsys.readouterr()
+    code, out, _ = diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
+    assert code == 0
+    assert f"float64 judge (cpu:float64): not replayed: {why}" in out
