@@ -28,7 +28,8 @@ from convcheck.errors import UsageError
 from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.replay import Replay, replay_run
-from convcheck.watch.setup import initial_weights_difference, lr_difference, optimizer_difference
+from convcheck.watch.setup import (initial_weights_difference, lr_difference, optimizer_difference,
+                                   settings_difference)
 from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     env = env_diff(Fingerprint.from_dict(a["fingerprint"]), Fingerprint.from_dict(b["fingerprint"]))
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
-    setup = tuple(f for f in (optimizer_difference(a, b), lr_difference(a, b, steps),
+    setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
                        first_parting(a, b, steps), _first_loss_difference(a, b, steps),

@@ -85,6 +85,30 @@ def math_flags() -> dict:
             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
 
 
+def optimizer_settings(optimizer) -> list[dict] | None:
+    """Each parameter group's hyperparameters as the block starts (momentum, weight decay, betas, eps, ...):
+    numbers, booleans and short tuples of numbers; the learning rate is recorded every step instead."""
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return None
+
+    def plain(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or v is None:
+            return v
+        if isinstance(v, (int, float)):
+            return float(v) if math.isfinite(float(v)) else None
+        if isinstance(v, (tuple, list)) and len(v) <= 4 and all(isinstance(x, (int, float)) for x in v):
+            return [float(x) for x in v]
+        return ...  # not a setting we compare
+
+    out = []
+    for g in optimizer.param_groups:
+        kept = {k: plain(v) for k, v in g.items() if k not in ("params", "lr", "initial_lr") and isinstance(k, str)}
+        out.append({k: v for k, v in kept.items() if v is not ...})
+    return out
+
+
 def _module_of(cls: type) -> str:
     """The module ``cls`` can be imported from: a script run with ``python -m pkg.script`` is ``__main__``
     here but ``pkg.script`` to ``convcheck diff`` (its float64 replay imports the model's class)."""
@@ -148,6 +172,7 @@ class Watch:
 
         self.fingerprint = collect().to_dict()
         self.flags = math_flags()
+        self.settings = optimizer_settings(self.optimizer)
         self.steps_file = open(self.out / STEPS, "w", encoding="utf-8")
         self._write_manifest(complete=False)
         self._install()
@@ -353,6 +378,7 @@ class Watch:
                                      for n, p in self.params],
                       "layers": [self.names[m] for m in self.names if m in self.leaves]},
             "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
+            "optimizer_settings": getattr(self, "settings", None),
             "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,
             "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
             "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,

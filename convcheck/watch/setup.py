@@ -1,5 +1,6 @@
 """What the user set up differently, read from the watched runs before any numerics is blamed
-(``setup`` verdicts): the optimizer's class (the manifest's ``optimizer``), the learning rates each step
+(``setup`` verdicts): the optimizer's class and its other hyperparameters (the manifest's ``optimizer``
+and ``optimizer_settings``), the learning rates each step
 used (``steps.jsonl``'s ``lr``), the initial weights (the ``param/<name>`` arrays of both runs' step-0
 snapshots, taken before any update); and, for one run, a loss that explodes.
 
@@ -51,6 +52,27 @@ def optimizer_difference(a, b) -> Setup | None:
     return Setup(f"different optimizers: A uses {name(oa)}, B uses {name(ob)}", "optimizer",
                  evidence=[f"the manifests' optimizer: {name(oa)} | {name(ob)}"], remedies=list(OPTIMIZER_REMEDIES),
                  step=0)
+
+
+def settings_difference(a, b) -> Setup | None:
+    """The same optimizer class built with other hyperparameters (momentum, weight decay, betas, eps, ...):
+    the first setting that differs, group by group, as each block started (runs without the record: None)."""
+    if _optimizer(a) != _optimizer(b):
+        return None  # the class difference says it
+    sa, sb = a.manifest.get("optimizer_settings"), b.manifest.get("optimizer_settings")
+    if not sa or not sb or len(sa) != len(sb):
+        return None  # parameter groups that differ in number show in the learning rates
+    for g, (ga, gb) in enumerate(zip(sa, sb)):
+        for key in sorted(set(ga) & set(gb)):
+            va, vb = ga[key], gb[key]
+            if va == vb or (isinstance(va, float) and isinstance(vb, float) and _same(va, vb)):
+                continue
+            group = f" (parameter group {g})" if len(sa) > 1 else ""
+            name = _optimizer(a) or "optimizer"
+            return Setup(f"different {name} settings: A's {key} is {va!r}, B's is {vb!r}{group}", "optimizer",
+                         evidence=[f"the manifests' optimizer_settings[{g}].{key}: {va!r} | {vb!r}"],
+                         remedies=list(OPTIMIZER_REMEDIES), step=0)
+    return None
 
 
 def _same(x: float, y: float) -> bool:

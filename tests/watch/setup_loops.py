@@ -24,13 +24,14 @@ class SmallCNN(nn.Module):
 
 
 def cnn_run(out, optimizer: str = "adam", lr: float = 1e-3, model_seed: int = 0, steps: int = 4,
-            lr_at: dict | None = None) -> list[float]:
+            lr_at: dict | None = None, **settings) -> list[float]:
     """The same batches every time (their own generator); the model built after ``manual_seed(model_seed)``;
-    ``lr_at``: {step: lr} set on the optimizer's group before that step (a hand-written schedule)."""
+    ``lr_at``: {step: lr} set on the optimizer's group before that step (a hand-written schedule);
+    ``settings``: the optimizer's other hyperparameters (momentum=, weight_decay=, ...)."""
     torch.manual_seed(model_seed)
     model = SmallCNN()
-    opt = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
-           else torch.optim.SGD(model.parameters(), lr=lr))
+    opt = (torch.optim.Adam(model.parameters(), lr=lr, **settings) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr, **settings))
     g = torch.Generator().manual_seed(1)
     losses = []
     with convcheck.watch(model, opt, out=out) as w:

@@ -33,6 +33,8 @@ def runs(tmp_path_factory):
     cnn_run(tmp / "adam_seed7", model_seed=7)
     cnn_run(tmp / "adam_decay_at_2", lr_at={2: 1e-4})
     cnn_run(tmp / "adam_again")
+    cnn_run(tmp / "sgd_momentum", optimizer="sgd", lr=0.05, momentum=0.9)
+    cnn_run(tmp / "adam_decay", weight_decay=0.1)
     return tmp
 
 
@@ -55,6 +57,18 @@ def test_a_different_optimizer_is_named_before_its_learning_rate(runs, capsys):
     v = json.loads(out)["verdict"]
     assert v["category"] == "setup" and v["headline"] == "different optimizers: A uses Adam, B uses SGD"
     assert "also: different learning rates: B's learning rate is 0.05 where A's is 0.001 from step 0" in v["evidence"]
+
+
+def test_the_same_optimizer_with_other_hyperparameters_is_setup(runs, capsys):
+    """SGD with and without momentum, Adam with and without weight decay: the same class and learning rate,
+    so only the recorded settings tell them apart - never 'nondeterminism'."""
+    code, out, _ = diff(capsys, runs / "sgd", runs / "sgd_momentum")
+    assert code == 1
+    assert verdict(out) == "verdict: setup: different SGD settings: A's momentum is 0.0, B's is 0.9"
+    assert "nondeterminism" not in out
+    code, out, _ = diff(capsys, runs / "adam", runs / "adam_decay")
+    assert code == 1
+    assert verdict(out) == "verdict: setup: different Adam settings: A's weight_decay is 0.0, B's is 0.1"
 
 
 def test_a_schedule_that_differs_later_names_the_step(runs, capsys):
