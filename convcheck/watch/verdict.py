@@ -114,6 +114,23 @@ def layer_verdict(side: str, row, prefix: str) -> Verdict:
                    target=side or None, layer=row.layer, sub_cause="local error")
 
 
+def _over(row) -> float:
+    return row.local / row.floor if row.floor > 0 else float("inf")
+
+
+def _both_runs(replays, layer: str) -> Verdict:
+    """One layer above its floor in both runs: the headline quotes the run where it is worst (a float32
+    run's 1.5e-4 beside a bfloat16 run's 155 is the bfloat16 run's problem), the evidence each run's worst."""
+    worst = {side: max((r for r in rep.flagged if r.layer == layer), key=_over)
+             for side, rep in zip("AB", replays) if rep is not None and any(r.layer == layer for r in rep.flagged)}
+    side, row = max(worst.items(), key=lambda kv: _over(kv[1]))
+    v = layer_verdict("", row, "in both runs, ")
+    headline = v.headline + f" (worst in {side})"
+    evidence = [f"float64 judge on {s}: {r.text()}" for s, r in sorted(worst.items())]
+    return Verdict(v.category, headline, evidence=evidence, remedies=v.remedies, target=None, layer=layer,
+                   sub_cause=v.sub_cause)
+
+
 def _parting_lines(d) -> list[str]:
     if d.parting is None:
         return []
@@ -176,7 +193,7 @@ def decide(d, a, b) -> Verdict:
         side, row = flagged
         other = d.replays["AB".index(side) ^ 1]
         if other is not None and any(r.layer == row.layer for r in other.flagged):
-            return layer_verdict("", row, "in both runs, ")  # the layer's code, whatever the target
+            return _both_runs(d.replays, row.layer)  # the layer's code, whatever the target
         return layer_verdict(side, row, f"{side}'s ")
     part = d.parting
     if part is None and d.loss_step is not None:

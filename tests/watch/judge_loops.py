@@ -21,23 +21,34 @@ class OnePassNorm(nn.Module):
 
 
 class OffsetNormNet(nn.Module):
+    OFFSET = 1000.0
+
     def __init__(self):
         super().__init__()
         self.fc1, self.norm, self.fc2 = nn.Linear(10, 64), OnePassNorm(), nn.Linear(64, 2)
 
     def forward(self, x):
-        return self.fc2(self.norm(self.fc1(x) + 1000.0))
+        return self.fc2(self.norm(self.fc1(x) + self.OFFSET))
 
 
-def norm_run(out, steps: int = 3) -> None:
+class LargerOffsetNormNet(OffsetNormNet):
+    """The same net on inputs with a larger mean: the one-pass variance cancels worse."""
+
+    OFFSET = 30000.0
+
+
+def norm_run(out, steps: int = 3, bf16: bool = False, net=OffsetNormNet) -> None:
+    """``bf16``: the forward under ``torch.autocast("cpu", dtype=torch.bfloat16)``, as a mixed-precision run."""
     convcheck.seed_everything(0)
-    model = OffsetNormNet()
+    model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(2)
     with convcheck.watch(model, opt, out=out) as w:
         for _ in range(steps):
             x, y = torch.randn(16, 10, generator=g), torch.randint(0, 2, (16,), generator=g)
-            loss = nn.functional.cross_entropy(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x)
+            loss = nn.functional.cross_entropy(logits.float(), y)
             opt.zero_grad()
             loss.backward()
             opt.step()

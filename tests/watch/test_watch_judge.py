@@ -13,7 +13,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.cli.main import main
 
-from .judge_loops import norm_run
+from .judge_loops import LargerOffsetNormNet, norm_run
 from .loops import attention_run, offset_run
 
 
@@ -80,6 +80,21 @@ def test_the_same_flagged_layer_in_both_runs_is_the_layers_code(runs, tmp_path, 
     code, out, _ = diff(capsys, runs / "norm", tmp_path / "norm2")
     assert code == 1
     assert "verdict: layer: in both runs, norm computes beyond its floor at step 0" in out
+
+
+def test_a_layer_above_its_floor_in_both_runs_is_quoted_where_it_is_worst(runs, tmp_path, capsys):
+    """The same one-pass norm on inputs with a larger mean in B: both runs flag it, B far worse. The
+    headline quotes B's error (not A's smaller one, which alone would read as a note), the evidence both."""
+    norm_run(tmp_path / "big", net=LargerOffsetNormNet)
+    code, out, _ = diff(capsys, runs / "norm", tmp_path / "big")
+    assert code == 1
+    head = next(x for x in out.splitlines() if x.startswith("verdict: "))
+    assert head.startswith("verdict: layer: in both runs, norm computes beyond its floor at step 0: local error ")
+    assert head.endswith("(worst in B)")
+    errors = {side: float(x.split("local error ")[1].split()[0]) for x in out.splitlines()
+              for side in "AB" if x.startswith(f"  - float64 judge on {side}: step 0, norm:")}
+    assert errors["B"] > 10 * errors["A"]
+    assert f"local error {errors['B']:.3g}," in head
 
 
 def test_a_healthy_pair_is_ok_with_every_layer_within_its_floor(runs, capsys):
