@@ -180,7 +180,8 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
     in the order the layers ran; an input that parts while the layer before did not was made by own code."""
     sa, sb = a.snapshot(step), b.snapshot(step)
     da, db = _dtypes_at(a, step), _dtypes_at(b, step)
-    for layer in a.steps[step]["layers"]:
+    same_batch = a.steps[step]["batch_sha256"] == b.steps[step]["batch_sha256"]
+    for i, layer in enumerate(a.steps[step]["layers"]):
         for what, key in (("input", f"in/{layer}/0/0"), ("output", f"out/{layer}/0/0")):
             if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
                 continue
@@ -195,7 +196,8 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
             u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
             if d > PART_FACTOR * u:
                 coarser = max((da[key], db[key]), key=lambda t: UNIT_ROUNDOFF.get(t, 0))
-                origin = " (made by the own code that runs before it)" if what == "input" else ""
+                origin = ("" if what != "input" else " (the batch: the runs were given different data)"
+                          if not same_batch and i == 0 else " (made by the own code that runs before it)")
                 return Parting(step, layer, f"its {what}{origin} differs by {d:.3g} (relative, element by "
                                             f"element), {d / u:.3g}x the roundoff of {coarser}")
     return None

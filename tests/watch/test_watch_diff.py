@@ -49,6 +49,9 @@ def test_a_shuffled_loader_is_named_as_different_data(runs, capsys):
     assert code == 1
     assert "verdict: setup: the runs did not see the same data: different data from step 0" in out
     assert "seeded generator" in out
+    # where they part: the first layer's input is the batch itself, not something own code made
+    assert "its input (the batch: the runs were given different data) differs by" in out
+    assert "made by the own code" not in out
 
 
 def test_a_planted_fp16_overflow_is_named_with_its_module_and_step(tmp_path, capsys):
