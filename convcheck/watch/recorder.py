@@ -85,6 +85,12 @@ def math_flags() -> dict:
             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
 
 
+# Entries of a param group that are no hyperparameter of the update: the parameters, the learning rate
+# (recorded every step), and the implementation switches (one kernel or another for the same update:
+# a GPU run with fused=True against a CPU run without is not a setup difference).
+NOT_SETTINGS = ("params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
+
+
 def optimizer_settings(optimizer) -> list[dict] | None:
     """Each parameter group's hyperparameters as the block starts (momentum, weight decay, betas, eps, ...):
     numbers, booleans and short tuples of numbers; the learning rate is recorded every step instead."""
@@ -98,13 +104,15 @@ def optimizer_settings(optimizer) -> list[dict] | None:
             return v
         if isinstance(v, (int, float)):
             return float(v) if math.isfinite(float(v)) else None
-        if isinstance(v, (tuple, list)) and len(v) <= 4 and all(isinstance(x, (int, float)) for x in v):
-            return [float(x) for x in v]
+        if isinstance(v, (tuple, list)) and len(v) <= 4:
+            v = [x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in v]
+            if all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                return [float(x) for x in v]
         return ...  # not a setting we compare
 
     out = []
     for g in optimizer.param_groups:
-        kept = {k: plain(v) for k, v in g.items() if k not in ("params", "lr", "initial_lr") and isinstance(k, str)}
+        kept = {k: plain(v) for k, v in g.items() if isinstance(k, str) and k not in NOT_SETTINGS}
         out.append({k: v for k, v in kept.items() if v is not ...})
     return out
 

@@ -65,7 +65,7 @@ def settings_difference(a, b) -> Setup | None:
     for g, (ga, gb) in enumerate(zip(sa, sb)):
         for key in sorted(set(ga) & set(gb)):
             va, vb = ga[key], gb[key]
-            if va == vb or (isinstance(va, float) and isinstance(vb, float) and _same(va, vb)):
+            if _same_setting(va, vb):
                 continue
             group = f" (parameter group {g})" if len(sa) > 1 else ""
             name = _optimizer(a) or "optimizer"
@@ -73,6 +73,17 @@ def settings_difference(a, b) -> Setup | None:
                          evidence=[f"the manifests' optimizer_settings[{g}].{key}: {va!r} | {vb!r}"],
                          remedies=list(OPTIMIZER_REMEDIES), step=0)
     return None
+
+
+SETTING_RTOL = 1e-6  # a hyperparameter given as a float32 tensor (betas=(torch.tensor(0.9), ...)) is the same
+
+
+def _same_setting(va, vb) -> bool:
+    if isinstance(va, float) and isinstance(vb, float):
+        return va == vb or abs(va - vb) <= SETTING_RTOL * max(abs(va), abs(vb))
+    if isinstance(va, list) and isinstance(vb, list):
+        return len(va) == len(vb) and all(_same_setting(x, y) for x, y in zip(va, vb))
+    return va == vb
 
 
 def _same(x: float, y: float) -> bool:
