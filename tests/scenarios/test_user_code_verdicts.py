@@ -170,3 +170,19 @@ def test_hand_layernorm_two_pass_variance_is_ok():
     r = compare(U.two_pass_norm_net, "cpu,cpu:bf16", steps=6, envelope=0, optimizer="adamw", lr=2e-3,
                 batch_size=16, verify=False, **MNIST)
     assert r.verdict.category == "ok", r.verdict.headline
+
+
+def test_a_loss_whose_backward_overflows_float16_is_named_not_the_optimizer_step():
+    """-log(softmax) on noisy labels: the loss stays finite, its backward (1/p) overflows float16 at a later
+    step, and the next optimizer step makes the weights NaN. The producer is the loss's backward."""
+    r = compare(U.temperature_net, "cpu,cpu:fp16", steps=12, envelope=0, optimizer="sgd", lr=0.005, batch_size=32,
+                loss=U.log_of_softmax_loss, data=U.noisy_prototypes, input_shape=(1, 16, 16), num_classes=10,
+                env_findings=[])
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert v.headline.startswith("the backward of the loss function 'log_of_softmax_loss' makes the gradient into "
+                                 "the model's output NaN/Inf on cpu:fp16 at training step "), v.headline
+    assert v.headline.endswith("while the loss itself is finite")
+    assert "optimizer step" not in v.headline
+    assert any("compute the loss function 'log_of_softmax_loss' in float32" in x for x in v.remedies), v.remedies
+    _no_adam_remedy(v)

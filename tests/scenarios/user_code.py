@@ -145,3 +145,39 @@ def one_pass_norm_net() -> nn.Module:
 
 def two_pass_norm_net() -> nn.Module:
     return OffsetNormNet(two_pass=True)
+
+
+class TemperatureNet(nn.Module):
+    """A classifier whose logits are sharpened by a temperature of 8: confident early, so a wrong label's
+    softmax probability gets tiny."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.temperature = 8.0
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+def temperature_net() -> nn.Module:
+    return TemperatureNet()
+
+
+def noisy_prototypes():
+    """Ten class prototypes plus noise, 10% of the labels flipped at random (label noise, as real data has)."""
+    g = torch.Generator().manual_seed(0)
+    n = 2048
+    y = torch.randint(0, 10, (n,), generator=g)
+    protos = torch.randn(10, 1, 16, 16, generator=g)
+    x = protos[y] + 0.5 * torch.randn(n, 1, 16, 16, generator=g)
+    flip = torch.rand(n, generator=g) < 0.1
+    y = torch.where(flip, torch.randint(0, 10, (n,), generator=g), y)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def log_of_softmax_loss(logits, target):
+    """Cross-entropy as -log(softmax(x)[y]): finite forward while p >= float16's smallest subnormal, but the
+    backward of log is 1/p, which passes 65504 once p < 1.5e-5 (a confidently wrong, noisy label)."""
+    p = torch.softmax(logits, dim=1)
+    return -torch.log(p.gather(1, target[:, None])).mean()

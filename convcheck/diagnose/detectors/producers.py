@@ -137,6 +137,12 @@ def training_producer(arm: str, step: int, name: str, detail: dict, fmt: NumberF
         return Symptom(NONFINITE_WEIGHTS, arm, f"the optimizer step after training step {step - 1} made the weights "
                        f"of '{name}' NaN/Inf" + (" while its gradients were finite" if finite_gradients else ""),
                        layer=name, step=step, extra=extra)
+    if kind == "loss" and detail.get("direction") == "backward":
+        loss = detail.get("loss") or "loss"
+        extra["direction"] = "backward"
+        return Symptom(NONFINITE_USER_CODE, arm, f"the backward of the loss function '{loss}' makes the gradient "
+                       f"into the model's output NaN/Inf at training step {step}, from a finite loss", step=step,
+                       extra=extra)
     if kind == "loss":
         loss = detail.get("loss") or "loss"
         what = (f"the loss function '{loss}' turns the model's finite output into NaN/Inf at training step {step}"

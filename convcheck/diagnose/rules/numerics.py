@@ -78,6 +78,9 @@ def _user_code_headline(main: S.Symptom, narrow: NumberFormat | None, at: str) -
         return (f"the learning-rate schedule makes lr {main.extra.get('lr')} on {main.arm} before training step "
                 f"{main.step}: the optimizer step then makes the weights of '{main.layer}' NaN/Inf")
     where = f"the loss function '{main.extra.get('loss') or 'loss'}'"
+    if main.extra.get("direction") == "backward":
+        return (f"the backward of {where} makes the gradient into the model's output NaN/Inf on {main.arm}{at} "
+                "while the loss itself is finite")
     if op and main.extra.get("overflow") and narrow:
         return (f"{narrow} overflow in {op} in {where} on {main.arm}{at}: it produces the first Inf "
                 f"(values reach {main.value:.4g} > {narrow.largest:g})")

@@ -129,7 +129,17 @@ class ArmState:
                 # every module's output is finite, the loss is not: the loss function made it
                 self.first_producer.blame_callable("loss", dict(
                     callable="loss", **loss_op(self.loss_fn, out, runner.cast_input(y), runner.autocast)))
+            outs = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+            watch_grad = (self.first_producer.found is None and self.scaler is None and math.isfinite(loss_value)
+                          and len(outs) == 1)
+            if watch_grad:  # the loss is finite: a NaN/Inf gradient into the model's output is its backward's
+                bad: list = []
+                handle = outs[0].register_hook(lambda g: bad.append(True) if not all_finite(g) else None)
             runner.train_backward(loss, self.opt, self.scaler)
+            if watch_grad:
+                handle.remove()
+                if bad and self.first_producer.found is None:
+                    self.first_producer.blame_callable("loss", dict(callable="loss", direction="backward"))
             stats = self._grad_stats()
             lr = self.opt.param_groups[0]["lr"]
             clipped = self._clip(stats["grad_norm"])
