@@ -156,11 +156,27 @@ def decide_single(run, replay) -> Verdict:
                        evidence=[f"first non-finite: {producer_text(p)}"] + _overflow_lines((replay,)),
                        remedies=nonfinite_remedies(p), layer=p["layer"],
                        sub_cause="overflow" if p["direction"] == "forward" else "backward")
+    stopped = run.manifest.get("stopped")
+    if stopped is not None:
+        return stopped_verdict("the run", stopped, [replay.summary()] if replay is not None else [])
     if replay is None or not replay.rows:
         return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
                        evidence=[replay.summary()] if replay is not None else [])
     return Verdict("ok", "every replayed layer is within its floor and the run stays finite",
                    evidence=[replay.summary()])
+
+
+def stopped_verdict(who: str, s: dict, evidence: list) -> Verdict:
+    """A run whose block raised (a NaN-loss check, say) or was interrupted, where nothing the watch saw
+    explains it: never ``ok`` - the training did not finish, and the watch cannot say why."""
+    what = f"{s['exception']}" + (f" ({s['message']})" if s["message"] else "")
+    return Verdict("setup", f"{who} stopped at step {s['step']} with {what}; the watch saw no NaN/Inf and no "
+                            "layer beyond its floor before it",
+                   evidence=list(evidence) + ["a loss the loop checks itself is seen by the watch only when it is "
+                                              "handed to w.step(loss) before the check"],
+                   remedies=["pass the loss to w.step(loss) before the loop's own NaN check (or let the step "
+                             "end at the optimizer's step), then run again and diff: the watch then names the "
+                             "first NaN/Inf producer"], sub_cause="stopped")
 
 
 def _setup_verdict(d) -> Verdict | None:
@@ -201,6 +217,11 @@ def decide(d, a, b) -> Verdict:
     if part is None:
         extra = [f"A ran {d.steps[0]} steps, B {d.steps[1]}: compared the first {min(d.steps)}"] \
             if d.steps[0] != d.steps[1] else []
+        stops = [(side, s) for side, s in zip("AB", d.stopped) if s is not None]
+        if stops:  # they agree up to where one stopped: that stop is the finding
+            side, s = stops[0]
+            return stopped_verdict(side, s, extra + ["the runs agree within rounding at every aligned step "
+                                                     "before it"])
         return Verdict("ok", "the two watched runs agree within rounding at every aligned step", evidence=extra)
     where = f"the runs part at step {part.step} in {part.layer}"
     lines = [f"{where}: {part.why}"]
