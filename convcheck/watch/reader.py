@@ -73,11 +73,12 @@ def _check_manifest(m) -> None:
     settings = bundle_reader.get_field(m, "optimizer_settings", list, "manifest", optional=True)  # older: none
     for i, g in enumerate(settings or []):
         ok = isinstance(g, dict) and all(
-            isinstance(k, str) and (v is None or isinstance(v, (bool, float)) or
+            isinstance(k, str) and (v is None or isinstance(v, (bool, float)) or isinstance(v, str) and len(v) <= 60 or
                                     isinstance(v, list) and len(v) <= 4 and all(isinstance(x, float) for x in v))
             for k, v in g.items())
         if not ok:
-            raise _Bad(f"optimizer_settings[{i}] is not an object of numbers, booleans and short lists of numbers")
+            raise _Bad(f"optimizer_settings[{i}] is not an object of numbers, booleans, short strings and short "
+                       "lists of numbers")
     stopped = bundle_reader.get_field(m, "stopped", dict, "manifest", optional=True)  # older runs: no field
     if stopped is not None:
         for key, kind in (("exception", str), ("message", str), ("step", int)):

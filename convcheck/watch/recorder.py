@@ -102,8 +102,13 @@ def optimizer_settings(optimizer) -> list[dict] | None:
             v = v.item()
         if isinstance(v, bool) or v is None:
             return v
+        if isinstance(v, str):
+            return v[:60]  # line_search_fn="strong_wolfe" against None
         if isinstance(v, (int, float)):
-            return float(v) if math.isfinite(float(v)) else None
+            try:
+                return float(v) if math.isfinite(float(v)) else None
+            except OverflowError:
+                return None
         if isinstance(v, (tuple, list)) and len(v) <= 4:
             v = [x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in v]
             if all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
@@ -196,7 +201,10 @@ class Watch:
             self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
         self.steps_file.close()
         if exc_type is not None:  # an orderly stop: what was recorded is whole, and says where it stopped
-            detail = " ".join(str(exc).split())[:200] if exc is not None else ""
+            try:
+                detail = " ".join(str(exc).split())[:200] if exc is not None else ""
+            except Exception:  # noqa: BLE001 - an exception whose str() fails still closes the record
+                detail = ""
             self.stopped = {"exception": exc_type.__name__, "message": detail, "step": self.step_index}
             self.notes.append(f"the watched block stopped with {exc_type.__name__} at step {self.step_index}"
                               + (f": {detail}" if detail else ""))

@@ -203,14 +203,14 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
     try:
         runs = runs_code_on_import(mod)
         if runs is not None:  # importing it would run the user's script (its training, its argparse)
-            name, line = runs
-            return None, (f"{name} runs code when imported (line {line}, no `if __name__ == \"__main__\":` guard): "
-                          f"the model's class {label} is not imported; put the model class in a module of its "
-                          "own or guard the script")
+            name, line, what = runs
+            return None, (f"{name} runs code when imported ({what} at line {line}, outside an `if __name__ == "
+                          f"\"__main__\":` block): the model's class {label} is not imported; put the model class "
+                          "in a module of its own or guard the script")
         obj = importlib.import_module(mod)
         for part in qual.split("."):
             obj = getattr(obj, part)
-    except Exception as exc:  # ImportError, AttributeError, whatever the module raises on import
+    except (Exception, SystemExit) as exc:  # ImportError, AttributeError, whatever the module does on import
         return None, f"the model's class {label} is not importable here ({type(exc).__name__}: " \
                      f"{(str(exc).splitlines() or [''])[0][:100]})"
     finally:
@@ -222,16 +222,18 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
 
 
 MAX_SOURCE_BYTES = 4 * 1024**2
-_HARMLESS_CALLS = {"getLogger", "TypeVar", "namedtuple", "NamedTuple", "field", "device", "dtype", "compile",
-                   "Path", "getenv", "frozenset", "set", "dict", "tuple", "list", "object"}
+# Calls that make a module a training script when its top level makes them (outside a main guard).
+_SCRIPT_METHODS = {"parse_args", "parse_known_args", "fit", "backward"}
+_EXITS = {"exit", "quit", "_exit"}
 
 
-def runs_code_on_import(mod: str) -> tuple[str, int] | None:
-    """``(file name, line)`` of the first top-level statement that would run code when ``mod`` (or a package
-    above it) is imported, None when importing defines things only. Read, not executed: each part found
-    with ``PathFinder.find_spec`` (which imports no parent package) and parsed with ``ast``. Only the user's
-    own files (a source file outside ``site-packages``) are checked; an installed library is imported as
-    before; a module already imported runs nothing again."""
+def runs_code_on_import(mod: str) -> tuple[str, int, str] | None:
+    """``(file name, line, what)`` of the first top-level statement that would run a training script's code
+    when ``mod`` (or a package above it) is imported, None when it does not. Read, not executed: each part
+    found with ``PathFinder.find_spec`` (which imports no parent package) and parsed with ``ast``. Only the
+    user's own files (a source file outside ``site-packages``) are checked; an installed library is imported
+    as before; a module already imported runs nothing again; where the finder cannot tell (a namespace
+    package not imported yet), the import decides, as before this check."""
     from importlib.machinery import PathFinder
     from importlib.util import find_spec
 
@@ -246,15 +248,15 @@ def runs_code_on_import(mod: str) -> tuple[str, int] | None:
             spec = PathFinder.find_spec(name, search)
             if spec is None and i == 0:
                 spec = find_spec(name)  # another finder (an editable install's); a top-level name imports nothing
-        except (ImportError, ValueError):
+        except Exception:  # noqa: BLE001 - ImportError, ValueError, KeyError (a namespace parent): cannot tell
             return None
         if spec is None:
             return None  # the import says it is not there
         origin = spec.origin if spec.has_location else None
         if isinstance(origin, str) and origin.endswith(".py") and _users_file(origin):
-            line = _first_code_line(origin)
-            if line is not None:
-                return os.path.basename(origin), line
+            found = _first_code(origin)
+            if found is not None:
+                return (os.path.basename(origin), *found)
         search = spec.submodule_search_locations
         if search is None and i < len(parts) - 1:
             return None
@@ -266,43 +268,71 @@ def _users_file(path: str) -> bool:
     return "site-packages" not in parts and "dist-packages" not in parts
 
 
-def _first_code_line(path: str) -> int | None:
-    """The line of the first top-level statement of ``path`` that runs code on import, or None: imports,
-    ``def``/``class`` (their decorators and bodies are not looked into), assignments of constants and simple
-    expressions, docstrings, ``try``/``if`` made of those, and an ``if __name__ == "__main__":`` block are
-    definitions. A file too large, unreadable or not Python is left to the import to say."""
+def _first_code(path: str) -> tuple[int, str] | None:
+    """``(line, what)`` of the first top-level statement of ``path`` shaped like a script's work, or None.
+    A script's work: a ``for``/``while`` loop or a ``with`` block, a call of a function the file defines
+    (``main()``, ``train()``, ``model = build()``), ``parse_args()``, ``.fit()``/``.backward()``, an exit.
+    Anything else a model file does at import is allowed: constants, ``torch.device(...)``, ``math.sqrt``,
+    ``functools.partial``, ``logging.basicConfig``, instances of classes. ``if``/``try`` blocks are read
+    through; an ``if __name__ == "__main__":`` block (and its ``else``) is skipped. A file too large,
+    unreadable or not Python is left to the import to say."""
     import ast
 
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_SOURCE_BYTES + 1)
         if len(data) > MAX_SOURCE_BYTES:
-            return 1
+            return 1, "a file larger than convcheck reads"
         tree = ast.parse(data, filename=path)
     except (OSError, SyntaxError, ValueError, RecursionError):
         return None
-    return next((st.lineno for st in tree.body if not _defines(st)), None)
+    defined = {st.name for st in ast.walk(tree) if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return _scan(tree.body, defined)
 
 
-def _defines(st) -> bool:
+def _scan(body: list, defined: set) -> tuple[int, str] | None:
     import ast
 
-    if isinstance(st, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Pass)):
-        return True
-    if isinstance(st, ast.Expr):
-        return isinstance(st.value, ast.Constant)
-    if isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-        targets = st.targets if isinstance(st, ast.Assign) else [st.target]
-        return all(_simple(t) for t in targets) and (st.value is None or _simple(st.value))
-    if isinstance(st, ast.If):
-        if _is_main_guard(st.test):
-            return True
-        return _simple(st.test) and all(_defines(x) for x in st.body + st.orelse)
-    if isinstance(st, ast.Try):
-        return all(_defines(x) for x in st.body + st.orelse + st.finalbody) and \
-            all(_simple(h.type) if h.type is not None else True for h in st.handlers) and \
-            all(_defines(x) for h in st.handlers for x in h.body)
-    return False
+    for st in body:
+        if isinstance(st, (ast.For, ast.AsyncFor, ast.While)):
+            return st.lineno, f"a top-level {'while' if isinstance(st, ast.While) else 'for'} loop"
+        if isinstance(st, (ast.With, ast.AsyncWith)):
+            return st.lineno, "a top-level with block"
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue  # bodies run when called; decorators are the library's business
+        if isinstance(st, ast.If):
+            if _is_main_guard(st.test):
+                continue
+            found = _scan(st.body, defined) or _scan(st.orelse, defined)
+        elif isinstance(st, ast.Try):
+            found = (_scan(st.body, defined) or _scan(st.orelse, defined) or _scan(st.finalbody, defined)
+                     or next((f for h in st.handlers for f in [_scan(h.body, defined)] if f), None))
+        else:
+            found = _script_call(st, defined)
+        if found is not None:
+            return found
+    return None
+
+
+def _script_call(st, defined: set) -> tuple[int, str] | None:
+    """A call in ``st`` (outside lambdas, functions and classes defined there) that does a script's work."""
+    import ast
+
+    todo = [st]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in defined:
+                return node.lineno, f"a call of {f.id}()"
+            if isinstance(f, ast.Name) and f.id in _EXITS or isinstance(f, ast.Attribute) and f.attr in _EXITS:
+                return node.lineno, "an exit"
+            if isinstance(f, ast.Attribute) and f.attr in _SCRIPT_METHODS:
+                return node.lineno, f"{f.attr}()"
+        todo.extend(ast.iter_child_nodes(node))
+    return None
 
 
 def _is_main_guard(test) -> bool:
@@ -313,23 +343,6 @@ def _is_main_guard(test) -> bool:
     sides = [test.left, test.comparators[0]]
     return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and \
         any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides)
-
-
-def _simple(node) -> bool:
-    """No call (but a few harmless constructors: ``logging.getLogger``, ``TypeVar``, ``torch.device``, ...),
-    no ``await``/``yield``; a lambda's body is not run."""
-    import ast
-
-    if isinstance(node, ast.Lambda):
-        return all(_simple(d) for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None])
-    if isinstance(node, (ast.Await, ast.Yield, ast.YieldFrom)):
-        return False
-    if isinstance(node, ast.Call):
-        f = node.func
-        callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-        if callee not in _HARMLESS_CALLS or not _simple(f):
-            return False
-    return all(_simple(c) for c in ast.iter_child_nodes(node))
 
 
 def _build(cls: type, manifest: dict) -> tuple[nn.Module | None, str | None]:

@@ -15,10 +15,10 @@ import numpy as np
 
 from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
 
-LR_RTOL = 1e-9
+LR_RTOL = 1e-6  # a learning rate given as a float32 tensor (lr=torch.tensor(1e-3)) is the same one
 EXPLODE_FACTOR = 10.0  # a finite loss above this many times its first value: the run diverged
 RISE_FACTOR = 2.0  # a loss that never falls below its first value and ends at this many times it
-RISE_MIN_STEPS = 3
+RISE_MIN_STEPS = 4  # at least this many recorded steps: a 3-step run rising from a noisy first loss says little
 
 OPTIMIZER_REMEDIES = ["build the same optimizer on both sides (its class and its hyperparameters), then diff again"]
 LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimizer's lr=, the scheduler and where "

@@ -99,7 +99,8 @@ def _buffer(dtype) -> torch.Tensor:
     if bufs is None:
         bufs = _scratch.bufs = {}
     if dtype not in bufs or bufs[dtype].numel() < CHUNK:
-        bufs[dtype] = torch.empty(CHUNK, dtype=dtype)
+        with torch.inference_mode(False):  # a normal CPU tensor whatever mode or default device is in force
+            bufs[dtype] = torch.empty(CHUNK, dtype=dtype, device="cpu")
     return bufs[dtype]
 
 
@@ -137,7 +138,7 @@ def _zeros(x: torch.Tensor) -> tuple[int, float | None]:
         least = torch.bitwise_and(x.view(ints), mask).sub_(1).bitwise_and_(mask).min()
     if nonzero == 0:
         return n, None
-    smallest = torch.tensor([int(least) + 1], dtype=ints).view(x.dtype)
+    smallest = torch.tensor([int(least) + 1], dtype=ints, device="cpu").view(x.dtype)
     return n - nonzero, float(smallest)
 
 

@@ -197,10 +197,11 @@ def test_a_script_without_a_main_guard_is_not_imported_and_not_rerun(tmp_path, m
     assert code == 0 and err == ""
     assert "verdict: ok: the run stays finite; no layer was replayed through the judge" in out
     note = next(x for x in out.splitlines() if x.startswith("float64 judge"))
-    line = SCRIPT.count("\n") + 1  # parser = argparse.ArgumentParser(): the first statement that runs
+    line = SCRIPT.count("\n") + 3  # args = parser.parse_args(): the first statement of a script's work
     assert note == ('float64 judge (cpu:float64): not replayed: inline_train.py runs code when imported '
-                    f'(line {line}, no `if __name__ == "__main__":` guard): the model\'s class inline_train.Net is not imported; '
-                    "put the model class in a module of its own or guard the script; diffed without the replay")
+                    f'(parse_args() at line {line}, outside an `if __name__ == "__main__":` block): the model\'s '
+                    "class inline_train.Net is not imported; put the model class in a module of its own or guard "
+                    "the script; diffed without the replay")
     assert "inline_train" not in sys.modules
     assert (tmp_path / "trained.txt").read_text() == "runs/x\n"  # the training did not run again
     assert sorted(os.listdir(tmp_path)) == before
@@ -223,18 +224,35 @@ def test_what_counts_as_code_on_import(tmp_path, monkeypatch):
     from convcheck.watch.replay import runs_code_on_import
 
     monkeypatch.syspath_prepend(str(tmp_path))
-    defs = ('"""doc"""\nimport logging\ntry:\n    import numpy\nexcept ImportError:\n    numpy = None\n'
-            'log = logging.getLogger(__name__)\nSIZES = (1, 2) * 2\nif False:\n    X = 1\n'
-            'def f():\n    return g()\nclass C:\n    pass\nif __name__ == "__main__":\n    f()\n')
+    # what model files do at import: none of it is a script's work
+    defs = ('"""doc"""\nimport logging, math, os\nfrom functools import partial\nimport torch\nimport torch.nn as nn\n'
+            'try:\n    import numpy\nexcept ImportError:\n    numpy = None\n'
+            'log = logging.getLogger(__name__)\nlogging.basicConfig(level=20)\nSIZES = (1, 2) * 2\n'
+            'DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")\nSCALE = math.sqrt(2)\n'
+            'Norm = partial(nn.BatchNorm2d, eps=1e-3)\nHOME = os.environ.get("HOME")\nif False:\n    X = 1\n'
+            'def f():\n    return g()\nclass C:\n    pass\nSPECS = (C(),)\nif __name__ == "__main__":\n    f()\n'
+            'else:\n    pass\n')
     (tmp_path / "defs_only.py").write_text(defs)
     assert runs_code_on_import("defs_only") is None
-    for i, code in enumerate(["f()\n", "cfg = load()\n", "for i in range(3):\n    pass\n",
-                              "with open('x') as fh:\n    pass\n", "if True:\n    f()\n"]):
+    for i, (code, what) in enumerate([("f()\n", "a call of f()"), ("cfg = f()\n", "a call of f()"),
+                                      ("for i in range(3):\n    pass\n", "a top-level for loop"),
+                                      ("with open('x') as fh:\n    pass\n", "a top-level with block"),
+                                      ("if True:\n    f()\n", "a call of f()"),
+                                      ("import argparse\nargs = argparse.ArgumentParser().parse_args()\n",
+                                       "parse_args()"),
+                                      ("import sys\nsys.exit(0)\n", "an exit"), ("C().fit(1)\n", "fit()")]):
         (tmp_path / f"runs_{i}.py").write_text(defs + code)
-        assert runs_code_on_import(f"runs_{i}") == (f"runs_{i}.py", defs.count("\n") + 1)
+        line = defs.count("\n") + 1 + (code.startswith(("import", "if")))  # the line of the call itself
+        assert runs_code_on_import(f"runs_{i}") == (f"runs_{i}.py", line, what), code
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("print('imported')\n")
+    (pkg / "__init__.py").write_text("def main():\n    pass\nmain()\n")
     (pkg / "models.py").write_text(defs)
-    assert runs_code_on_import("userpkg.models") == ("__init__.py", 1)
+    assert runs_code_on_import("userpkg.models") == ("__init__.py", 3, "a call of main()")
+    # a folder of modules with no __init__.py (a namespace package) that is not imported yet: the finder
+    # cannot tell, so the import decides (it does, and the replay works)
+    ns = tmp_path / "nspkg" / "sub"
+    ns.mkdir(parents=True)
+    (ns / "net.py").write_text(defs)
+    assert runs_code_on_import("nspkg.sub.net") is None
     assert "userpkg" not in sys.modules  # found, read, never imported
