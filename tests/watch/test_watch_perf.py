@@ -62,6 +62,25 @@ def test_the_statistics_are_exact_on_every_kind_of_tensor(dtype, chunk, monkeypa
         assert math.isclose(got["sum"], ref["sum"], rel_tol=1e-3, abs_tol=1e-3), c
 
 
+def test_the_reused_buffer_is_a_plain_cpu_tensor_whatever_mode_made_it(monkeypatch):
+    """Made first under inference mode (an evaluation inside the watched block) or with another default
+    device, the buffer still serves a large CPU tensor of a training step afterwards."""
+    monkeypatch.setattr(stats, "_scratch", type(stats._scratch)())
+    monkeypatch.setattr(stats, "CHUNK", 64)
+    x = torch.randn(1000).relu()
+    with torch.inference_mode():
+        first = stats.measure(x)
+    again = stats.measure(x)
+    assert first["zeros"] == again["zeros"] == int((x == 0).sum())
+    monkeypatch.setattr(stats, "_scratch", type(stats._scratch)())
+    torch.set_default_device("meta")
+    try:
+        got = stats.measure(x)
+    finally:
+        torch.set_default_device("cpu")
+    assert got["zeros"] == int((x == 0).sum()) and got["min_nonzero"] == float(x[x > 0].min())
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from convcheck.cli.main import main
 
@@ -36,6 +37,7 @@ def runs(tmp_path_factory):
     cnn_run(tmp / "sgd_momentum", optimizer="sgd", lr=0.05, momentum=0.9)
     cnn_run(tmp / "adam_decay", weight_decay=0.1)
     cnn_run(tmp / "adam_foreach", foreach=True)
+    cnn_run(tmp / "adam_tensor_lr", lr=torch.tensor(1e-3))
     return tmp
 
 
@@ -73,6 +75,9 @@ def test_the_same_optimizer_with_other_hyperparameters_is_setup(runs, capsys):
     # the same update by another kernel (foreach=True: what a GPU run often picks) is no setup difference
     code, out, _ = diff(capsys, runs / "adam", runs / "adam_foreach")
     assert "setup" not in verdict(out)
+    # lr=torch.tensor(1e-3) is float32's 0.0010000000474974513: the same learning rate
+    code, out, _ = diff(capsys, runs / "adam", runs / "adam_tensor_lr")
+    assert "learning rate" not in out
 
 
 def test_a_schedule_that_differs_later_names_the_step(runs, capsys):
