@@ -393,9 +393,14 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
     out = Replay(str(judge_spec))
     if not any(e["step"] < len(run.steps) for e in run["snapshots"]):  # nothing to replay: say why
         capped = run.manifest.get("skipped_snapshots") or []
-        out.note = (f"no snapshot was kept: {capped[0]['reason']}" if capped else
-                    "the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none; the default "
-                    "keeps step 0)")
+        stopped = run.manifest.get("stopped")
+        if capped:
+            out.note = f"no snapshot was kept: {capped[0]['reason']}"
+        elif stopped is not None and stopped["step"] == 0:
+            out.note = "the run stopped at step 0, before its first snapshot was kept"
+        else:
+            out.note = ("the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none, or none of "
+                        "its snapshot steps was reached; the default keeps step 0)")
         return out
     cls, why = model_class(run.manifest)
     if cls is None:

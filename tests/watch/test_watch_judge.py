@@ -256,6 +256,7 @@ def test_a_cnn_with_batchnorm_inplace_relu_and_dropout_replays_within_its_floors
 
 @pytest.mark.parametrize("kw, why", [
     ({"snapshot_steps": ()}, "the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none"),
+    ({"snapshot_steps": (10,)}, "or none of its snapshot steps was reached"),
     ({"max_bytes": 3000}, "no snapshot was kept: snapshot of step 0"),
 ])
 def test_a_run_with_no_snapshot_says_why_it_is_not_replayed(tmp_path, capsys, kw, why):
