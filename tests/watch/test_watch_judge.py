@@ -273,4 +273,4 @@ def test_a_run_with_no_snapshot_says_why_it_is_not_replayed(tmp_path, capsys, kw
     capsys.readouterr()
     code, out, _ = diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
     assert code == 0
-    assert f"float64 judge (cpu:float64): not replayed: {why}" in out
+    assert "float64 judge (cpu:float64): not replayed: " in out and why in out
