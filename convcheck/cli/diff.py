@@ -126,17 +126,21 @@ def _watched_out(args, name: str):
         return None
     out = Path(args.out)
     runs = [Path(r) for r in (args.run_a, args.run_b) if r is not None]
-    if out.is_dir():
+    try:  # the folder and every folder above it, links followed: a link to a run, or a folder inside one
+        chain = [q for q in [out.resolve(), *out.resolve().parents] if q.is_dir()]
+    except (OSError, RuntimeError):  # a link loop: RunFolder.explicit says what is there
+        chain = []
+    for q in chain:
         try:
-            ranked = rank_folders(out) is not None
-        except UsageError:
+            ranked = rank_folders(q) is not None
+        except (UsageError, OSError):
             ranked = False
-        kind = schema_of(out)
+        kind = schema_of(q)
         if ranked or kind is not None:
-            what = "a recorded run (convcheck record)" if kind == "convcheck.bundle/1" else \
+            what = "a recorded run (convcheck record)" if kind and kind.startswith("convcheck.bundle") else \
                 "a watched run (convcheck.watch)"
-            raise UsageError(f"--out {out}: that folder is {what}; diff never writes into a run: name another "
-                             "folder")
+            where = f"that folder is {what}" if q == out.resolve() else f"that folder is inside the run {q} ({what})"
+            raise UsageError(f"--out {out}: {where}; diff never writes into a run: name another folder")
     try:
         inside = next((r for r in runs if r.is_dir() and out.resolve().is_relative_to(r.resolve())), None)
     except (OSError, RuntimeError):  # a link loop: RunFolder.explicit says what is there

@@ -80,6 +80,15 @@ def test_diff_out_never_writes_into_a_watched_run(runs, capsys):
         assert code == 2 and stdout == "" and message in one_line(err)
     code, _, err = run_cli(capsys, runs / "fp32", "--judge", "cpu:float64", "--out", runs / "fp32")
     assert code == 2 and "diff never writes into a run" in one_line(err)
+    # nor into a run that is not being diffed: through a link to it, or in a folder inside it
+    link = runs.parent / "link_to_bf16"
+    link.symlink_to(runs / "bf16")
+    try:
+        for out in (link, runs / "bf16" / "new" / "sub"):
+            code, _, err = run_cli(capsys, runs / "fp32", runs / "fp32", "--out", out)
+            assert code == 2 and "diff never writes into a run" in one_line(err), err
+    finally:
+        link.unlink()
     assert tree(runs) == before  # no watch_diff.json, no reports/ folder left in a run
 
 
