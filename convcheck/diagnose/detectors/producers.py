@@ -128,6 +128,8 @@ def training_producer(arm: str, step: int, name: str, detail: dict, fmt: NumberF
                    if wide is not None and math.isfinite(wide) and wide > 0 else ""))
     elif op and math.isfinite(mag):
         size = f"; in float64 that {op} stays finite (largest {mag:.4g})"
+    elif op and mag == math.inf:
+        size = f"; recomputed in float64 on the same operands, that {op} overflows too"
     if weights:
         lr = detail.get("lr")
         if kind == "schedule":

@@ -159,7 +159,8 @@ class FirstNonfiniteOp(FirstNonfinite):
                 res = func(*map_tensors(tuple(args), wide), **map_tensors(dict(kwargs), wide))
             vals = [t for t in tensors_in(res) if t.is_floating_point() and t.numel()]
             finite = [float(t[torch.isfinite(t)].abs().max()) for t in vals if bool(torch.isfinite(t).any())]
-            self.magnitude = max(finite) if finite else math.inf
+            overflows = any(not bool(torch.isfinite(t).all()) for t in vals)  # even float64 cannot hold it
+            self.magnitude = max(finite) if finite and not overflows else math.inf
         except Exception:  # an op that takes no float64 operands: no magnitude, the op is still named
             self.magnitude = math.nan
 
