@@ -186,3 +186,14 @@ def test_a_loss_whose_backward_overflows_float16_is_named_not_the_optimizer_step
     assert "optimizer step" not in v.headline
     assert any("compute the loss function 'log_of_softmax_loss' in float32" in x for x in v.remedies), v.remedies
     _no_adam_remedy(v)
+
+
+def test_relus_dead_from_the_init_are_named_not_vanishing_gradients_with_a_sigmoid_remedy():
+    """Every ReLU dead from the start: the gradients vanish because of them. The headline names the dead
+    ReLUs, the remedies the initialisation - never a sigmoid/tanh the model does not have."""
+    r = compare(U.negative_bias_mlp, "cpu,cpu:bf16", steps=30, envelope=0, optimizer="adam", batch_size=32,
+                input_shape=(1, 16, 16), num_classes=10, env_findings=[])
+    v = r.verdict
+    assert v.category == "setup" and v.headline.startswith("training setup: dead ReLUs in 'net."), v.headline
+    assert "initialisation and the biases" in v.remedies[0]
+    assert not any("sigmoid" in x or "tanh" in x for x in v.remedies), v.remedies

@@ -181,3 +181,22 @@ def log_of_softmax_loss(logits, target):
     backward of log is 1/p, which passes 65504 once p < 1.5e-5 (a confidently wrong, noisy label)."""
     p = torch.softmax(logits, dim=1)
     return -torch.log(p.gather(1, target[:, None])).mean()
+
+
+class NegativeBiasMLP(nn.Module):
+    """Biases 'initialised' to a large negative value by mistake: every ReLU is dead from the start."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                                 nn.Linear(128, 10))
+        for m in self.net:
+            if isinstance(m, nn.Linear) and m.out_features == 128:
+                nn.init.constant_(m.bias, -20.0)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def negative_bias_mlp() -> nn.Module:
+    return NegativeBiasMLP()

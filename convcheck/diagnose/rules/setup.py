@@ -17,10 +17,10 @@ SETUP_REMEDIES = {
     S.NONFINITE_LOSS: [_LOWER_LR, _CLIP],
     S.EXPLODING_GRADIENTS: [_LOWER_LR, _CLIP],
     S.VANISHING_GRADIENTS: [
-        "replace saturating activations (sigmoid/tanh) with ReLU, or add BatchNorm between layers",
-        "use residual connections or fewer layers; use Kaiming initialisation"],
+        "add BatchNorm between layers; use residual connections or fewer layers; use Kaiming initialisation"],
     S.SATURATED_ACTIVATIONS: ["normalise the inputs of saturating activations (BatchNorm) or use ReLU"],
-    S.DEAD_RELUS: ["lower the learning rate", "use LeakyReLU, or check the initialisation and the biases"],
+    S.DEAD_RELUS: ["check the initialisation and the biases (a ReLU whose input is <= 0 for every sample passes "
+                   "no gradient), or use LeakyReLU", "lower the learning rate (a too-large step can push them there)"],
     S.LOSS_PLATEAU: ["check that labels match inputs", "raise the learning rate or train longer",
                      "check the input normalisation"],
     S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
@@ -75,6 +75,11 @@ def judge_fails(ev: Evidence) -> Verdict | None:
         return judge_fails.verdict(
             lines, headline=f"training setup: no arm converges in {ev.steps} steps ({why})",
             sub_cause=S.NO_CONVERGENCE, symptoms=names)
+    dead = next((x for x in syms if x.name == S.DEAD_RELUS), None)
+    if syms[0].name == S.VANISHING_GRADIENTS and dead is not None:
+        syms.remove(dead)  # every ReLU output <= 0 passes no gradient: the dead ReLUs are why it vanishes
+        syms.insert(0, dead)
+        names = [x.name for x in syms]
     main = syms[0]
     headline = None
     if main.name == S.NONFINITE_USER_CODE:
@@ -83,9 +88,12 @@ def judge_fails(ev: Evidence) -> Verdict | None:
             layer=main.layer, sub_cause=main.name, symptoms=names)
     if main.name == S.EXPLODING_GRADIENTS:
         headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
+    remedies = list(SETUP_REMEDIES.get(main.name, []))
+    if main.name == S.VANISHING_GRADIENTS and S.SATURATED_ACTIVATIONS in names:
+        remedies.insert(0, "replace the saturating activations (sigmoid/tanh) with ReLU, or normalise their inputs")
     return judge_fails.verdict(
         lines, {"symptom": main.name, "where": where_in(main.layer), "why": why}, headline=headline,
-        remedies=SETUP_REMEDIES.get(main.name, []), layer=main.layer, sub_cause=main.name, symptoms=names)
+        remedies=remedies, layer=main.layer, sub_cause=main.name, symptoms=names)
 
 
 def _target_outcomes(ev: Evidence):
