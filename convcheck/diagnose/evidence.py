@@ -23,7 +23,8 @@ from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
-from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, OUTCOME_SPREADS
+from convcheck.numerics.thresholds import APART_FACTOR, CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, \
+    OUTCOME_SPREADS
 from convcheck.numerics.tolerances import Tolerances
 
 if TYPE_CHECKING:  # types only: importing convcheck.measure.train would import the training loop
@@ -382,6 +383,8 @@ def _outcome_symptoms(result, t) -> list[S.Symptom]:
     cfg, curves, per, name = result.config, result.training.curves, result.training.outcomes, str(t)
     info, judge_info = per.get(t), per.get(cfg.judge)
     judge_ok = judge_info.converged if judge_info else True
+    if cfg.steps >= CONVERGENCE_MIN_STEPS and info and info.converged and judge_info and judge_ok:
+        return _apart_from_judge(result, t, info, judge_info)
     if cfg.steps < CONVERGENCE_MIN_STEPS or not info or info.converged or not judge_ok:
         return []
     has_envelope = bool((curves["role"] == "envelope").any())
@@ -396,6 +399,35 @@ def _outcome_symptoms(result, t) -> list[S.Symptom]:
                           f"{name} did not converge (loss {info.first_loss:.4g} -> "
                           f"{info.final_loss:.4g}) while the judge did (-> {judge_final:.4g})")]
     return []
+
+
+def _apart_from_judge(result, t, info, judge_info) -> list[S.Symptom]:
+    """A target that converges, but ends far above the float64 judge while the other target ends with the
+    judge, and (with an envelope) whose every envelope run ends as far off: its precision changes where
+    training ends, though no NaN/Inf reaches a module's output (a silent overflow inside a module's own
+    code, zeroed by what follows it, does this). Above the judge by more than OUTCOME_RELATIVE of the loss's
+    scale and by APART_FACTOR times; the other target within OUTCOME_RELATIVE of it."""
+    cfg, per, name = result.config, result.training.outcomes, str(t)
+    jf, final = judge_info.final_loss, info.final_loss
+    if not (math.isfinite(jf) and math.isfinite(final)):
+        return []
+    margin = OUTCOME_RELATIVE * _loss_scale(judge_info.first_loss, jf) + OUTCOME_ABSOLUTE
+    if not (final > jf + margin and final > APART_FACTOR * jf):
+        return []
+    others = [(str(o), per[o]) for o in cfg.targets if o != t and o != cfg.judge and o in per]
+    if any(not math.isfinite(o.final_loss) or abs(o.final_loss - jf) > margin for _, o in others):
+        return []  # the other target ends elsewhere too: not this target's precision alone
+    curves = result.training.curves
+    env = curves[(curves["role"] == "envelope")]
+    if len(env):
+        last = env["step"].max()
+        finals = [float(v) for v in env[env["step"] == last]["loss"]]
+        if any(math.isfinite(v) and v <= jf + margin for v in finals):
+            return []  # an envelope run ends with the judge: chance, not the precision
+    other = f", {others[0][0]} at {others[0][1].final_loss:.4g}" if others else ""
+    return [S.Symptom(S.OUTCOME_APART, name, f"{name} ends at loss {final:.4g}, {final / jf:.3g}x the float64 "
+                      f"judge's {jf:.4g}{other} (first loss {info.first_loss:.4g})", value=final,
+                      extra={"judge_final": jf})]
 
 
 def _loss_scale(first: float, final: float) -> float:

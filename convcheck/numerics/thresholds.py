@@ -72,6 +72,11 @@ OUTCOME_RELATIVE = 0.05
 # judge's by OUTCOME_RELATIVE plus this absolute slack (1db6312): a judge that reaches a loss of
 # exactly 0 does not make any positive rounding residue "worse".
 OUTCOME_ABSOLUTE = 1e-12
+# A target that converges but ends above this many times the judge's final loss (and above it by
+# OUTCOME_RELATIVE of the loss's scale), while the other target and every envelope run end with the
+# judge, ends apart from it: its precision changed the outcome (convcheck's choice, stop 33: a float16
+# sum of squares overflowing inside a module's own code, zeroed after it, ended 5.2x the judge).
+APART_FACTOR = 2.0
 
 # Convergence: every loss finite and the mean of the last three losses below this fraction of
 # the first (Tolerances.converged_loss_ratio is the user's knob; this is its default).

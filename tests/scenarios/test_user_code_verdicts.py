@@ -197,3 +197,17 @@ def test_relus_dead_from_the_init_are_named_not_vanishing_gradients_with_a_sigmo
     assert v.category == "setup" and v.headline.startswith("training setup: dead ReLUs in 'net."), v.headline
     assert "initialisation and the biases" in v.remedies[0]
     assert not any("sigmoid" in x or "tanh" in x for x in v.remedies), v.remedies
+
+
+def test_a_silent_float16_overflow_that_only_worsens_the_outcome_is_not_ok():
+    """A hand L2 norm whose sum of squares overflows float16 from about step 27: the Inf is zeroed inside the
+    module, so no NaN/Inf ever shows; float16 converges, but ends 5x above the judge while float32 ends with
+    it, and so does every envelope run of float16. Not 'both targets train alike'."""
+    r = compare(U.cosine_head_net, "cpu,cpu:fp16", steps=40, envelope=2, optimizer="sgd", lr=0.02, momentum=0.9,
+                batch_size=32, input_shape=(1, 16, 16), num_classes=10, env_findings=[])
+    v = r.verdict
+    assert v.category == "numerics" and v.target == "cpu:fp16", v.headline
+    assert v.headline.startswith("cpu:fp16 converges, but ends at loss "), v.headline
+    assert "its precision changes where training ends" in v.headline
+    assert any("convcheck.watch" in x for x in v.remedies)
+    assert not r

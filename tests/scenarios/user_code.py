@@ -200,3 +200,26 @@ class NegativeBiasMLP(nn.Module):
 
 def negative_bias_mlp() -> nn.Module:
     return NegativeBiasMLP()
+
+
+class HandL2Norm(nn.Module):
+    """Features normalised by hand: the sum of squares overflows float16 once the features grow (in
+    training), giving Inf, and h / sqrt(Inf) then zeroes those rows: no NaN/Inf leaves the module."""
+
+    def forward(self, h):
+        return h / torch.sqrt((h * h).sum(-1, keepdim=True) + 1e-6)
+
+
+class CosineHeadNet(nn.Module):
+    """A cosine-classifier-like head on unnormalised inputs (pixels scaled by 12)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flat, self.fc1, self.l2, self.fc2 = nn.Flatten(), nn.Linear(256, 64), HandL2Norm(), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(self.l2(self.fc1(self.flat(x) * 12.0)) * 10.0)
+
+
+def cosine_head_net() -> nn.Module:
+    return CosineHeadNet()

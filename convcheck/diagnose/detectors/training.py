@@ -71,6 +71,7 @@ DRIFT = "drift beyond envelope"
 DRIFT_WITHIN = "drift within envelope"  # evidence for an ok verdict, never a target symptom
 OUTCOME_OUTSIDE_ENVELOPE = "outcome outside envelope"
 NO_CONVERGENCE = "no convergence"
+OUTCOME_APART = "ends apart from the judge"  # converges, but systematically worse than the judge
 # Symptoms only the verdict names (no detector returns them).
 STOCHASTIC_LAYER = "stochastic layer"
 ENVELOPE_RUNS_FAIL = "envelope runs fail"

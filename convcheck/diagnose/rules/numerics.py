@@ -54,6 +54,10 @@ def precision_effect(ev: Evidence) -> Verdict | None:
         envelope = main.extra.get("envelope", "one-ulp envelope").replace("envelope", "noise envelope")
         headline = (f"{main.arm} drifts from the other target {main.value:.3g}x beyond the {envelope} "
                     f"from step {main.step}, while every layer is within its floor's bound")
+    elif main.name == S.OUTCOME_APART:
+        headline = (f"{main.arm} converges, but ends at loss {main.value:.4g}, {main.value / main.extra['judge_final']:.3g}x "
+                    f"the float64 judge's {main.extra['judge_final']:.4g}: its precision changes where training "
+                    "ends, though no layer is above its floor at step 0 and no NaN/Inf reaches a module's output")
     elif main.name == S.ILL_CONDITIONED:
         headline = (f"'{layer}' ({main.extra.get('module')}) is ill-conditioned at {main.arm}'s precision: rounding "
                     f"its input to that precision already loses its result (floor {main.value:.2g})")
@@ -234,7 +238,11 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         out.append("remove large offsets or scales before it (normalise its input), so fewer digits are needed")
     if main.name == S.SMALL_UPDATES_LOST:
         out.append("keep float32 master weights (autocast instead of casting the model to bf16/fp16)")
-    if main.name in (S.DRIFT, S.OUTCOME_OUTSIDE_ENVELOPE, S.NO_CONVERGENCE):
+    if main.name == S.OUTCOME_APART:
+        out.append("find where the runs part: record both with convcheck.watch and convcheck diff them (the step "
+                   "and the layer; a value that overflows inside a module's own code and is zeroed after it shows "
+                   "there)")
+    if main.name in (S.DRIFT, S.OUTCOME_OUTSIDE_ENVELOPE, S.NO_CONVERGENCE, S.OUTCOME_APART):
         if t is not None and t.tf32_like:
             out.append("disable TF32: torch.backends.cuda.matmul.allow_tf32 = False; "
                        "torch.backends.cudnn.allow_tf32 = False")
