@@ -113,7 +113,12 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
                            f"(non-finite or >= {LOSS_NAN_LIKE:g}, AUTOTRAINER's NaN-like rule)", step=step))
     g = layer_grads[layer_grads["arm"] == arm]
     out += _gradient_problems(c, g, arm, lr, losses)
-    out += _activation_problems(acts[acts["arm"] == arm], arm)
+    mine = acts[acts["arm"] == arm]
+    saturating = sorted(set(mine["kind"]) - {"relu"}) if len(mine) else []
+    for sym in out:  # which saturating activations the model has: the remedy for vanishing gradients names them
+        if sym.name == VANISHING_GRADIENTS:
+            sym.extra["saturating"] = saturating
+    out += _activation_problems(mine, arm)
     finite = [v for v in losses if math.isfinite(v)]
     half = finite[len(finite) // 2:]
     chance = math.log(num_classes) if num_classes and num_classes > 1 else math.nan

@@ -89,8 +89,10 @@ def judge_fails(ev: Evidence) -> Verdict | None:
     if main.name == S.EXPLODING_GRADIENTS:
         headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
     remedies = list(SETUP_REMEDIES.get(main.name, []))
-    if main.name == S.VANISHING_GRADIENTS and S.SATURATED_ACTIVATIONS in names:
-        remedies.insert(0, "replace the saturating activations (sigmoid/tanh) with ReLU, or normalise their inputs")
+    kinds = main.extra.get("saturating") or []
+    if main.name == S.VANISHING_GRADIENTS and (kinds or S.SATURATED_ACTIVATIONS in names):
+        which = "/".join(kinds) or "sigmoid/tanh"
+        remedies.insert(0, f"replace the saturating activations ({which}) with ReLU, or normalise their inputs")
     return judge_fails.verdict(
         lines, {"symptom": main.name, "where": where_in(main.layer), "why": why}, headline=headline,
         remedies=remedies, layer=main.layer, sub_cause=main.name, symptoms=names)
