@@ -123,6 +123,7 @@ def write_run(result, out: str | os.PathLike, *, plots: bool = True, force: bool
     """
     path = prepare_out_dir(out, force=force)
     summary = summary_dict(result)
+    remove_stale(path, ())  # an earlier report's files first: a write failing halfway leaves no mix either
     writer = _Writer(path, plots)
     writer.text("summary.json", json.dumps({**summary, "complete": False}, indent=2) + "\n")
     writer.text("layers.csv", result.parity.layers.to_csv(index=False))

@@ -99,6 +99,11 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     if untried:
         line = (f"{attempts[-1].line} ({len(untried)} more remedies not tried: "
                 f"{'; '.join(untried)}; --verify tries them)")
+    elif len(attempts) == 1 and attempts[0].kind == "lower-lr" and len(verdict.remedies) > 1:
+        # one step of one knob: a learning rate 10x lower that is still too high, or a cause (the init) that
+        # no re-run with another learning rate reaches, says nothing against the diagnosis
+        line = (f"{attempts[0].line}; a 10x lower learning rate is the one remedy convcheck can apply here, so "
+                "this is not verified either way: the other remedies are yours to try")
     elif len(attempts) == 1:
         line = f"{attempts[0].line}; no other remedy convcheck can apply: the diagnosis may be wrong (low confidence)"
     else:

@@ -197,6 +197,11 @@ def test_relus_dead_from_the_init_are_named_not_vanishing_gradients_with_a_sigmo
     assert v.category == "setup" and v.headline.startswith("training setup: dead ReLUs in 'net."), v.headline
     assert "initialisation and the biases" in v.remedies[0]
     assert not any("sigmoid" in x or "tanh" in x for x in v.remedies), v.remedies
+    # the one remedy convcheck can re-run (a 10x lower learning rate) cannot reach an init: not verified,
+    # and never "the diagnosis may be wrong"
+    line = r.verification.line
+    assert line.startswith("not verified: with the learning rate 10x lower"), line
+    assert "the other remedies are yours to try" in line and "may be wrong" not in line
 
 
 def test_a_silent_float16_overflow_that_only_worsens_the_outcome_is_not_ok():
