@@ -417,13 +417,8 @@ def _apart_from_judge(result, t, info, judge_info) -> list[S.Symptom]:
     others = [(str(o), per[o]) for o in cfg.targets if o != t and o != cfg.judge and o in per]
     if any(not math.isfinite(o.final_loss) or abs(o.final_loss - jf) > margin for _, o in others):
         return []  # the other target ends elsewhere too: not this target's precision alone
-    curves = result.training.curves
-    env = curves[(curves["role"] == "envelope")]
-    if len(env):
-        last = env["step"].max()
-        finals = [float(v) for v in env[env["step"] == last]["loss"]]
-        if any(math.isfinite(v) and v <= jf + margin for v in finals):
-            return []  # an envelope run ends with the judge: chance, not the precision
+    if any(math.isfinite(v) and v <= jf + margin for v in _envelope_finals(result.training.curves)):
+        return []  # an envelope run ends with the judge: chance, not the precision
     other = f", {others[0][0]} at {others[0][1].final_loss:.4g}" if others else ""
     return [S.Symptom(S.OUTCOME_APART, name, f"{name} ends at loss {final:.4g}, {final / jf:.3g}x the float64 "
                       f"judge's {jf:.4g}{other} (first loss {info.first_loss:.4g})", value=final,

@@ -15,7 +15,7 @@ import numpy as np
 
 from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
 
-LR_RTOL = 1e-6  # a learning rate given as a float32 tensor (lr=torch.tensor(1e-3)) is the same one
+LR_RTOL = 1e-6  # a learning rate or setting given as a float32 tensor (lr=torch.tensor(1e-3)) is the same
 EXPLODE_FACTOR = 10.0  # a finite loss above this many times its first value: the run diverged
 RISE_FACTOR = 2.0  # a loss that never falls below its first value and ends at this many times it
 RISE_MIN_STEPS = 4  # at least this many recorded steps: a 3-step run rising from a noisy first loss says little
@@ -75,12 +75,10 @@ def settings_difference(a, b) -> Setup | None:
     return None
 
 
-SETTING_RTOL = 1e-6  # a hyperparameter given as a float32 tensor (betas=(torch.tensor(0.9), ...)) is the same
-
-
 def _same_setting(va, vb) -> bool:
+    """Settings compared as learning rates are (``_same``: one given as a float32 tensor is the same)."""
     if isinstance(va, float) and isinstance(vb, float):
-        return va == vb or abs(va - vb) <= SETTING_RTOL * max(abs(va), abs(vb))
+        return _same(va, vb)
     if isinstance(va, list) and isinstance(vb, list):
         return len(va) == len(vb) and all(_same_setting(x, y) for x, y in zip(va, vb))
     return va == vb

@@ -33,13 +33,17 @@ class AttentionNet(nn.Module):
 def attention_run(out, half: bool, steps: int = 6) -> None:
     """Inputs grow 4x a step: float16 autocast overflows in the attention scores at a later step."""
     convcheck.seed_everything(0)
-    model = AttentionNet()
+    growing_inputs_run(out, AttentionNet(), (4, 5, 8), half, steps)
+
+
+def growing_inputs_run(out, model: nn.Module, shape: tuple, half: bool, steps: int) -> None:
+    """A watched SGD loop whose inputs grow 4x a step, under float16 autocast with ``half``, 3 classes."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     with convcheck.watch(model, opt, out=out) as w:
         for step in range(steps):
-            x = torch.randn(4, 5, 8, generator=g) * (4.0 ** step)
-            y = torch.randint(0, 3, (4,), generator=g)
+            x = torch.randn(*shape, generator=g) * (4.0 ** step)
+            y = torch.randint(0, 3, (shape[0],), generator=g)
             with torch.autocast("cpu", dtype=torch.float16, enabled=half):
                 loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()

@@ -9,6 +9,8 @@ import torch.nn as nn
 
 import convcheck
 
+from .loops import growing_inputs_run
+
 
 class SmallCNN(nn.Module):
     def __init__(self):
@@ -68,19 +70,7 @@ class ExpNet(nn.Module):
 def exp_run(out, half: bool, steps: int = 4) -> None:
     """Inputs grow 4x a step: under float16 autocast, exp of fc1's output passes 65504 at a later step."""
     torch.manual_seed(0)
-    model = ExpNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    with convcheck.watch(model, opt, out=out) as w:
-        for step in range(steps):
-            x = torch.randn(4, 8, generator=g) * (4.0 ** step)
-            y = torch.randint(0, 3, (4,), generator=g)
-            with torch.autocast("cpu", dtype=torch.float16, enabled=half):
-                loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            w.step(loss)
+    growing_inputs_run(out, ExpNet(), (4, 8), half, steps)
 
 
 class Regressor(nn.Module):
