@@ -87,12 +87,28 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+def as_watched(old: dict) -> dict:
+    """The old figures restricted to what each role is watched for since issue 28 (``ArmState``): the
+    activation rows of the judge only, the per-layer gradient rows and the producers of the judge and
+    the targets (an envelope run keeps its curve rows: loss, distances, global gradient norm)."""
+    role = dict(zip(old["curves"]["arm"], old["curves"]["role"]))
+    curves = old["curves"].copy()
+    curves.loc[curves["role"] == "envelope", "dist_judge"] = float("nan")  # not measured since
+    keep = lambda df, roles: df[df["arm"].map(role).isin(roles)].reset_index(drop=True)  # noqa: E731
+    return dict(old, curves=curves, layer_grads=keep(old["layer_grads"], ("judge", "target")),
+                activations=keep(old["activations"], ("judge",)),
+                producer={a: (v if role.get(a) != "envelope" else None) for a, v in old["producer"].items()},
+                weights={a: (v if role.get(a) != "envelope" else False) for a, v in old["weights"].items()})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--save", type=Path, help="write this code's figures under this folder")
     mode.add_argument("--check", type=Path, help="compare this code's figures with those saved there")
     ap.add_argument("--only", default="", help="comma-separated case labels (default: all)")
+    ap.add_argument("--as-watched", action="store_true",
+                    help="with --check: figures saved before issue 28's per-role watching, compared as it keeps them")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     only = {s for s in args.only.split(",") if s}
@@ -107,7 +123,8 @@ def main(argv=None) -> int:
             path.write_bytes(pickle.dumps(got))
             print(f"{label}: saved ({len(got['curves'])} curve rows)")
             continue
-        diff = differences(pickle.loads(path.read_bytes()), got)
+        saved = pickle.loads(path.read_bytes())
+        diff = differences(as_watched(saved) if args.as_watched else saved, got)
         failed += bool(diff)
         print(f"{label}: {'DIFFERENT' if diff else 'bitwise equal'}" + "".join(f"\n  {d}" for d in diff))
     return 1 if failed else 0

@@ -107,13 +107,19 @@ def test_envelope_run_measures_distance_to_its_reference(lenet_run):
     env = r.arm_curve("cpu:emulate-tf32~1")["dist_ref"]
     assert env.map(math.isfinite).all() and (env > 0).all()
     assert r.arm_curve("cpu")["dist_ref"].isna().all()
+    # an envelope run is the null model of its target: its distance to the judge is not measured
+    assert r.arm_curve("cpu:emulate-tf32~1")["dist_judge"].isna().all()
 
 
 def test_scalars_only_per_step(lenet_run):
     r, *_ = lenet_run
     grads = r.layer_grads
     assert set(grads["layer"]) == {"conv1", "conv2", "fc1", "fc2", "fc3"}
-    assert len(grads) == 8 * 4 * 5
+    # per-layer rows for the targets and the judge (what the verdict reads); an envelope run keeps its curve
+    assert set(grads["arm"]) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
+    assert len(grads) == 8 * 3 * 5
+    assert set(r.activations["arm"]) == {"cpu:float64"}  # the training-problem detectors read the judge's
+    assert len(r.activations) == 8 * 4  # LeNet's four ReLUs, every step
     assert (grads["grad_norm"] > 0).all()
     c = r.curves
     assert (c["grad_norm"] > 0).all() and c["grad_norm"].map(math.isfinite).all()

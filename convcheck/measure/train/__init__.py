@@ -4,10 +4,12 @@ Every arm (the two targets, the judge, and the envelope runs of the
 lower-precision target, nudged by one ulp before step 0 and, for two targets of the
 same precision, after every step: ``arms.make_arms``) starts from the same initial weights and sees the same
 batches in the same order, one step at a time. Per step and arm we keep
-scalars only: the loss, the global and per-layer gradient norms, the relative
-parameter distance to the judge (and, for envelope runs, to the target they
-perturb), non-finite flags, the GradScaler's scale and skipped steps, and the
-activation statistics the training-problem detectors read. Every step goes
+scalars only, each role what the verdict reads of it (issue 28): the loss, the
+global gradient norm, non-finite flags, the GradScaler's scale and skipped
+steps of every arm; the per-layer gradient norms, the relative parameter
+distance to the judge and the first NaN/Inf producer of the targets and the
+judge; an envelope run's distance to the target it perturbs; the activation
+statistics of the judge (the training-problem detectors run on it). Every step goes
 through the arm's runner (``convcheck.targets.runners``); each arm is built by its
 target's executor (``convcheck.targets.executors``): in this process, or a proxy for
 rank processes whose extra evidence lands in ``TrainResult.arm_evidence``.
@@ -102,14 +104,17 @@ def _default_recipe():
 
 
 def _partners(states: list[ArmState]) -> dict[str, tuple]:
-    """Per arm: (judge state, the envelope run's reference state, the other target's state)."""
+    """Per arm: (judge state, the envelope run's reference state, the other target's state). An envelope
+    run is measured against the run it perturbs only (its distance to the judge is read by nothing:
+    ``dist_judge`` NaN); the judge against nothing."""
     by_name = {s.arm.name: s for s in states}
     judge = next((s for s in states if s.arm.role == "judge"), None)
     pair = [s for s in states if s.arm.role == "target"]
     other = {a.arm.name: b for a, b in zip(pair, reversed(pair))} if len(pair) == 2 else {}
     if len(pair) == 1 and judge is not None:  # the other target is the judge itself (cpu,cpu:float64)
         other = {pair[0].arm.name: judge}
-    return {s.arm.name: (judge if s is not judge else None, by_name.get(s.arm.reference) if s.arm.reference else None,
+    return {s.arm.name: (judge if s is not judge and s.arm.role != "envelope" else None,
+                         by_name.get(s.arm.reference) if s.arm.reference else None,
                          other.get(s.arm.name)) for s in states}
 
 
@@ -122,7 +127,7 @@ def _record(states, step, results, dist, rows, grad_rows, act_rows) -> None:
         rows.append(dict(
             arm=s.arm.name, role=s.arm.role, target=str(s.arm.target), step=step,
             loss=r["loss"], grad_norm=r["grad_norm"],
-            dist_judge=dist[(id(s), id(judge))] if judge else 0.0,
+            dist_judge=0.0 if s.arm.role == "judge" else dist[(id(s), id(judge))] if judge else math.nan,
             dist_ref=dist[(id(s), id(ref))] if ref else math.nan,
             dist_other=dist[(id(s), id(other))] if other else math.nan,
             nonfinite_loss=r["nonfinite_loss"], nonfinite_grad=r["nonfinite_grad"],

@@ -46,10 +46,15 @@ class ArmState:
         # ``masks(model)``: a data-parallel rank takes its slice of the global batch's masks
         self.masks = masks(self.model) if masks is not None else SharedDropoutMasks(self.model, 0)
         self.masks.__enter__()  # registered first: the hooks below see the shared-mask output
+        # Each role is watched for what the verdict reads of it: the activation statistics of the
+        # judge (the training-problem detectors run on the judge's run alone), the first NaN/Inf
+        # producer and the per-layer gradients of the judge and the targets; an envelope run is
+        # the null model: its loss, its distances and its global gradient norm (finite or not).
+        self._per_layer = arm.role != "envelope"
         self._hooks = [m.register_forward_hook(self._act_hook(n, m))
                        for n, m in leaf_modules(self.model)
-                       if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))]
-        self.first_producer = FirstProducer(self.model)
+                       if isinstance(m, (nn.ReLU, nn.Sigmoid, nn.Tanh))] if arm.role == "judge" else []
+        self.first_producer = FirstProducer(self.model, watch=self._per_layer)
         # (lr, gradients finite) of the last optimizer step while no producer was found
         self._last_update: tuple[float, bool] | None = None
         self._recipe_facts = dict(optimizer=type(self.opt).__name__,
@@ -124,13 +129,14 @@ class ArmState:
                 x = nudged(x, runner.ulp, step_seed(self.arm.perturb_seed, -1 - self._steps_done))
             out, loss = runner.forward_loss(self.model, x, y, self.loss_fn)
             loss_value = float(loss.detach())
-            if (not math.isfinite(loss_value) and self.first_producer.found is None
+            watching = self.first_producer.watch and self.first_producer.found is None
+            if (not math.isfinite(loss_value) and watching
                     and all(all_finite(t) for t in _tensors(out))):
                 # every module's output is finite, the loss is not: the loss function made it
                 self.first_producer.blame_callable("loss", dict(
                     callable="loss", **loss_op(self.loss_fn, out, runner.cast_input(y), runner.autocast)))
             outs = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
-            watch_grad = (self.first_producer.found is None and self.scaler is None and math.isfinite(loss_value)
+            watch_grad = (watching and self.scaler is None and math.isfinite(loss_value)
                           and len(outs) == 1)
             if watch_grad:  # the loss is finite: a NaN/Inf gradient into the model's output is its backward's
                 bad: list = []
@@ -178,13 +184,16 @@ class ArmState:
         """Global and per-layer gradient norms (float64), exact-zero fractions, lr*|g|/|W|.
 
         The values of ``vector_norm(g, dtype=float64)`` and ``count_nonzero`` per tensor, summed per
-        layer in the same order, all tensors at once (``stats.norms_and_zeros``)."""
+        layer in the same order, all tensors at once (``stats.norms_and_zeros``). An envelope run
+        has the global norm alone (the same sum, in the same order), no per-layer rows."""
         layers = []
         for name, params in self._layer_params:
             grads = [p.grad.detach() for p in params if p.grad is not None]
             if grads:
                 layers.append((name, grads))
-        norms, zero_counts = norms_and_zeros([g for _, grads in layers for g in grads], self.scratch)
+        per_layer = self._per_layer
+        norms, zero_counts = norms_and_zeros([g for _, grads in layers for g in grads], self.scratch,
+                                             zeros=per_layer)
         layer_norms, zero_fracs = [], []
         total_sq = 0.0
         i = 0
@@ -192,8 +201,9 @@ class ArmState:
             k = len(grads)
             sq = sum(x ** 2 for x in norms[i:i + k])
             total_sq += sq
-            layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
-            zero_fracs.append(sum(zero_counts[i:i + k]) / max(1, sum(g.numel() for g in grads)))
+            if per_layer:
+                layer_norms.append((name, math.sqrt(sq) if math.isfinite(sq) else math.inf))
+                zero_fracs.append(sum(zero_counts[i:i + k]) / max(1, sum(g.numel() for g in grads)))
             i += k
         grad_norm = math.sqrt(total_sq) if math.isfinite(total_sq) else math.inf
         known = self._weight_sq

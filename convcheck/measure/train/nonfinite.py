@@ -39,9 +39,10 @@ def _finite(obj) -> bool:
 
 class FirstProducer:
     """Watches every module call while gradients are on (training forwards, not probes);
-    ``found`` is ``(step index, module name)`` of the first producer, once."""
+    ``found`` is ``(step index, module name)`` of the first producer, once. With ``watch=False`` it
+    registers no hook and ``found`` stays None (an envelope run: nothing reads its producer)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, watch: bool = True):
         self.found: tuple[int, str] | None = None
         # what the producer is and did: ``callable`` ("module", "loss", "optimizer", "schedule"), the
         # ``op`` of its own code that made the first NaN/Inf and that op's float64 ``magnitude``
@@ -51,9 +52,10 @@ class FirstProducer:
         self.step_index = 0
         self._dirty = False
         self._stack: list[ParentCall] = []  # the calls of modules with children under way
-        leaves = {id(m) for _, m in leaf_modules(model)}
+        self.watch = watch
+        leaves = {id(m) for _, m in leaf_modules(model)} if watch else set()
         self._handles = []
-        for name, module in named_modules(model):
+        for name, module in named_modules(model) if watch else ():
             if id(module) in leaves:
                 self._handles.append(module.register_forward_hook(self._leaf_hook(name)))
             else:
@@ -122,7 +124,7 @@ class FirstProducer:
     def blame_callable(self, name: str, detail: dict) -> None:
         """A user callable of the step, not a module, produced the first NaN/Inf (the loss, the
         optimizer step, the schedule)."""
-        if self.found is None:
+        if self.found is None and self.watch:
             self.found = (self.step_index, name)
             self.detail = dict(detail)
 
