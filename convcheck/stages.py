@@ -38,7 +38,7 @@ import torch.nn as nn
 from convcheck.targets import executors
 from convcheck.plan.builder import initial_state, model_builder
 from convcheck.plan.config import CompareConfig
-from convcheck.plan.data_sources import is_user_data, open_data
+from convcheck.plan.data_sources import data_input_shape, is_user_data, open_data
 from convcheck.errors import RunFailed, UsageError
 from convcheck.exit_codes import RunStage, user_failures
 from convcheck.plan.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
@@ -141,7 +141,8 @@ def resolve(model: ModelArg, cfg: CompareConfig, *, input_shape=None, num_classe
         t.check_available()
     judge, reason = choose_judge(cfg.judge)
     cfg = dataclasses.replace(cfg, targets=targets, judge=judge)
-    resolved = _resolved_model(model, input_shape, num_classes, need_io=not is_user_data(cfg.data))
+    resolved = _resolved_model(model, input_shape, num_classes, need_io=not is_user_data(cfg.data),
+                               data_shape=data_input_shape(cfg.data))
     if resolved.source == "object":
         resolved = dataclasses.replace(resolved, factory=checked_factory(resolved.factory, resolved.name))
     return ResolvedRun(cfg, reason, resolved, tuple(notes))
@@ -210,13 +211,15 @@ def _parsed_targets(targets, needed: int, notes: list[str]) -> tuple[Target, ...
     return pair[0], pair[1]
 
 
-def _resolved_model(model: ModelArg, input_shape, num_classes, need_io: bool) -> ResolvedModel:
+def _resolved_model(model: ModelArg, input_shape, num_classes, need_io: bool, data_shape=None) -> ResolvedModel:
     """The model as a factory plus its input spec; ``need_io=False`` (the user's own data defines the
-    inputs) leaves an input shape / class count the model does not declare unknown."""
+    inputs) leaves an input shape / class count the model does not declare unknown. ``data_shape``: one
+    sample's shape as a data file tells it, for a user model that declares none."""
     if isinstance(model, ResolvedModel):
         return model
     if isinstance(model, str):
-        return resolve_model(model, input_shape=input_shape, num_classes=num_classes, infer=need_io)
+        return resolve_model(model, input_shape=input_shape, num_classes=num_classes, infer=need_io,
+                             data_shape=data_shape)
     if isinstance(model, nn.Module):
         template = model
         factory = lambda: copy.deepcopy(template)  # noqa: E731
@@ -225,6 +228,7 @@ def _resolved_model(model: ModelArg, input_shape, num_classes, need_io: bool) ->
         factory, name = model, getattr(model, "__name__", "model")
     else:
         raise UsageError(f"model must be a name, an nn.Module or a factory, not {type(model).__name__}")
+    input_shape = input_shape or data_shape
     if need_io and (input_shape is None or num_classes is None):
         raise UsageError(f"model {name!r}: pass input_shape=(C, H, W) and num_classes for a model object")
     return ResolvedModel(name=name, factory=factory, input_shape=tuple(input_shape) if input_shape else None,

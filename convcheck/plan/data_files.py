@@ -118,6 +118,26 @@ def _check_npz_sizes(path: str) -> None:
                          f"{MAX_IDX_BYTES / 2**30:.0f} GiB convcheck reads")
 
 
+def npz_input_shape(path: str) -> tuple[int, int, int] | None:
+    """The ``(C, H, W)`` of one sample of the archive's ``x``, read from its member's header alone
+    (nothing decompressed past it): ``x`` of shape (N, C, H, W), or (N, H, W) as one channel. None where
+    that cannot be told (no such file or member, another layout, an unreadable header): ``read_npz``
+    then says what is wrong in one line."""
+    try:
+        with zipfile.ZipFile(path) as z, z.open("x.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read:
+                return None
+            shape = read[version](f)[0]
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+    dims = tuple(int(d) for d in shape[1:])
+    if len(dims) == 2:
+        dims = (1,) + dims
+    return dims if len(dims) == 3 and min(dims) >= 1 else None
+
+
 def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     if not os.path.isfile(path):
         raise UsageError(f"npz file {path} does not exist")

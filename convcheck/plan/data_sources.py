@@ -18,6 +18,7 @@ standardised: a real data set that needs no download.
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -129,6 +130,21 @@ def is_user_data(spec) -> bool:
     if not isinstance(spec, str) or spec.strip().partition(":")[0] in BUILTIN_KINDS:
         return False
     return is_user_spec(spec)
+
+
+def data_input_shape(spec) -> tuple[int, int, int] | None:
+    """One sample's ``(C, H, W)`` as a built-in data file tells it without loading it: ``npz:PATH`` from
+    its ``x``'s header, ``mnist:DIR`` 1x28x28; None for every other source (or where it cannot be told)."""
+    if not isinstance(spec, str):
+        return None
+    kind, sep, arg = spec.strip().partition(":")
+    if kind == "mnist" and sep and arg:
+        return (1, 28, 28)
+    if kind == "npz" and sep and arg:
+        from convcheck.plan.data_files import npz_input_shape
+
+        return npz_input_shape(os.path.abspath(os.path.expanduser(arg)))
+    return None
 
 
 def open_data(spec, *, input_shape, num_classes, batch_size: int, steps: int, seed: int, workers: int = 0,

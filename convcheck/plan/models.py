@@ -65,14 +65,17 @@ def _resolved_again(spec: str, input_shape, num_classes, task: str, name: str) -
 
 
 def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,
-                  num_classes: int | None = None, infer: bool = True) -> ResolvedModel:
+                  num_classes: int | None = None, infer: bool = True,
+                  data_shape: tuple[int, int, int] | None = None) -> ResolvedModel:
     """Resolve a zoo name, ``package.module:factory`` or ``path/to/file.py:factory``.
 
     ``input_shape`` and ``num_classes`` (from ``--input-shape`` / ``--classes``)
     override whatever the model declares. A user factory is called once here
     (without disturbing the global RNG) to check it and to infer what was not
     given (``infer=False``: the user's data defines the inputs, so what a user model does not
-    declare stays None). Call ``check_input_shape`` on a built model to confirm the spec.
+    declare stays None). ``data_shape``: one sample's shape as the data files tell it (``--data npz:``),
+    used for a user model that declares none, before trying sizes. Call ``check_input_shape`` on a built
+    model to confirm the spec.
     """
     if input_shape is not None:
         input_shape = _as_shape(input_shape, f"input shape for model {name!r}")
@@ -83,7 +86,7 @@ def resolve_model(name: str, input_shape: tuple[int, int, int] | None = None,
             raise UsageError(f"number of classes must be a positive integer, got {num_classes!r}") from None
     if ":" not in name:
         return _resolve_zoo(name, input_shape, num_classes)
-    return _resolve_user(name, input_shape, num_classes, infer)
+    return _resolve_user(name, input_shape, num_classes, infer, data_shape)
 
 
 def parse_input_shape(text: str) -> tuple[int, int, int]:
@@ -136,18 +139,18 @@ def _resolve_zoo(name: str, input_shape, num_classes) -> ResolvedModel:
 
 # --- user models -------------------------------------------------------------------
 
-def _resolve_user(spec: str, input_shape, num_classes, infer: bool = True) -> ResolvedModel:
+def _resolve_user(spec: str, input_shape, num_classes, infer: bool = True, data_shape=None) -> ResolvedModel:
     location, _, attr = spec.rpartition(":")
     if not location or not attr or not all(p.isidentifier() for p in attr.split(".")):
         raise UsageError(f"model {spec!r} is not {_FORMS}")
     # User code may draw random numbers when imported or built; the caller's
     # seeded generator must not notice.
     with torch.random.fork_rng(devices=[]):
-        return _resolve_user_code(spec, location, attr, input_shape, num_classes, infer)
+        return _resolve_user_code(spec, location, attr, input_shape, num_classes, infer, data_shape)
 
 
 def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_classes,
-                       infer: bool = True) -> ResolvedModel:
+                       infer: bool = True, data_shape=None) -> ResolvedModel:
     if location.endswith(".py") or "/" in location or "\\" in location:
         module, source, short = load_file(location, "model"), "file", Path(location).stem
         where = f"file {location!r}"
@@ -168,7 +171,7 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         num_classes = linears[-1].out_features if linears else None
     if input_shape is None:
-        input_shape = _declared(raw, model, "input_shape", spec)
+        input_shape = _declared(raw, model, "input_shape", spec) or data_shape
     if not infer:
         if asked is not None and input_shape is not None:
             _check_classes_asked(model, input_shape, asked, spec)
