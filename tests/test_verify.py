@@ -22,8 +22,9 @@ from convcheck.report.export import summary_dict
 from convcheck.verify import NOT_VERIFIED, SKIPPED, VERIFIED, Context, actions_for
 from convcheck.verify.actions import float32_snippet
 from convcheck.verify.bisect import ddmin
+from convcheck.verify.run import TRACK_MARGIN
 
-from scenarios.verify_models import mlp, softmax_net, two_overflows_net
+from scenarios.verify_models import mlp, offset_norm_net, softmax_net, two_overflows_net
 
 MNIST = dict(input_shape=(1, 28, 28), num_classes=10)
 
@@ -130,8 +131,9 @@ def test_the_judge_is_rerun_for_a_setup_verdict():
     assert r.verdict.category == "setup", r.verdict.headline
     v = r.verification
     assert v.attempts and all(a.arm == "the float64 judge" for a in v.attempts)
-    # clipping to norm 1 leaves SGD's steps of lr 3 too large: not verified; a 10x lower lr converges
-    assert [(a.kind, a.verified) for a in v.attempts] == [("clip-gradients", False), ("lower-lr", True)]
+    # the remedies list the lower learning rate first, so it is tried first (before clipping): it converges
+    assert r.verdict.remedies[0].startswith("lower the learning rate")
+    assert [(a.kind, a.verified) for a in v.attempts] == [("lower-lr", True)]
     assert v.status == VERIFIED
     assert v.line.startswith("verified: with the learning rate 10x lower, the float64 judge converges")
 
@@ -233,3 +235,50 @@ def test_a_rerun_converging_near_zero_is_held_to_the_judges_fall_not_to_its_tiny
     assert abs(gap - (1.673 - 1.119) / 1.119) < 1e-12 and of == "of the judge's 1.119"
     gap, _ = _gap(0.9, [2.3, float("nan")])
     assert gap != gap  # no judge to measure against: NaN, never "verified"
+
+
+@pytest.fixture(scope="module")
+def offset_norm_run():
+    return compare(offset_norm_net, "cpu,cpu:bf16", steps=10, input_shape=(1, 8, 8), num_classes=4, env_findings=[])
+
+
+def test_a_broken_arms_envelope_does_not_widen_what_verifies(offset_norm_run):
+    """New-user trial 3: the bf16 arm's own one-ulp envelope runs end near loss 27 against the judge's 0.75;
+    their gap (3337%) was the allowance, so almost any re-run would have 'tracked' the judge. A broken
+    envelope shows nothing of honest rounding: the fixed margin rules."""
+    r = offset_norm_run
+    assert r.verdict.target == "cpu:bf16" and r.verdict.layer == "norm", r.verdict.headline
+    v = r.verification
+    assert v.status == VERIFIED, v.line
+    assert v.attempts[0].allowed_gap == TRACK_MARGIN
+    assert v.line.endswith("; allowed 10%)"), v.line
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def test_a_loss_that_explodes_but_stays_finite_is_headlined_as_such_and_the_first_remedy_is_tried():
+    """New-user trial 3: SGD lr 5 with momentum, the loss reaches 1.36e+03 at step 2 and stays finite; the
+    NaN-like rule (>= 1000) caught it, and the headline said "non-finite loss". The default verification
+    tried clipping (the second remedy listed) instead of the first, the lower learning rate."""
+    r = compare(small_cnn, "cpu,cpu:bf16", steps=12, envelope=0, input_shape=(1, 8, 8), num_classes=3,
+                optimizer="sgd", lr=5.0, momentum=0.9, schedule="cosine", env_findings=[])
+    v = r.verdict
+    assert v.category == "setup", v.headline
+    assert v.headline.startswith("training setup: the loss explodes to "), v.headline
+    assert "NaN-like by AUTOTRAINER's rule" in v.headline and "non-finite" not in v.headline
+    assert v.evidence[0].startswith("exploding loss (cpu:float64): the loss explodes to "), v.evidence[0]
+    assert "every loss stays finite" in v.evidence[0]
+    assert v.remedies[0].startswith("lower the learning rate")
+    assert [a.kind for a in r.verification.attempts] == ["lower-lr"], r.verification.line
+    assert r.verification.line.startswith("verified: with the learning rate 10x lower, the float64 judge converges")
+
+
+def test_a_rerun_loss_of_exactly_zero_says_so():
+    from convcheck.verify.run import _loss_text
+
+    assert _loss_text(0.0) == "exactly 0.0"
+    assert _loss_text(1.234e-07) == "1.234e-07" and _loss_text(0.000123) == "0.000123"
+    assert _loss_text(1.1109) == "1.111"

@@ -411,9 +411,9 @@ def _apart_from_judge(result, t, info, judge_info) -> list[S.Symptom]:
     jf, final = judge_info.final_loss, info.final_loss
     if not (math.isfinite(jf) and math.isfinite(final)):
         return []
-    margin = OUTCOME_RELATIVE * _loss_scale(judge_info.first_loss, jf) + OUTCOME_ABSOLUTE
-    if not (final > jf + margin and final > APART_FACTOR * jf):
+    if not ends_apart(final, jf, judge_info.first_loss):
         return []
+    margin = OUTCOME_RELATIVE * _loss_scale(judge_info.first_loss, jf) + OUTCOME_ABSOLUTE
     others = [(str(o), per[o]) for o in cfg.targets if o != t and o != cfg.judge and o in per]
     if any(not math.isfinite(o.final_loss) or abs(o.final_loss - jf) > margin for _, o in others):
         return []  # the other target ends elsewhere too: not this target's precision alone
@@ -423,6 +423,17 @@ def _apart_from_judge(result, t, info, judge_info) -> list[S.Symptom]:
     return [S.Symptom(S.OUTCOME_APART, name, f"{name} ends at loss {final:.4g}, {final / jf:.3g}x the float64 "
                       f"judge's {jf:.4g}{other} (first loss {info.first_loss:.4g})", value=final,
                       extra={"judge_final": jf})]
+
+
+def ends_apart(final: float, judge_final: float, judge_first: float) -> bool:
+    """Whether a final loss ends far above the float64 judge's: above it by more than OUTCOME_RELATIVE of
+    the loss's scale and above APART_FACTOR times it (a bf16 arm converging 51 -> 27 by the relative rule
+    while the judge ends at 0.75). ``_apart_from_judge``'s test, and what the training lines add to
+    "converged"."""
+    if not (math.isfinite(final) and math.isfinite(judge_final)):
+        return False
+    margin = OUTCOME_RELATIVE * _loss_scale(judge_first, judge_final) + OUTCOME_ABSOLUTE
+    return final > judge_final + margin and final > APART_FACTOR * judge_final
 
 
 def _loss_scale(first: float, final: float) -> float:

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from convcheck.diagnose.evidence import ends_apart
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
@@ -325,11 +326,16 @@ def training_states(result) -> dict[str, str]:
     ``converged (loss 2.297 -> 0.134)``, ``trained, convergence not judged from 4 step(s) (...)``."""
     judged = result.config.steps >= CONVERGENCE_MIN_STEPS
     states = {}
+    judge = result.training.outcomes.get(result.config.judge)
     for name, info in named(result.training.outcomes).items():
         state = "converged" if info.converged else "did not converge"
         if not judged and math.isfinite(info.final_loss):
             state = f"trained, convergence not judged from {result.config.steps} step(s)"
         extra = ""
+        if (judged and info.converged and judge is not None and judge.converged and name != str(result.config.judge)
+                and ends_apart(info.final_loss, judge.final_loss, judge.first_loss)):
+            # the convergence rule is relative: a bf16 arm at 51 -> 27 converges by it, the judge ends at 0.75
+            extra += f", but ends {info.final_loss / judge.final_loss:.3g}x the judge's {fmt(judge.final_loss, 3)}"
         if info.first_nonfinite_step is not None:
             extra += f", first non-finite at step {info.first_nonfinite_step}"
         if info.skipped_steps:

@@ -443,12 +443,33 @@ def _sync_batchnorm(ctx: Context) -> Action | None:
 ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
 
 
+# the words of the verdict's remedy each recipe action applies: the verdict lists them in its own order
+REMEDY_WORDS = {"lower-lr": ("lower the learning rate",), "clip-gradients": ("clip gradients", "clip the gradients")}
+
+
 def actions_for(ctx: Context) -> list[Action]:
-    """The actions that fit ``ctx.verdict``, in the order they are tried."""
+    """The actions that fit ``ctx.verdict``, in the order they are tried: ``ORDER``, except that actions the
+    verdict's remedies name (``REMEDY_WORDS``) take their slots in the order the remedies list them - the
+    default tries one, and it must be the remedy the reader sees first ("lower the learning rate", then
+    "clip gradients", for a loss that explodes)."""
     kinds = list(ORDER) + [k for k in ACTIONS if k not in ORDER]
     out = []
     for kind in kinds:
         a = ACTIONS[kind](ctx)
         if a is not None:
             out.append(a)
+    listed = [i for i, a in enumerate(out) if _remedy_position(ctx.verdict, a.kind) is not None]
+    ranked = sorted((out[i] for i in listed), key=lambda a: _remedy_position(ctx.verdict, a.kind))
+    for i, a in zip(listed, ranked):
+        out[i] = a
     return out
+
+
+def _remedy_position(verdict, kind: str) -> tuple[int, int] | None:
+    """Where the verdict's remedies first name action ``kind``: (remedy, character), None where they do not."""
+    for n, remedy in enumerate(getattr(verdict, "remedies", None) or ()):
+        text = remedy.lower()
+        found = [text.find(w) for w in REMEDY_WORDS.get(kind, ()) if w in text]
+        if found:
+            return n, min(found)
+    return None

@@ -4,10 +4,10 @@ action applied (``actions.actions_for``), until one makes it converge and track 
 Which arm: the verdict's target; for a verdict about the setup (the judge fails too) the judge itself.
 What "verified" means: every loss finite and, for a target, the run converges where the judge does and
 ends within ``allowed`` of the judge's final loss (relative to it, or to how far the judge's loss fell
-where that is more: ``_gap``), ``allowed`` being the larger of
-``TRACK_MARGIN`` and the farthest finite envelope run's gap (the one-ulp runs show how far honest
-rounding moves the end) - or ends below the judge's (the remedy fixed what failed; the line says it does
-not track); for the judge, the run converges.
+where that is more: ``_gap``), ``allowed`` being the larger of ``TRACK_MARGIN`` and the farthest
+envelope run's gap when every envelope run is healthy (the one-ulp runs show how far honest rounding moves
+the end; a broken arm's runs show nothing of the kind: ``_envelope_gap``) - or ends below the judge's (the
+remedy fixed what failed; the line says it does not track); for the judge, the run converges.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import time
 from typing import Sequence
 
 from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.evidence import _loss_scale
 from convcheck.diagnose.verdict import Verdict
 from convcheck.measure.train import TrainConfig, TrainResult, converged, run_training
 from convcheck.measure.train.arms import Arm
-from convcheck.numerics.thresholds import FRAGILE_MARGIN
+from convcheck.numerics.thresholds import APART_FACTOR, FRAGILE_MARGIN, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.plan.user_code import one_line
 from convcheck.targets.spec import Target
@@ -69,7 +70,7 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
                                    "two training runs, more than the default's one (--verify runs it)")
     tried = actions[:1] if mode is None else actions
     judge_losses = _losses(training, training.arm_of(judge).name)
-    allowed = max(TRACK_MARGIN, _envelope_gap(training, judge_losses))
+    allowed = max(TRACK_MARGIN, _envelope_gap(training, judge_losses, tolerances))
     attempts = []
     follow: Action | None = None
     for a in tried:
@@ -230,22 +231,44 @@ def _gap(final: float, judge_losses: list[float]) -> tuple[float, str]:
     fall = first - last if math.isfinite(first) else 0.0
     scale = max(abs(last), fall)
     if not scale:
-        return math.nan, f"of the judge's {last:.4g}"
+        return math.nan, f"of the judge's {_loss_text(last)}"
     if fall > abs(last):
-        return abs(final - last) / scale, f"of the judge's fall {first:.4g} -> {last:.4g}"
-    return abs(final - last) / scale, f"of the judge's {last:.4g}"
+        return abs(final - last) / scale, f"of the judge's fall {_loss_text(first)} -> {_loss_text(last)}"
+    return abs(final - last) / scale, f"of the judge's {_loss_text(last)}"
 
 
-def _envelope_gap(training: TrainResult, judge_losses: list[float]) -> float:
-    """The farthest finite envelope run's final loss from the judge's, as ``_gap`` (0 without one)."""
+def _loss_text(v: float) -> str:
+    """A loss as the verify lines print it: 4 significant digits (1.2e-07 stays 1.2e-07), and a loss of
+    exactly 0.0 (a float64 judge classifying every sample with certainty) says so rather than a bare 0."""
+    return "exactly 0.0" if v == 0 else f"{v:.4g}"
+
+
+def _envelope_gap(training: TrainResult, judge_losses: list[float],
+                  tolerances: Tolerances = DEFAULT_TOLERANCES) -> float:
+    """The farthest envelope run's final loss from the judge's, as ``_gap`` - only when every envelope run is
+    itself healthy: every loss finite, converging where the judge converges, ending with the judge (not above
+    ``APART_FACTOR`` times its final loss by more than ``OUTCOME_RELATIVE`` of the loss's scale). The envelope
+    runs perturb the lower-precision target by one ulp; when that target is the broken one (a bf16 arm ending
+    at loss 27 against the judge's 0.75) its runs show how far the breakage moves the end, not honest rounding,
+    and would let almost any re-run "track" the judge. 0 without a healthy envelope (``TRACK_MARGIN`` rules)."""
+    if not judge_losses or not all(math.isfinite(v) for v in judge_losses):
+        return 0.0
+    jf = judge_losses[-1]
+    judge_conv = converged(judge_losses, tolerances)
+    margin = OUTCOME_RELATIVE * _loss_scale(judge_losses[0], jf) + OUTCOME_ABSOLUTE
     gaps = []
     for a in training.arms:
-        if a.role == "envelope":
-            losses = _losses(training, a.name)
-            if losses and math.isfinite(losses[-1]):
-                gap, _ = _gap(losses[-1], judge_losses)
-                if math.isfinite(gap):
-                    gaps.append(gap)
+        if a.role != "envelope":
+            continue
+        losses = _losses(training, a.name)
+        if not losses or not all(math.isfinite(v) for v in losses):
+            return 0.0
+        if (judge_conv and not converged(losses, tolerances)) or (
+                losses[-1] > jf + margin and losses[-1] > APART_FACTOR * jf):
+            return 0.0
+        gap, _ = _gap(losses[-1], judge_losses)
+        if math.isfinite(gap):
+            gaps.append(gap)
     return max(gaps, default=0.0)
 
 
@@ -277,7 +300,7 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
     judge_final = judge_losses[-1] if judge_losses else math.nan
     final = losses[-1] if losses else math.nan
     gap, of = _gap(final, judge_losses)
-    change = f"({losses[0]:.4g} -> {final:.4g})" if losses else ""
+    change = f"({_loss_text(losses[0])} -> {_loss_text(final)})" if losses else ""
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     judge_conv = converged(judge_losses, tolerances)
     cause, by_optimizer = _cause(result, t) if bad is not None else ("", False)

@@ -70,3 +70,37 @@ def bn_mlp() -> nn.Module:
     """A BatchNorm MLP (3x8x8 inputs, 4 classes): at 2 samples per rank, each rank's BatchNorm statistics
     are those of 2 samples, not of the global batch: data-parallel training ends far from one device's."""
     return nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class OnePassLayerNorm(nn.Module):
+    """A hand-rolled LayerNorm with the one-pass variance E[x^2] - E[x]^2: after a large offset the two
+    terms cancel, and in bfloat16 (8 bits) nothing of the variance is left."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - mu * mu
+        return (x - mu) * torch.rsqrt(var.clamp_min(0) + 1e-5) * self.w + self.b
+
+
+class OffsetNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flat = nn.Flatten()
+        self.fc1 = nn.Linear(64, 128)
+        self.norm = OnePassLayerNorm(128)
+        self.fc2 = nn.Linear(128, 4)
+        with torch.no_grad():
+            self.fc1.bias.fill_(20.0)  # activations sit far from zero (an embedding offset)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(self.flat(x)))))
+
+
+def offset_norm_net() -> nn.Module:
+    """New-user trial 3: under bf16 the broken arm (and its envelope runs) end near loss 27, the judge at 0.75."""
+    return OffsetNormNet()

@@ -50,6 +50,8 @@ from convcheck.numerics.thresholds import (
 # --- symptom kinds: every Symptom.name, and the verdict's own symptom names ----------------
 # Training problems (any arm; the judge's decide a "setup" verdict).
 NONFINITE_LOSS = "non-finite loss"
+# what a NONFINITE_LOSS symptom is called when every loss stayed finite (>= LOSS_NAN_LIKE: NaN-like by the rule)
+EXPLODING_LOSS = "exploding loss"
 EXPLODING_GRADIENTS = "exploding gradients / learning rate too high"
 VANISHING_GRADIENTS = "vanishing gradients"
 SATURATED_ACTIVATIONS = "saturated activations"
@@ -85,7 +87,8 @@ NONFINITE_TENSORS = (NONFINITE_FORWARD, NONFINITE_BACKWARD)
 
 @dataclass(frozen=True)
 class Symptom:
-    """One thing a detector saw: what, on which arm, where, and the numbers."""
+    """One thing a detector saw: what, on which arm, where, and the numbers. ``label``: the words a reader
+    sees for ``name`` (``extra["label"]`` where the name would say more than happened)."""
 
     name: str
     arm: str
@@ -94,6 +97,10 @@ class Symptom:
     step: int | None = None
     value: float | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.extra.get("label", self.name)
 
 
 # --- training problems (run on every arm) ----------------------------------------------------
@@ -109,8 +116,18 @@ def training_problems(curves: pd.DataFrame, layer_grads: pd.DataFrame, acts: pd.
     bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or v >= LOSS_NAN_LIKE]
     if bad:
         step = int(c["step"].iloc[bad[0]])
-        out.append(Symptom(NONFINITE_LOSS, arm, f"loss {losses[bad[0]]:.3g} at step {step} "
-                           f"(non-finite or >= {LOSS_NAN_LIKE:g}, AUTOTRAINER's NaN-like rule)", step=step))
+        first = losses[bad[0]]
+        nonfinite = next((i for i in bad if not math.isfinite(losses[i])), None)
+        if nonfinite is None:  # every loss finite: it explodes, NaN-like by the rule - never "non-finite" in words
+            peak = max(losses[i] for i in bad)
+            out.append(Symptom(NONFINITE_LOSS, arm, f"the loss explodes to {first:.3g} at step {step}"
+                               + (f" (up to {peak:.3g})" if peak > first else "")
+                               + f", NaN-like by AUTOTRAINER's rule (>= {LOSS_NAN_LIKE:g}); every loss stays finite",
+                               step=step, value=first, extra={"label": EXPLODING_LOSS}))
+        else:
+            later = "" if nonfinite == bad[0] else f", non-finite from step {int(c['step'].iloc[nonfinite])}"
+            out.append(Symptom(NONFINITE_LOSS, arm, f"loss {first:.3g} at step {step}{later} "
+                               f"(non-finite or >= {LOSS_NAN_LIKE:g}, AUTOTRAINER's NaN-like rule)", step=step))
     g = layer_grads[layer_grads["arm"] == arm]
     out += _gradient_problems(c, g, arm, lr, losses)
     mine = acts[acts["arm"] == arm]

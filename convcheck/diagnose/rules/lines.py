@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import math
 
-from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.evidence import Evidence, ends_apart
 
 
 def training_lines(ev: Evidence) -> list[str]:
     out = []
+    judge = ev.outcomes.get(ev.judge)
     for name, info in ev.outcomes.items():
         state = "converged" if info.converged else "did not converge"
         if not ev.judgeable and math.isfinite(info.final_loss):
             state = "trained (convergence not judged)"
+        elif info.converged and judge is not None and name != ev.judge and judge.converged and ends_apart(
+                info.final_loss, judge.final_loss, judge.first_loss):
+            # the convergence rule is relative: 51 -> 27 converges by it, while the judge ends at 0.75
+            state = (f"converged by the loss rule but ends {info.final_loss / judge.final_loss:.3g}x the "
+                     f"judge's {judge.final_loss:.4g}")
         out.append(f"{name}: {state}, loss {info.first_loss:.4g} -> {info.final_loss:.4g}"
                    + (f", first non-finite at step {info.first_nonfinite_step}"
                       if info.first_nonfinite_step is not None else ""))
@@ -20,7 +26,7 @@ def training_lines(ev: Evidence) -> list[str]:
 
 
 def symptom_lines(syms, n: int) -> list[str]:
-    return [f"{s.name} ({s.arm}): {s.evidence}" for s in syms[:n]]
+    return [f"{s.label} ({s.arm}): {s.evidence}" for s in syms[:n]]
 
 
 def where_in(layer: str | None) -> str:

@@ -37,7 +37,7 @@ def ok_verdict(ev: Evidence) -> Verdict:
         evidence.append(f"the float64 judge has not converged in {ev.steps} steps either (loss {judge.first_loss:.4g} -> "
                         f"{judge.final_loss:.4g}{', still falling' if ev.still_falling.get(ev.judge) else ''}) and the "
                         f"targets track it: run --steps {2 * ev.steps} or more to judge convergence")
-        evidence += [f"note ({s.arm}): {s.name}: {s.evidence}" for s in ev.judge_problems]
+        evidence += [f"note ({s.arm}): {s.label}: {s.evidence}" for s in ev.judge_problems]
     if not ev.judgeable:
         steps = f"{ev.steps} step" + ("s" if ev.steps != 1 else "")
         evidence.append(f"convergence is not judged from {steps}; run --steps {CONVERGENCE_MIN_STEPS} "

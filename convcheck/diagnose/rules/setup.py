@@ -88,6 +88,9 @@ def judge_fails(ev: Evidence) -> Verdict | None:
             layer=main.layer, sub_cause=main.name, symptoms=names)
     if main.name == S.EXPLODING_GRADIENTS:
         headline = f"training setup: learning rate {ev.lr:g} is too high, gradients explode ({why})"
+    elif main.label != main.name:  # a loss >= 1000 that stays finite: what happened, not the rule's name
+        headline = (f"training setup: the loss explodes to {main.value:.3g} at step {main.step}, NaN-like by "
+                    f"AUTOTRAINER's rule ({why})")
     remedies = list(SETUP_REMEDIES.get(main.name, []))
     kinds = main.extra.get("saturating") or []
     if main.name == S.VANISHING_GRADIENTS and (kinds or S.SATURATED_ACTIVATIONS in names):
