@@ -19,7 +19,7 @@ import sys
 
 from convcheck.integrations._extra import require, scalar
 from convcheck.watch.layout import DEFAULT_MAX_BYTES
-from convcheck.watch.recorder import batch_hash, watch
+from convcheck.watch.recorder import watch
 
 
 def _callback_base():
@@ -60,7 +60,7 @@ class ConvcheckCallback(_callback_base()):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.watch is not None and pl_module.training:
-            self.watch.hashes.append(batch_hash((batch,), {}))
+            self.watch.hash_batch((batch,), {})
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepped = True

@@ -26,7 +26,10 @@ from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
 from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
+
+LOSS_RTOL = 1e-3  # the smallest relative loss difference that parts two runs (a float32 pair's)
 from convcheck.watch.reader import WatchedRun, open_watched
+from convcheck.watch.recorder import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
 from convcheck.watch.setup import (initial_weights_difference, lr_difference, optimizer_difference,
                                    settings_difference)
@@ -47,6 +50,7 @@ class WatchDiff:
     setup: tuple = ()  # ``setup.Setup``: what the runs were set up with differently (optimizer, lr, initial weights)
     stopped: tuple = (None, None)  # each run's ``stopped`` (its block raised or was interrupted), or None
     verdict: Verdict | None = None
+    loss_tol: float = LOSS_RTOL  # the relative loss difference beyond rounding (``loss_tolerance``)
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -180,7 +184,7 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
     in the order the layers ran; an input that parts while the layer before did not was made by own code."""
     sa, sb = a.snapshot(step), b.snapshot(step)
     da, db = _dtypes_at(a, step), _dtypes_at(b, step)
-    same_batch = a.steps[step]["batch_sha256"] == b.steps[step]["batch_sha256"]
+    same_batch = same_batches(a, b, step)
     for i, layer in enumerate(a.steps[step]["layers"]):
         for what, key in (("input", f"in/{layer}/0/0"), ("output", f"out/{layer}/0/0")):
             if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
@@ -219,16 +223,70 @@ def first_parting(a: WatchedRun, b: WatchedRun, steps: int) -> Parting | None:
     return None
 
 
+def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
+    """Whether step ``k`` of both runs gave the model the same data: the same bytes, or, when the coarser
+    run computes in bfloat16 or float16, the same batch rounded to that format (``batch_rounded``: a model
+    cast with ``model.to(torch.bfloat16)`` is fed ``x.to(torch.bfloat16)``). A run recorded before
+    ``batch_rounded`` is compared by its bytes alone."""
+    sa, sb = a.steps[k], b.steps[k]
+    if sa["batch_sha256"] == sb["batch_sha256"]:
+        return True
+    dtypes = {r["dtype"] for s in (sa, sb) for r in s["layers"].values()}
+    fmt = max(dtypes, key=lambda t: UNIT_ROUNDOFF.get(t, 0), default=None)
+    ra, rb = sa.get("batch_rounded"), sb.get("batch_rounded")
+    if fmt not in ROUNDED or ra is None or rb is None or len(ra) != len(rb):
+        return False
+    return all(x == y or (isinstance(rx, dict) and isinstance(ry, dict) and rx.get(fmt) is not None
+                          and rx.get(fmt) == ry.get(fmt))
+               for x, y, rx, ry in zip(sa["batch_sha256"], sb["batch_sha256"], ra, rb))
+
+
 def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
-    return next((k for k in range(steps) if a.steps[k]["batch_sha256"] != b.steps[k]["batch_sha256"]), None)
+    return next((k for k in range(steps) if not same_batches(a, b, k)), None)
+
+
+def _loss_unit(a: WatchedRun, b: WatchedRun) -> float:
+    """The unit roundoff of the coarser of the two runs' precisions (their layers' output dtypes at step 0)."""
+    dtypes = {r["dtype"] for run in (a, b) if run.steps for r in run.steps[0]["layers"].values()}
+    return max((UNIT_ROUNDOFF.get(t, 2.0**-24) for t in dtypes), default=2.0**-24)
+
+
+def loss_tolerance(a: WatchedRun, b: WatchedRun) -> float:
+    """Two losses differ beyond rounding past ``PART_FACTOR`` unit roundoffs of the coarser run's precision
+    (relative), never below 1e-3 (a float32 pair's reductions in another order)."""
+    return max(LOSS_RTOL, PART_FACTOR * _loss_unit(a, b))
+
+
+def _final_losses(run: WatchedRun, steps: int) -> float | None:
+    """The mean of the last tenth (at least one) of a run's first ``steps`` losses; None when any is missing
+    or non-finite."""
+    tail = [run.steps[k]["loss"] for k in range(steps - max(1, steps // 10), steps)] if steps else []
+    if not tail or any(v is None or not math.isfinite(v) for v in tail):
+        return None
+    return sum(tail) / len(tail)
 
 
 def _first_loss_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
+    """The first step whose losses differ beyond ``loss_tolerance``. Runs at different precisions whose
+    losses end the same (the means of the last tenth of the steps within that tolerance of the loss's scale,
+    the largest of the first and final losses) do not part in the loss: their rounding differences compound
+    over the steps, and a healthy pair's losses wander apart; where they end is what the lower precision
+    costs."""
+    tol = loss_tolerance(a, b)
+    first = None
     for k in range(steps):
         x, y = a.steps[k]["loss"], b.steps[k]["loss"]
-        if x is not None and y is not None and x != y and not (abs(x - y) <= 1e-3 * max(abs(x), abs(y))):
-            return k
-    return None
+        if x is not None and y is not None and x != y and not (abs(x - y) <= tol * max(abs(x), abs(y))):
+            first = k
+            break
+    if first is None or _loss_unit(a, b) <= 2.0**-24:
+        return first
+    ea, eb = _final_losses(a, steps), _final_losses(b, steps)
+    x0, y0 = a.steps[0]["loss"], b.steps[0]["loss"]
+    if ea is not None and eb is not None and x0 is not None and y0 is not None and math.isfinite(x0 + y0) and \
+            abs(ea - eb) <= tol * max(abs(ea), abs(eb), abs(x0), abs(y0)):
+        return None
+    return first
 
 
 def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
@@ -250,7 +308,8 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
                        first_parting(a, b, steps), _first_loss_difference(a, b, steps),
                        (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup,
-                       stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")))
+                       stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")),
+                       loss_tol=loss_tolerance(a, b))
     if judge is None:
         from convcheck.targets.spec import default_judge
 

@@ -141,8 +141,18 @@ def _check_step(rec, i: int) -> dict:
     bundle_reader.get_field(rec, "loss", _NUM, where, optional=True)
     if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in bundle_reader.get_field(rec, "lr", list, where)):
         raise _Bad(f"{where}.lr holds a non-number")
-    for h in bundle_reader.get_field(rec, "batch_sha256", list, where):
+    hashes = bundle_reader.get_field(rec, "batch_sha256", list, where)
+    for h in hashes:
         bundle_reader.sha_field(h, f"{where}.batch_sha256")
+    rounded = bundle_reader.get_field(rec, "batch_rounded", list, where, optional=True)  # runs before it: none
+    if rounded is not None:
+        if len(rounded) != len(hashes):
+            raise _Bad(f"{where}.batch_rounded lists {len(rounded)} batches, batch_sha256 {len(hashes)}")
+        for r in rounded:
+            if r is not None and not isinstance(r, dict):
+                raise _Bad(f"{where}.batch_rounded holds {type(r).__name__}, expected an object or null")
+            for fmt, h in (r or {}).items():
+                bundle_reader.sha_field(h, f"{where}.batch_rounded[{fmt!r:.20}]")
     for n, v in bundle_reader.get_field(rec, "grad_norms", dict, where).items():
         if not isinstance(v, _NUM) or isinstance(v, bool):
             raise _Bad(f"{where}.grad_norms[{n!r:.40}] is not a number")

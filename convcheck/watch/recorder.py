@@ -65,6 +65,53 @@ def batch_hash(args, kwargs) -> str:
     return h.hexdigest()
 
 
+ROUNDED = ("bfloat16", "float16")  # the 16-bit formats a cast model's batch is also hashed in
+
+
+def rounded_hashes(args, kwargs) -> dict[str, str] | None:
+    """``{"bfloat16": sha, "float16": sha}``: SHA-256 of the batch with every floating tensor rounded to
+    that format (its dtype hashed as "float"; other tensors as ``batch_hash`` does), so that a model cast
+    to bfloat16 or float16, fed ``x.to(dtype)``, is seen to receive the same data as a float32 run of it.
+    None when the batch holds no floating tensor (the exact hash says it all)."""
+    ts = [t.detach() for t in _tensors(args) + _tensors(kwargs)]
+    if not any(t.is_floating_point() for t in ts):
+        return None
+    out = {}
+    for fmt in ROUNDED:
+        dtype, h = getattr(torch, fmt), hashlib.sha256()
+        for t in ts:
+            c = (t.to(dtype) if t.is_floating_point() else t).to("cpu").contiguous()
+            h.update(f"{'float' if t.is_floating_point() else c.dtype}{tuple(c.shape)}".encode())
+            if c.numel():
+                h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
+        out[fmt] = h.hexdigest()
+    return out
+
+
+_OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",
+                "PowBackward0": "pow", "PowBackward1": "pow", "PowBackward2": "pow"}
+
+
+def loss_op(loss, value: float, model_fns, limit: int = 512) -> dict:
+    """``{"op": "exp"}``: the one op of the loss's own code (its autograd graph from the loss back to the
+    model's output, ``model_fns``) that overflows to Inf, when the loss is Inf and that graph holds exactly
+    one such op (exp, pow); ``{}`` otherwise. Reads the graph's node types only (its saved tensors are
+    freed by the backward)."""
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or not math.isinf(value):
+        return {}
+    stop, seen, todo, found = set(model_fns), set(), [loss.grad_fn], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _OVERFLOWING:
+            found.add(_OVERFLOWING[type(node).__name__])
+        if node not in stop:
+            todo += [n for n, _ in node.next_functions]
+    return {"op": found.pop()} if len(found) == 1 and len(seen) < limit else {}
+
+
 def _closure(args, kwargs) -> bool:
     """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
     return (args[0] if args else kwargs.get("closure")) is not None
@@ -164,6 +211,8 @@ class Watch:
         self.layers: dict[str, dict] = {}
         self.order: list[str] = []
         self.hashes: list[str] = []
+        self.rounded: list[dict | None] = []  # each batch's ``rounded_hashes``
+        self.model_fns: list = []  # the autograd nodes of the model's output this step
         self.grad_norms: dict[str, float] | None = None
         self.lr_used: list[float] | None = None
         self.last_leaf: tuple | None = None
@@ -224,11 +273,16 @@ class Watch:
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.model.training and not self.truncated
 
+    def hash_batch(self, args, kwargs) -> None:
+        """The step's batch: its exact hash and its ``rounded_hashes``."""
+        self.hashes.append(batch_hash(args, kwargs))
+        self.rounded.append(rounded_hashes(args, kwargs))
+
     def _root_pre(self, module, args, kwargs):
         if self.pending:
             self._end_step(loss=None)
         if self._recording():
-            self.hashes.append(batch_hash(args, kwargs))
+            self.hash_batch(args, kwargs)
             if self.taker is not None and not self.taker.params:
                 self.taker.take_params(self.params)
         return None
@@ -247,6 +301,8 @@ class Watch:
                 self.order.append(name)
         if self.taker is not None and module in self.leaves:
             self.taker.take_call(name, _floats(args), outs)
+        if module is self.model:  # where the loss's own code begins (``loss_op`` stops there)
+            self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
         if self.producer is None:
             if row is not None:
                 bad = row["nan"] + row["inf"] > 0 or _nonfinite(outs[1:])
@@ -327,8 +383,12 @@ class Watch:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (None if loss is None else float(loss))
-        if value is not None and not math.isfinite(value) and self.producer is None:
-            self._found("the loss", "forward", "own code")
+        p = self.producer
+        if value is not None and not math.isfinite(value) and (p is None or (
+                p["step"] == self.step_index and p["direction"] == "backward")):
+            # the loss is already non-finite in its forward: a backward NaN/Inf of this step came after it
+            self._found("the loss", "forward", "own code", detail=f"the loss is {value}")
+            self.producer.update(loss_op(loss, value, self.model_fns))
         if self.grad_norms is None:
             self.grad_norms = self._norms()
             if self.taker is not None and not self.taker.grads:
@@ -337,6 +397,7 @@ class Watch:
 
     def _end_step(self, loss) -> None:
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
+                  "batch_rounded": self.rounded,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
         if self.scaler is not None:

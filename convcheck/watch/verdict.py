@@ -213,7 +213,7 @@ def decide(d, a, b) -> Verdict:
         return layer_verdict(side, row, f"{side}'s ")
     part = d.parting
     if part is None and d.loss_step is not None:
-        part = Parting(d.loss_step, "the loss", "the losses differ by more than 1e-3 (relative)")
+        part = Parting(d.loss_step, "the loss", f"the losses differ by more than {d.loss_tol:.3g} (relative)")
     if part is None:
         extra = [f"A ran {d.steps[0]} steps, B {d.steps[1]}: compared the first {min(d.steps)}"] \
             if d.steps[0] != d.steps[1] else []

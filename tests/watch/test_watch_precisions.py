@@ -1,0 +1,89 @@
+"""One user loop recorded in float32, bfloat16 autocast and a bfloat16-cast model, and a hand-written
+log-sum-exp loss under float16 autocast: what ``convcheck diff`` says of each pair (the new-user trial)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from convcheck.cli.main import main
+
+from .precision_loops import lse_run, sensor_run
+
+
+def diff(capsys, *args) -> tuple[int, str]:
+    code = main(["diff", *map(str, args), "--no-save"])
+    return code, capsys.readouterr().out
+
+
+def verdict(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("verdict: "))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("precisions")
+    for name, precision in (("fp32", "fp32"), ("autocast", "autocast-bf16"), ("cast", "bf16")):
+        sensor_run(tmp / name, precision)
+    sensor_run(tmp / "cast_seed1", "bf16", seed=1)
+    sensor_run(tmp / "raw_fp32", "fp32", raw=True)
+    sensor_run(tmp / "raw_cast", "bf16", raw=True)
+    return tmp
+
+
+def test_a_healthy_bf16_autocast_run_agrees_with_its_float32_run(runs, capsys):
+    # the losses differ by up to a few bfloat16 roundoffs (compounding over the steps) and end the same
+    code, out = diff(capsys, runs / "fp32", runs / "autocast")
+    assert verdict(out) == "verdict: ok: the two watched runs agree within rounding at every aligned step"
+    assert code == 0
+
+
+def test_a_bf16_cast_model_fed_cast_inputs_sees_the_same_data(runs, capsys):
+    code, out = diff(capsys, runs / "fp32", runs / "cast")
+    assert "data: the same batches at every aligned step" in out
+    assert verdict(out) == "verdict: ok: the two watched runs agree within rounding at every aligned step"
+    assert code == 0
+
+
+def test_a_cast_model_with_a_one_pass_variance_is_named_by_its_layer(runs, capsys):
+    code, out = diff(capsys, runs / "raw_fp32", runs / "raw_cast")
+    assert "data: the same batches at every aligned step" in out
+    assert verdict(out).startswith("verdict: layer: in both runs, norm computes beyond its floor at step 0")
+    assert code == 1
+
+
+def test_a_cast_model_on_other_data_is_still_a_setup_verdict(runs, capsys):
+    code, out = diff(capsys, runs / "fp32", runs / "cast_seed1")
+    assert verdict(out).startswith("verdict: setup: the runs did not see the same data: different data from step 0")
+    assert code == 1
+
+
+def test_a_run_recorded_without_rounded_hashes_is_compared_by_its_bytes(runs, tmp_path, capsys):
+    import shutil
+
+    old = tmp_path / "old_cast"
+    shutil.copytree(runs / "cast", old)
+    lines = [json.loads(line) for line in (old / "steps.jsonl").read_text().splitlines()]
+    assert all("batch_rounded" in rec for rec in lines)
+    (old / "steps.jsonl").write_text("".join(json.dumps({k: v for k, v in rec.items() if k != "batch_rounded"})
+                                             + "\n" for rec in lines))
+    code, out = diff(capsys, runs / "fp32", old)
+    assert verdict(out).startswith("verdict: setup: the runs did not see the same data")
+    assert code == 1
+
+
+def test_an_overflowing_exp_in_the_loss_is_named_in_its_forward(tmp_path, capsys):
+    lse_run(tmp_path / "fp32", fp16=False)
+    losses = lse_run(tmp_path / "fp16", fp16=True)
+    assert losses[5] == float("inf")
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "fp16")
+    assert verdict(out) == ("verdict: numerics: B turns non-finite at step 5 in the loss (own code: exp, forward); "
+                            "A stays finite")
+    assert "first non-finite in B: the loss (own code: exp, forward) at step 5: the loss is inf" in out
+    assert "  remedy: subtract the maximum before exp" in out
+    assert "sqrt(d)" not in out
+    assert code == 1
+    code, out = diff(capsys, tmp_path / "fp16", "--judge", "cpu:float64")
+    assert verdict(out) == "verdict: numerics: the run turns non-finite at step 5 in the loss (own code: exp, forward)"
+    assert code == 1
