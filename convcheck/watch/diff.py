@@ -26,14 +26,15 @@ from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
 from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
-
-LOSS_RTOL = 1e-3  # the smallest relative loss difference that parts two runs (a float32 pair's)
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.recorder import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
 from convcheck.watch.setup import (initial_weights_difference, lr_difference, optimizer_difference,
                                    settings_difference)
 from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
+
+LOSS_RTOL = 1e-3  # the smallest relative loss difference that parts two runs (a float32 pair's)
+
 
 @dataclass(frozen=True)
 class WatchDiff:

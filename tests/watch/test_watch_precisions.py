@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from convcheck.cli.main import main
 
@@ -87,3 +88,19 @@ def test_an_overflowing_exp_in_the_loss_is_named_in_its_forward(tmp_path, capsys
     code, out = diff(capsys, tmp_path / "fp16", "--judge", "cpu:float64")
     assert verdict(out) == "verdict: numerics: the run turns non-finite at step 5 in the loss (own code: exp, forward)"
     assert code == 1
+
+
+def test_a_large_batch_is_the_same_data_in_bf16_and_fp16_and_another_one_is_not():
+    """Past ``ROUNDED_SAMPLE`` elements the rounded hashes read an evenly spaced sample: a batch cast to a
+    16-bit format still matches its float32 self, and another batch of the same shape does not."""
+    from convcheck.watch.recorder import ROUNDED_SAMPLE, rounded_hashes
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 200, 200, generator=g)  # 480,000 elements
+    assert x.numel() > ROUNDED_SAMPLE
+    mine = rounded_hashes((x,), {})
+    assert rounded_hashes((x.to(torch.bfloat16),), {})["bfloat16"] == mine["bfloat16"]
+    assert rounded_hashes((x.half(),), {})["float16"] == mine["float16"]
+    other = rounded_hashes((torch.randn(4, 3, 200, 200, generator=g),), {})
+    assert other["bfloat16"] != mine["bfloat16"] and other["float16"] != mine["float16"]
+    assert rounded_hashes((x.reshape(4, 3, 400, 100),), {})["bfloat16"] != mine["bfloat16"]  # the shape counts
