@@ -82,12 +82,18 @@ def _nonfinite(d) -> Verdict | None:
 NONFINITE_REMEDIES = ["keep that layer's operation in float32 (autocast(enabled=False) around it), or rescale its "
                       "operands (e.g. divide the scores by sqrt(d) before the matmul)"]
 KEEP_FLOAT32 = "keep that layer's operation in float32 (autocast(enabled=False) around it)"
+LOSS_FLOAT32 = ("compute the loss in float32: outside autocast, on the model's output cast with .float() "
+                "(loss_fn(out.float(), y))")
+LOSS = "the loss"  # the producer's name when the loss's own code made the first NaN/Inf (``Watch.step``)
 
 
 def nonfinite_remedies(p: dict) -> list[str]:
     """As ``compare`` (``diagnose/rules/numerics.op_remedies``): the stable form of the op that made the first
-    NaN/Inf when it has one (``exp``: subtract the maximum), then float32; else float32 or rescaling."""
+    NaN/Inf when it has one (``exp``: subtract the maximum), then float32 - for the loss, the loss computed in
+    float32; else float32 or rescaling."""
     own = op_remedies(p.get("op")) if isinstance(p.get("op"), str) else []
+    if p.get("layer") == LOSS:
+        return own + [LOSS_FLOAT32]
     return own + [KEEP_FLOAT32] if own else list(NONFINITE_REMEDIES)
 
 

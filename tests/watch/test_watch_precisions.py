@@ -84,6 +84,8 @@ def test_an_overflowing_exp_in_the_loss_is_named_in_its_forward(tmp_path, capsys
     assert "first non-finite in B: the loss (own code: exp, forward) at step 5: the loss is inf" in out
     assert "  remedy: subtract the maximum before exp" in out
     assert "sqrt(d)" not in out
+    assert "  remedy: compute the loss in float32: outside autocast" in out
+    assert "that layer's operation" not in out  # the loss is no layer
     assert code == 1
     code, out = diff(capsys, tmp_path / "fp16", "--judge", "cpu:float64")
     assert verdict(out) == "verdict: numerics: the run turns non-finite at step 5 in the loss (own code: exp, forward)"
