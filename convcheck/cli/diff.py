@@ -289,14 +289,58 @@ def run_against(args) -> int:
         raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
+    shape, classes = _recorded_io(recorded["model"], args)
+    _same_source_here(recorded["model"], (recorded["code_sha256"] or {}).get("model"), args.against)
     cfg = config_of(recorded, None, args.judge)
     with _removed_if_empty(folder), tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
         here = Path(tmp) / "here"
         here.mkdir()
-        record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None)
-        result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+        record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None, input_shape=shape,
+                   num_classes=classes)
+        try:
+            result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
+        except UsageError as e:  # the run made here is no folder of the user's: name it as they asked for it
+            raise UsageError(str(e).replace(str(here), f"{spec} (here)")) from None
     _mark_diff(result, args.against, f"{spec} (here)")
     return _finish(result, fps, differences, folder, args)
+
+
+def _same_source_here(model: dict, code_sha: str | None, against) -> None:
+    """A ``FILE.py:factory`` model whose file here is not the one recorded is refused before anything runs
+    (the diff would refuse it after a whole recording)."""
+    import hashlib
+    from pathlib import Path
+
+    from convcheck.errors import UsageError
+
+    file, _, _ = str(model.get("spec", "")).rpartition(":")
+    recorded = model.get("source_sha256") or code_sha
+    path = Path(file).expanduser()
+    if not recorded or not file.endswith(".py") or not path.is_file():
+        return
+    here = hashlib.sha256(path.read_bytes()).hexdigest()
+    if here != recorded:
+        raise UsageError(f"model {model['spec']}: its file here (SHA-256 {here[:12]}) is not the one the run in "
+                         f"{against} recorded ({recorded[:12]}): compare the same code")
+
+
+def _recorded_io(model: dict, args) -> tuple:
+    """The input shape and class count the recorded run used (its manifest's), else ``--input-shape`` /
+    ``--classes``; a given value the run did not record with is refused: the two sides must see the same
+    inputs."""
+    from convcheck.errors import UsageError
+    from convcheck.plan.models import parse_input_shape
+
+    shape = tuple(model["input_shape"]) if model.get("input_shape") else None
+    classes = model.get("num_classes")
+    given = parse_input_shape(args.input_shape) if getattr(args, "input_shape", None) else None
+    if given is not None and shape is not None and given != shape:
+        raise UsageError(f"--input-shape {'x'.join(map(str, given))}: the run in {args.against} was recorded with "
+                         f"input {'x'.join(map(str, shape))}")
+    asked = getattr(args, "classes", None)
+    if asked is not None and classes is not None and asked != classes:
+        raise UsageError(f"--classes {asked}: the run in {args.against} was recorded with {classes} classes")
+    return shape or given, classes if classes is not None else asked
 
 
 def same_model(given: str, recorded: str) -> bool:

@@ -253,3 +253,57 @@ def test_an_optimizer_step_that_makes_fp16_weights_nan_diffs_as_compare_diagnose
     ref = convcheck.compare("lenet", "cpu,cpu:fp16", **CFG)
     assert ref.verdict.sub_cause == "non-finite weights", ref.verdict.headline
     assert result.verdict.headline == ref.verdict.headline
+
+
+CNN16 = '''
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):  # takes 3x16x16: no size convcheck tries (28, 32, 64, 224) fits it
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def build():
+    return Net()
+'''
+
+
+def test_compare_against_takes_the_recorded_input_shape(tmp_path, capsys, monkeypatch):
+    """New-user trial 4: a run recorded with --input-shape 3,16,16 could not be compared against
+    ('cannot tell the input shape ... pass --input-shape'), and a given --input-shape was dropped."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cnn.py").write_text(CNN16)
+    assert main(["record", "--model", "cnn.py:build", "--input-shape", "3,16,16", "--target", "cpu",
+                 "--out", "base", *SMALL]) == 0
+    capsys.readouterr()
+    rc = main(["compare", "--against", "base", "--targets", "cpu:bf16", "--json", "--no-save"])
+    captured = capsys.readouterr()
+    assert rc in (0, 1), captured.err
+    assert json.loads(captured.out)["verdict"]["category"]
+    assert main(["compare", "--against", "base", "--targets", "cpu:bf16", "--input-shape", "3,32,32", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert "--input-shape 3x32x32: the run in base was recorded with input 3x16x16" in err
+
+
+def test_compare_against_with_the_model_file_changed_is_refused_before_it_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cnn.py").write_text(CNN16)
+    assert main(["record", "--model", "cnn.py:build", "--input-shape", "3,16,16", "--target", "cpu",
+                 "--out", "base", *SMALL]) == 0
+    (tmp_path / "cnn.py").write_text(CNN16.replace("nn.Conv2d(8, 16, 3, padding=1)", "nn.Conv2d(8, 16, 3, padding=1, bias=False)"))
+    capsys.readouterr()
+    assert main(["compare", "--against", "base", "--targets", "cpu:bf16", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "model cnn.py:build: its file here (SHA-256" in err and "is not the one the run in base recorded" in err
+    assert "convcheck-against" not in err
