@@ -233,3 +233,41 @@ def test_adam_eps_that_is_zero_in_float16_is_named_not_the_first_layer(clean_env
     assert any("eps >= 1e-4" in rem for rem in v.remedies), v.remedies
     fixed = compare("lenet", "cpu,cpu:fp16", steps=8, envelope=0, batch_size=16, env_findings=clean_env, eps=1e-4)
     assert fixed.training.nonfinite_producer[fixed.training.arm_of(T("cpu:fp16"))] is None, fixed.verdict.headline
+
+
+class _GramNorm(nn.Module):
+    """A user's variance with the sum of squares as an einsum (a matmul: TF32 rounds its operands)."""
+
+    def forward(self, x):
+        import torch
+
+        n = x.shape[-1]
+        m = x.mean(-1, keepdim=True)
+        v = torch.einsum("bi,bi->b", x, x).unsqueeze(-1) / n - m * m
+        return (x - m) / torch.sqrt(v.clamp_min(0) + 1e-5)
+
+
+class _GramNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3 * 8 * 8, 64)
+        self.norm = _GramNorm()
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = x.flatten(1) * 255.0 + 128.0  # raw pixel values: the variance cancels
+        return self.fc2(nn.functional.relu(self.norm(self.fc1(x))))
+
+
+def test_an_ok_verdict_does_not_say_every_layer_is_within_its_bound_beside_a_flagged_one(clean_env):
+    """New-user trial 4: 'norm' flagged at 1.3e3x its floor but below min_error (a note), while the evidence
+    said 'every layer within its floor's bound' for the same target."""
+    r = compare(_GramNet, "cpu,cpu:emulate-tf32", steps=15, envelope=1, env_findings=clean_env,
+                input_shape=(3, 8, 8), num_classes=10)
+    assert r.verdict.category == "ok", r.verdict.headline
+    flagged = r.parity.flagged("cpu:emulate-tf32")
+    assert list(flagged["layer"]) == ["norm"]
+    lines = [e for e in r.verdict.evidence if e.startswith("cpu:emulate-tf32: every layer")]
+    assert lines and lines[0].startswith("cpu:emulate-tf32: every layer but 'norm' (flagged, below min_error: "
+                                         "see the note) within its floor's bound"), lines
+    assert any(e.startswith("note (cpu:emulate-tf32): 'norm' (_GramNorm)") for e in r.verdict.evidence)

@@ -12,13 +12,20 @@ from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 def ok_verdict(ev: Evidence) -> Verdict:
     """Both targets train alike; the evidence says how close they came to a finding."""
     evidence = training_lines(ev)
+    noted: dict[str, list[str]] = {}  # a target's flagged layers below min_error (their notes follow)
+    for s in ev.layer_notes:
+        if s.layer and s.layer not in noted.setdefault(s.arm, []):
+            noted[s.arm].append(s.layer)
     for m in ev.closest_layers:
+        but = noted.get(m.target)
+        every = (f"every layer but {', '.join(repr(n) for n in but)} (flagged, below min_error: see the note) "
+                 "within its floor's bound" if but else "every layer within its floor's bound")
         if m.measured:
-            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above its floor is "
+            evidence.append(f"{m.target}: {every}; the furthest above its floor is "
                             f"'{m.layer}' ({m.module}) with its own error {m.error:.2e}, {m.ratio:.2g}x its floor "
                             f"{m.floor:.2e}")
         else:
-            evidence.append(f"{m.target}: every layer within its floor's bound; the furthest above is '{m.layer}' "
+            evidence.append(f"{m.target}: {every}; the furthest above is '{m.layer}' "
                             f"({m.module}) with local error {m.error:.2e}, {m.ratio:.2g}x the rounding of its "
                             f"result {m.floor:.2e} (a lower bound of its floor)")
     evidence += layer_note_lines(ev)
