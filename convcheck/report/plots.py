@@ -48,6 +48,7 @@ def loss_figure(result):
         dband = c[c["role"] == "envelope"].groupby("step")["dist_ref"].max()
         ax2.plot(dband.index, dband.values, color="0.5", ls=":", label="envelope spread (to its target)")
     nonfinite = {}
+    other_drawn = False  # the two targets' distance to each other is one line (the same pair both ways)
     for a in tr.arms:
         if a.role == "envelope":
             continue
@@ -59,8 +60,10 @@ def loss_figure(result):
             nonfinite[a.name] = (bad, line.get_color())
         if a.role == "target":
             ax2.plot(arm["step"], arm["dist_judge"], label=f"{a.name} to judge")
-            if arm["dist_other"].notna().any():
-                ax2.plot(arm["step"], arm["dist_other"], label=f"{a.name} to the other target", alpha=0.7)
+            if arm["dist_other"].notna().any() and not other_drawn:
+                other = next((b.name for b in tr.arms if b.role == "target" and b.name != a.name), "the other target")
+                ax2.plot(arm["step"], arm["dist_other"], label=f"{a.name} to {other}", ls="--", alpha=0.7)
+                other_drawn = True
     scale = loss_scale(list(c.loc[c["role"] != "envelope", "loss"]))
     ax1.set_yscale(scale)
     for name, (steps, colour) in nonfinite.items():  # a NaN/Inf loss draws nothing: mark where it happened

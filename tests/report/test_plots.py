@@ -62,6 +62,15 @@ def test_loss_plot_marks_non_finite_steps_and_puts_legends_outside(overflow):
     assert all(_legend_outside(a) for a in fig.axes)
 
 
+def test_the_targets_distance_to_each_other_is_drawn_once(overflow):
+    """New-user trial 4: 'A to the other target' and 'B to the other target' were the same line drawn twice,
+    hiding a 'to judge' line beneath them."""
+    ax = loss_figure(overflow).axes[1]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert [x for x in labels if " to " in x and "judge" not in x] == ["cpu to cpu:fp16"]
+    assert {"cpu to judge", "cpu:fp16 to judge"} <= set(labels)
+
+
 @pytest.mark.parametrize("values, scale", [
     ([2.3, 2.1, 0.4], "linear"),
     ([7.3e4, 1.4e23, math.nan], "log"),  # a summed loss: the first steps are not a flat line at 0
