@@ -278,6 +278,9 @@ def run_against(args) -> int:
     from convcheck.errors import UsageError
     from convcheck.report.folder import RunFolder
 
+    why = not_a_run(args.against, strict=False)  # a report folder, a FIFO: said as diff says it
+    if why:
+        raise UsageError(why.replace("diff: ", "--against ", 1).replace("diff reads", "--against reads"))
     recorded = open_bundle(args.against)
     spec = args.targets
     if not spec or "," in spec:

@@ -307,3 +307,16 @@ def test_compare_against_with_the_model_file_changed_is_refused_before_it_runs(t
     assert len(err.strip().splitlines()) == 1
     assert "model cnn.py:build: its file here (SHA-256" in err and "is not the one the run in base recorded" in err
     assert "convcheck-against" not in err
+
+
+def test_compare_against_a_report_folder_says_what_it_is(tmp_path, capsys):
+    report = tmp_path / "report"
+    assert main(["compare", "--model", "lenet", "--steps", "2", "--envelope", "0", "--batch-size", "4",
+                 "--targets", "cpu,cpu:bf16", "--out", str(report)]) in (0, 1)
+    capsys.readouterr()
+    assert main(["compare", "--against", str(report), "--targets", "cpu", "--no-save"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"--against {report}: a report folder (what compare or diff wrote), not a run" in err
+    assert main(["compare", "--against", str(tmp_path / "nothing"), "--targets", "cpu", "--no-save"]) == 2
+    assert f"--against {tmp_path / 'nothing'}: no such folder" in capsys.readouterr().err
