@@ -62,7 +62,7 @@ def test_buffers_not_broadcast_are_a_setup_verdict_naming_the_buffer():
     assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "2")
     assert v.headline.startswith("data-parallel setup: the averaged gradient on ddp:cpu:2 differs from one "
                                  "device's at step 0")
-    assert "'2' sets '2.center' from each rank's own slice in its forward" in v.headline
+    assert "'2' sets '2.center' from each of the 2 ranks' own slice in its forward" in v.headline
     assert v.remedies == [v.remedies[0]] and "all_reduce" in v.remedies[0]
 
 
@@ -130,7 +130,7 @@ def test_per_rank_batchnorm_is_setup_from_the_step_0_gradient_before_any_drift(s
     assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "bn1")
     assert v.headline.startswith("data-parallel setup: the averaged gradient on ddp:cpu:2 differs from one "
                                  "device's at step 0")
-    assert "BatchNorm layers 'bn1' normalise each rank's slice with its own batch statistics" in v.headline
+    assert "BatchNorm layers 'bn1' normalise each of the 2 ranks' slice with its own batch statistics" in v.headline
     assert v.evidence[0].startswith("step 0, before any update: the averaged gradient of '")
     assert "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0] and len(v.remedies) == 1
     assert "batchnorm_per_rank" in v.symptoms  # --verify's SyncBatchNorm re-run reads it

@@ -64,11 +64,12 @@ class DDPFinding:
     category: str = SETUP
     sub_cause: str = SUB_CAUSE
     covers: tuple[str, ...] = ()  # other findings' kinds this one stands for (the step-0 gradient's BatchNorm)
+    approximate: bool = False  # an EXACT kind that still needs the drift and the outcome (``gradient_apart``)
 
     @property
     def exact(self) -> bool:
         """A setup difference whatever the drift (``EXACT``)."""
-        return self.kind in EXACT
+        return self.kind in EXACT and not self.approximate
 
     @property
     def explains(self) -> tuple[str, ...]:
@@ -283,6 +284,10 @@ def dropout_per_rank(training, arm: str) -> DDPFinding | None:
 # models: healthy setups (an MLP, SyncBatchNorm at 2 per rank) stay below 0.2x their bound; a per-rank
 # BatchNorm at 2 per rank reaches 1.5e4x, a user's running mean of the rank's slice 6.5e3x.
 GRAD_FAR = 100.0
+# ... unless only a per-rank BatchNorm explains it and the gradient's relative error stays within this: the
+# approximation plain BatchNorm under DDP makes at a larger per-rank batch (a user's BatchNorm CNN at 16 per
+# rank: 0.107, ending alike, a note by the outcome rule); at 2 per rank it was 0.47-0.87, at 1 per rank more.
+BN_GRAD_TOLERATED = 0.2
 
 
 def gradient_apart(training, arm: str, parity) -> DDPFinding | None:
@@ -314,14 +319,15 @@ def gradient_apart(training, arm: str, parity) -> DDPFinding | None:
     parts, remedies, named = [], [], []
     if bn_off:
         parts.append("BatchNorm layers " + ", ".join(f"'{n}'" for n in bn_off[:4])
-                     + " normalise each rank's slice with its own batch statistics (no SyncBatchNorm)")
+                     + f" normalise each of the {world} ranks' slice with its own batch statistics, not the global "
+                     "batch's (no SyncBatchNorm)")
         remedies.append(BN_REMEDY)
         named += bn_off
     if own:
         mods = list(dict.fromkeys(n.rpartition(".")[0] or n for n in own))
         parts.append(", ".join(f"'{m}'" for m in mods[:4]) + " set" + ("s" if len(mods) == 1 else "")
-                     + " " + ", ".join(f"'{n}'" for n in own[:4]) + " from each rank's own slice in its forward "
-                     "and use" + ("s" if len(mods) == 1 else "") + " it there")
+                     + " " + ", ".join(f"'{n}'" for n in own[:4]) + f" from each of the {world} ranks' own slice in its "
+                     "forward and use" + ("s" if len(mods) == 1 else "") + " it there")
         remedies.append(_statistic_remedy(own))
         named += mods
     if not parts:
@@ -340,10 +346,13 @@ def gradient_apart(training, arm: str, parity) -> DDPFinding | None:
     return DDPFinding(
         kind="gradient_apart", arm=arm, layers=tuple(named),
         summary=(f"the averaged gradient on {arm} differs from one device's at step 0 ({err:.3g} against a bound "
-                 f"of {bound:.3g}) on its {world} ranks: {'; '.join(parts)}, so {arm} trains another model than "
+                 f"of {bound:.3g}): {'; '.join(parts)}, so {arm} trains another model than "
                  f"one device"),
         evidence=tuple(evidence), remedy="; ".join(remedies),
-        covers=("batchnorm_per_rank",) if bn_off else ())
+        covers=("batchnorm_per_rank",) if bn_off else (),
+        # a per-rank BatchNorm alone, with the gradient within BN_GRAD_TOLERATED: the approximation DDP users
+        # accept at a larger per-rank batch; the verdict only when it changes the outcome (as the BatchNorm finding)
+        approximate=bool(bn_off) and not own and err <= BN_GRAD_TOLERATED)
 
 
 DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, batchnorm_per_rank)

@@ -24,11 +24,12 @@ def ddp_setup(ev: Evidence) -> Verdict | None:
     the same samples, buffers that differ across ranks, random draws the shared masks miss, an averaged
     gradient at step 0 far outside its bound (always: exact evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
     envelope, or there is no envelope to tell) - and then only when it changes the outcome beyond what the
-    envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``); else it is a
-    note of the ``ok`` verdict. Sub-cause ``ddp``."""
+    envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``) or drifts more than
+    DRIFT_NOTE_MAX times the envelope's spread (``Evidence.drift_far``); else it is a note of the ``ok``
+    verdict. Sub-cause ``ddp``."""
     beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
     found = [f for f in ev.executor_findings if isinstance(f, DDPFinding)
-             and (f.exact or (beyond and ev.outcome_changed(f.arm)))]
+             and (f.exact or (beyond and (ev.outcome_changed(f.arm) or ev.drift_far)))]
     if not found:
         return None
     main = found[0]

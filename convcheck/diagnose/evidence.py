@@ -23,7 +23,7 @@ from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
-from convcheck.numerics.thresholds import APART_FACTOR, CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, \
+from convcheck.numerics.thresholds import DRIFT_NOTE_MAX, APART_FACTOR, CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, \
     OUTCOME_SPREADS
 from convcheck.numerics.tolerances import Tolerances
 
@@ -144,6 +144,12 @@ class Evidence:
             return not lo - margin <= info.final_loss <= hi + margin
         return any(abs(info.final_loss - o.final_loss) > OUTCOME_RELATIVE * _loss_scale(o.first_loss, o.final_loss)
                    + OUTCOME_ABSOLUTE for o in others)
+
+    @property
+    def drift_far(self) -> bool:
+        """Drift beyond the envelope by more than DRIFT_NOTE_MAX times its spread: never a note of ``ok``."""
+        d = self.drift
+        return d is not None and d.name == S.DRIFT and d.value is not None and d.value > DRIFT_NOTE_MAX
 
     def outcome_band(self, name: str) -> tuple[float, float, float] | None:
         """``(lo, hi, margin)``: the envelope runs' final losses and the margin ``outcome_changed`` widens them

@@ -9,7 +9,6 @@ from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_evidence, where_in
 from convcheck.diagnose.verdict import Verdict
 from convcheck.numerics.formats import FLOAT32, NumberFormat, format_named
-from convcheck.numerics.thresholds import DRIFT_NOTE_MAX
 
 
 @verdict_rule(
@@ -74,7 +73,7 @@ def drift_is_a_note(ev: Evidence) -> bool:
     the envelope's own runs: rounding injected at every step, which a one-time one-ulp perturbation
     underestimates; a note of the ``ok`` verdict, not a verdict - unless it is more than DRIFT_NOTE_MAX times
     the envelope's spread."""
-    if ev.drift is not None and ev.drift.value is not None and ev.drift.value > DRIFT_NOTE_MAX:
+    if ev.drift_far:
         return False  # orders of magnitude beyond the envelope is no reduction order's rounding
     return ev.same_precision() and not any(ev.outcome_changed(n) for n in ev.targets if n != ev.judge)
 
