@@ -46,11 +46,24 @@ def test_buffers_not_broadcast_are_a_setup_verdict_naming_the_buffer():
     v = r.verdict
     assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "2")
     assert "buffers '2.center' differ across the ranks of ddp:cpu:2 when the forward starts" in v.headline
+    # steps as the curves number them: step 0 starts from equal buffers, its forward sets them per rank
     assert any(e.startswith("buffer '2.center' on ddp:cpu:2: ranks differ by up to") and
-               e.endswith("(first seen at step 2)") for e in v.evidence)  # step 1 starts from the same weights
-    assert any("broadcast_buffers=True" in rem for rem in v.remedies)
-    # the same model with DDP's default broadcast: the ranks start every forward from rank 0's buffers
-    assert buffers_not_broadcast(_compare(_centered, steps=2).training, "ddp:cpu:2") is None
+               e.endswith("(first when step 1's forward starts; step 0's forward set it from each rank's own "
+                          "slice)") for e in v.evidence)
+    assert "'2.center' is set in the forward from each rank's own slice" in v.headline
+    # broadcasting would not fix it (the forward uses the rank's own slice): the remedy is the all_reduce
+    assert v.remedies[0].startswith("compute '2.center' over all ranks in the forward: all_reduce")
+    assert not any(rem.startswith("broadcast the buffers") for rem in v.remedies)
+    # the same model with DDP's default broadcast: the ranks start every forward from rank 0's buffers, but
+    # each rank's forward still centres its slice with its own mean: the step-0 averaged gradient is apart
+    default = _compare(_centered, steps=2)
+    assert buffers_not_broadcast(default.training, "ddp:cpu:2") is None
+    v = default.verdict
+    assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "2")
+    assert v.headline.startswith("data-parallel setup: the averaged gradient on ddp:cpu:2 differs from one "
+                                 "device's at step 0")
+    assert "'2' sets '2.center' from each of the 2 ranks' own slice in its forward" in v.headline
+    assert v.remedies == [v.remedies[0]] and "all_reduce" in v.remedies[0]
 
 
 def _repeated_per_rank():
@@ -88,3 +101,36 @@ def test_random_draws_the_shared_masks_miss_are_a_setup_verdict_naming_the_layer
     assert any("torch.manual_seed(seed + rank)" in rem for rem in v.remedies)
     found = dropout_per_rank(r.training, "ddp:cpu:2")
     assert found.layers == ("3",) and same_data(r.training, "ddp:cpu:2") is None
+
+
+class BNNet(nn.Module):
+    """A user's small conv net with plain BatchNorm (or SyncBatchNorm), as in a new user's trial."""
+
+    def __init__(self, sync=False):
+        super().__init__()
+        bn = nn.SyncBatchNorm if sync else nn.BatchNorm2d
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), bn(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_per_rank_batchnorm_is_setup_from_the_step_0_gradient_before_any_drift(sync):
+    """2 samples per rank, 3 SGD steps: the final loss stays within the outcome rule's margin, which used
+    to leave a plain BatchNorm an ``ok`` with a note; the averaged gradient at step 0 is already far outside
+    its bound (the parity rows), so it is ``setup`` naming the BatchNorm. SyncBatchNorm stays ``ok``."""
+    r = _compare(lambda: BNNet(sync), input_shape=(3, 4, 4), num_classes=4, batch_size=4)
+    v = r.verdict
+    if sync:
+        assert v.category == "ok", v.headline
+        return
+    assert (v.category, v.sub_cause, v.layer) == ("setup", "ddp", "bn1")
+    assert v.headline.startswith("data-parallel setup: the averaged gradient on ddp:cpu:2 differs from one "
+                                 "device's at step 0")
+    assert "BatchNorm layers 'bn1' normalise each of the 2 ranks' slice with its own batch statistics" in v.headline
+    assert v.evidence[0].startswith("step 0, before any update: the averaged gradient of '")
+    assert "SyncBatchNorm.convert_sync_batchnorm" in v.remedies[0] and len(v.remedies) == 1
+    assert "batchnorm_per_rank" in v.symptoms  # --verify's SyncBatchNorm re-run reads it

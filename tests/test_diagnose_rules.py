@@ -127,6 +127,24 @@ def test_same_precision_drift_that_changes_no_outcome_is_a_note():
     v = diagnose_evidence(ev)
     assert v.category == "ok", v.headline
     assert any("same precision" in e and "a note, not a cause" in e for e in v.evidence)
+    # the note says what the final losses were held against, in numbers (not "within the envelope's runs")
+    assert any("ddp:cpu:2 ends at 1.2346 against the envelope runs' 1.2344..1.2347, within the margin of" in e
+               for e in v.evidence)
+
+
+def test_same_precision_drift_orders_of_magnitude_beyond_the_envelope_is_never_ok():
+    """A trial (a user's running mean on ddp:cpu:2): the distance reaches 1.12e5x the per-step envelope's
+    spread while both runs converge and the final loss (0.0160 vs the envelope runs' 0.022286..0.022286) sits
+    inside the outcome rule's margin of 5% of the loss's fall: reduction order does not do that."""
+    outcomes = {"cpu": outcome("cpu", True, 2.3373, 0.022286), "ddp:cpu:2": outcome("ddp:cpu:2", True, 2.3211, 0.016033),
+                JUDGE: outcome(JUDGE, True, 2.3373, 0.022286, role="judge")}
+    far = replace(drift(arm="cpu"), value=1.12e5)
+    ev = evidence(low="ddp:cpu:2", drift=far, outcomes=outcomes, envelope_finals=(0.022286,) * 3,
+                  target_facts={"cpu": TargetFacts(), "ddp:cpu:2": TargetFacts()})
+    assert not ev.outcome_changed("ddp:cpu:2")  # the outcome rule alone would have let it pass
+    v = diagnose_evidence(ev)
+    assert v.category != "ok" and "1.12e+05x beyond" in v.headline, v.headline
+    assert diagnose_evidence(replace(ev, drift=replace(far, value=40.0))).category == "ok"
 
 
 def test_a_stochastic_layer_the_ranks_found_is_left_to_their_executors_rule():

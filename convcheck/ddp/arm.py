@@ -76,6 +76,7 @@ class DDPArmState:
             self.producer = (self.step_index, producer[1])
         self.evidence.batchnorm.append(r.pop("bn"))
         self.evidence.buffers.append(r.pop("buffers"))
+        self.evidence.buffers_after.append(r.pop("buffers_after"))
         draws = r.pop("draws")
         if draws is not None:
             self.evidence.draws = draws

@@ -50,12 +50,12 @@ BN_STD_CHANGE = 0.05
 # The DDP/single-device ratio of the first step's gradient norm within this (relative) of world or 1/world.
 LOSS_SCALE_TOLERANCE = 0.05
 # Findings that need no drift to be a setup difference.
-EXACT = ("loss_scale", "same_data", "buffers_not_broadcast", "dropout_per_rank")
+EXACT = ("loss_scale", "same_data", "buffers_not_broadcast", "dropout_per_rank", "gradient_apart")
 
 
 @dataclass(frozen=True)
 class DDPFinding:
-    kind: str  # "loss_scale" | "same_data" | "buffers_not_broadcast" | "dropout_per_rank" | "batchnorm_per_rank"
+    kind: str  # "loss_scale" | "same_data" | "buffers_not_broadcast" | "dropout_per_rank" | "gradient_apart" | "batchnorm_per_rank"
     arm: str
     summary: str
     evidence: tuple[str, ...] = ()
@@ -63,11 +63,13 @@ class DDPFinding:
     layers: tuple[str, ...] = field(default_factory=tuple)
     category: str = SETUP
     sub_cause: str = SUB_CAUSE
+    covers: tuple[str, ...] = ()  # other findings' kinds this one stands for (the step-0 gradient's BatchNorm)
+    approximate: bool = False  # an EXACT kind that still needs the drift and the outcome (``gradient_apart``)
 
     @property
     def exact(self) -> bool:
         """A setup difference whatever the drift (``EXACT``)."""
-        return self.kind in EXACT
+        return self.kind in EXACT and not self.approximate
 
     @property
     def explains(self) -> tuple[str, ...]:
@@ -80,6 +82,11 @@ def single_device_partner(training, arm: str) -> str | None:
     """The other target (or the judge when the pair is a target and the judge)."""
     others = [a.name for a in training.arms if a.role == "target" and a.name != arm]
     return others[0] if others else (training.judge or None)
+
+
+BN_REMEDY = ("synchronise the statistics: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
+             "before wrapping it in DistributedDataParallel (or a larger per-rank batch; "
+             "convcheck --ddp-sync-bn shows the difference)")
 
 
 def batchnorm_per_rank(training, arm: str) -> DDPFinding | None:
@@ -107,9 +114,7 @@ def batchnorm_per_rank(training, arm: str) -> DDPFinding | None:
         summary=(f"BatchNorm layers {shown} normalise each of the {world} ranks' slice with its own batch "
                  f"statistics, not the global batch's: {arm} trains another model than one device"),
         evidence=tuple(evidence),
-        remedy=("synchronise the statistics: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) "
-                "before wrapping it in DistributedDataParallel (or a larger per-rank batch; "
-                "convcheck --ddp-sync-bn shows the difference)"),
+        remedy=BN_REMEDY,
     )
 
 
@@ -185,6 +190,28 @@ def _equal_ranks(hashes: list[str]) -> list[tuple[int, ...]]:
     return [tuple(g) for g in groups.values() if len(g) > 1]
 
 
+def set_per_rank(training, arm: str) -> dict[str, int]:
+    """``{buffer: first step}`` for buffers that were equal on every rank when a forward started and differed
+    when it ended: the forward sets them from the rank's own slice (a running statistic), so no broadcast
+    makes the ranks compute what one device does. Steps as the curves number them (from 0)."""
+    ev = _evidence(training, arm)
+    found: dict[str, int] = {}
+    for step, after in enumerate(ev.buffers_after):
+        before = ev.buffers[step] if step < len(ev.buffers) else {}
+        for name, spread in after.items():
+            if spread > 0 and not before.get(name) and name not in found:
+                found[name] = step
+    return found
+
+
+def _statistic_remedy(names) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"compute {shown} over all ranks in the forward: all_reduce the slice's sum and count "
+            "(torch.distributed.all_reduce) and divide, as SyncBatchNorm does for BatchNorm's statistics; "
+            "broadcasting the buffer (broadcast_buffers=True, the default) does not fix it: each rank's forward "
+            "already used its own slice's value")
+
+
 def buffers_not_broadcast(training, arm: str) -> DDPFinding | None:
     """A buffer differs across ranks when the forward starts (after DDP's broadcast, when it broadcasts)."""
     worst: dict[str, tuple[float, int]] = {}
@@ -197,17 +224,32 @@ def buffers_not_broadcast(training, arm: str) -> DDPFinding | None:
     names = sorted(worst, key=lambda n: -worst[n][0])
     layers = tuple(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
     shown = ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    per_rank = set_per_rank(training, arm)
+    # steps as the curves number them (from 0): a spread seen as step k's forward starts was made before it
     evidence = [f"buffer '{n}' on {arm}: ranks differ by up to {worst[n][0]:.3g} of its largest value when the "
-                f"forward starts (first seen at step {worst[n][1] + 1})" for n in names[:4]]
+                f"forward starts (first when step {worst[n][1]}'s forward starts"
+                + (f"; step {per_rank[n]}'s forward set it from each rank's own slice)" if n in per_rank else ")")
+                for n in names[:4]]
     drift = drift_line(training, arm)
+    own = [n for n in names if n in per_rank]
+    broadcast = ("broadcast the buffers: DistributedDataParallel(model, broadcast_buffers=True) (the default), or "
+                 "keep them equal across ranks yourself (SyncBatchNorm for BatchNorm statistics, an all_reduce for "
+                 "a running buffer of your own)")
+    if own and len(own) == len(names):
+        remedy = _statistic_remedy(own)
+    elif own:
+        remedy = f"{broadcast}; and {_statistic_remedy(own)}"
+    else:
+        remedy = broadcast
     return DDPFinding(
         kind="buffers_not_broadcast", arm=arm, layers=layers,
         summary=(f"buffers {shown} differ across the ranks of {arm} when the forward starts: they are not "
-                 f"broadcast from rank 0, so each rank runs another model (and a checkpoint keeps rank 0's)"),
+                 f"broadcast from rank 0, so each rank runs another model (and a checkpoint keeps rank 0's)"
+                 + (f"; {', '.join(repr(n) for n in own[:4])} {'is' if len(own) == 1 else 'are'} set in the "
+                    f"forward from each rank's own slice, so a broadcast alone would not make them equal"
+                    if own else "")),
         evidence=tuple(evidence + ([drift] if drift else [])),
-        remedy=("broadcast the buffers: DistributedDataParallel(model, broadcast_buffers=True) (the default), or "
-                "keep them equal across ranks yourself (SyncBatchNorm for BatchNorm statistics, an all_reduce for "
-                "a running buffer of your own)"),
+        remedy=remedy,
     )
 
 
@@ -236,12 +278,100 @@ def dropout_per_rank(training, arm: str) -> DDPFinding | None:
     )
 
 
+# A DDP parity row (the averaged gradient after the all-reduce, against the judge's) this many times beyond
+# its bound (itself DDP_GRAD_FACTOR times the single-device error: reduction order only) is a data-parallel
+# setup that computes another gradient than one device at step 0, before any drift. Measured on the trial
+# models: healthy setups (an MLP, SyncBatchNorm at 2 per rank) stay below 0.2x their bound; a per-rank
+# BatchNorm at 2 per rank reaches 1.5e4x, a user's running mean of the rank's slice 6.5e3x.
+GRAD_FAR = 100.0
+# ... unless only a per-rank BatchNorm explains it and the gradient's relative error stays within this: the
+# approximation plain BatchNorm under DDP makes at a larger per-rank batch (a user's BatchNorm CNN at 16 per
+# rank: 0.107, ending alike, a note by the outcome rule); at 2 per rank it was 0.47-0.87, at 1 per rank more.
+BN_GRAD_TOLERATED = 0.2
+
+
+def gradient_apart(training, arm: str, parity) -> DDPFinding | None:
+    """The averaged gradient at step 0 (parity's DDP rows) far outside its bound: the ranks compute another
+    gradient than one device; names what computes from each rank's slice (BatchNorm without SyncBatchNorm,
+    a buffer the forward sets per rank) when the ranks' evidence shows it."""
+    layers = getattr(parity, "layers", None)
+    if layers is None or not len(layers):
+        return None
+    rows = layers[(layers["target"] == arm) & (layers["kind"] == "grad")]
+    worst = None
+    for _, r in rows.iterrows():
+        err, bound = float(r["propagated"]), float(r["bound"])
+        if not (math.isfinite(err) and math.isfinite(bound)) or bound <= 0 or err <= GRAD_FAR * bound:
+            continue
+        if worst is None or err / bound > worst[1] / worst[2]:
+            worst = (str(r["param"] or r["layer"]), err, bound)
+    if worst is None:
+        return None
+    param, err, bound = worst
+    ev = _evidence(training, arm)
+    bn = {}
+    for record in ev.batchnorm:
+        for layer, dev in record.items():
+            bn.setdefault(layer, dev)
+    bn_off = [n for n, (s, c) in bn.items() if s > BN_MEAN_SHIFT or c > BN_STD_CHANGE] or list(bn)
+    own = [n for n in set_per_rank(training, arm) if (n.rpartition(".")[0] or n) not in bn]
+    world = _world(training, arm)
+    parts, remedies, named = [], [], []
+    if bn_off:
+        parts.append("BatchNorm layers " + ", ".join(f"'{n}'" for n in bn_off[:4])
+                     + f" normalise each of the {world} ranks' slice with its own batch statistics, not the global "
+                     "batch's (no SyncBatchNorm)")
+        remedies.append(BN_REMEDY)
+        named += bn_off
+    if own:
+        mods = list(dict.fromkeys(n.rpartition(".")[0] or n for n in own))
+        parts.append(", ".join(f"'{m}'" for m in mods[:4]) + " set" + ("s" if len(mods) == 1 else "")
+                     + " " + ", ".join(f"'{n}'" for n in own[:4]) + f" from each of the {world} ranks' own slice in its "
+                     "forward and use" + ("s" if len(mods) == 1 else "") + " it there")
+        remedies.append(_statistic_remedy(own))
+        named += mods
+    if not parts:
+        parts.append("no BatchNorm or buffer explains it: some module's output depends on other samples of the "
+                     "batch (a statistic over dim 0), which each rank computes over its slice only")
+        remedies.append("find the module whose output depends on the other samples of the batch and compute that "
+                        "statistic over all ranks (torch.distributed.all_reduce), as SyncBatchNorm does")
+    evidence = [f"step 0, before any update: the averaged gradient of '{param}' on {arm} (after the all-reduce) "
+                f"is {err:.3g} from the float64 judge's, {err / bound:.3g}x its bound {bound:.3g} (10x one "
+                f"device's error at this precision: a correct data-parallel step differs only in its sums' order)"]
+    evidence += [f"BatchNorm '{n}' at step 0: a rank's channel mean is up to {bn[n][0]:.3g} global std away from "
+                 f"the global batch's, its std off by up to {bn[n][1]:.1%}" for n in bn_off[:4]]
+    drift = drift_line(training, arm)
+    if drift:
+        evidence.append(drift)
+    return DDPFinding(
+        kind="gradient_apart", arm=arm, layers=tuple(named),
+        summary=(f"the averaged gradient on {arm} differs from one device's at step 0 ({err:.3g} against a bound "
+                 f"of {bound:.3g}): {'; '.join(parts)}, so {arm} trains another model than "
+                 f"one device"),
+        evidence=tuple(evidence), remedy="; ".join(remedies),
+        covers=("batchnorm_per_rank",) if bn_off else (),
+        # a per-rank BatchNorm alone, with the gradient within BN_GRAD_TOLERATED: the approximation DDP users
+        # accept at a larger per-rank batch; the verdict only when it changes the outcome (as the BatchNorm finding)
+        approximate=bool(bn_off) and not own and err <= BN_GRAD_TOLERATED)
+
+
 DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, batchnorm_per_rank)
+# findings that explain a step-0 gradient apart from one device's by themselves
+_EXPLAIN_GRADIENT = ("loss_scale", "dropout_per_rank")
 
 
-def arm_findings(training, arm: str) -> list[DDPFinding]:
-    """The findings for one data-parallel arm, in priority order (loss scale first: it is exact)."""
-    return [f for det in DETECTORS if (f := det(training, arm)) is not None]
+def arm_findings(training, arm: str, parity=None) -> list[DDPFinding]:
+    """The findings for one data-parallel arm, in priority order (loss scale first: it is exact); the step-0
+    gradient finding (``gradient_apart``, from ``parity``'s rows) after the exact ones, unless one of them
+    already explains that gradient (a loss scale, unshared random draws)."""
+    found = [f for det in DETECTORS if (f := det(training, arm)) is not None]
+    if parity is not None and not any(f.kind in _EXPLAIN_GRADIENT for f in found):
+        grad = gradient_apart(training, arm, parity)
+        if grad is not None:
+            at = next((i for i, f in enumerate(found) if f.kind == "batchnorm_per_rank"), len(found))
+            found.insert(at, grad)
+            found = [f for f in found if f.kind not in grad.covers]  # its lines are the gradient finding's
+    return found
 
 
 def drift_line(training, arm: str) -> str | None:

@@ -15,4 +15,6 @@ class RankEvidence:
     batchnorm: list[dict[str, tuple[float, float]]] = field(default_factory=list)
     slices: list[list[str]] = field(default_factory=list)  # per step, each rank's slice hash
     buffers: list[dict[str, float]] = field(default_factory=list)  # per step, {buffer: relative spread across ranks}
+    # per step, the same as the step's first forward ends (a buffer equal before it and not after: set per rank)
+    buffers_after: list[dict[str, float]] = field(default_factory=list)
     draws: dict | None = None  # from step 1: {"layers", "same_on_every_rank"} (modules drawing unshared numbers)

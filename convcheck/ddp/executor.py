@@ -39,10 +39,10 @@ class RankPoolExecutor(Executor):
 
         return DDPArmState(arm, job.build, job.steps, job.recipe)
 
-    def findings(self, training, arm: str) -> tuple:
+    def findings(self, training, arm: str, parity=None) -> tuple:
         from convcheck.ddp.diagnostics import arm_findings
 
-        return tuple(arm_findings(training, arm))
+        return tuple(arm_findings(training, arm, parity))
 
     def before_threads(self, specs: list[str]) -> None:
         """A data-parallel target runs its ranks and this process on the same cores; OpenMP threads that

@@ -6,7 +6,10 @@ point of the step; rank 0 keeps the numbers and sends them to the parent.
 
 - ``BatchNormProbe``: per BatchNorm layer, how far a rank's batch statistics are from the global batch's.
 - ``BufferProbe``: the buffers as the forward starts (after DDP's broadcast, when it broadcasts), compared
-  across ranks: a buffer that differs was not broadcast (``broadcast_buffers=False``) or is set per rank.
+  across ranks: a buffer that differs was not broadcast (``broadcast_buffers=False``) or is set per rank;
+  and as it ends: a buffer equal when the forward starts that differs after it is set by the forward from
+  each rank's own slice (a running statistic of the user's, BatchNorm's running stats), which
+  broadcasting cannot fix.
 - ``DrawProbe``: modules that draw from torch's global random generators in their forward (``F.dropout``,
   ``torch.rand``...), which convcheck's shared masks (``nn.Dropout*`` modules) do not cover, and whether
   every rank drew the same numbers.
@@ -67,24 +70,43 @@ class BatchNormProbe:
 
 class BufferProbe:
     """The buffers as the inner module's forward starts: DDP broadcasts rank 0's before it
-    (``broadcast_buffers=True``), so with a correct setup they are bitwise equal on every rank there."""
+    (``broadcast_buffers=True``), so with a correct setup they are bitwise equal on every rank there;
+    and as that forward ends (``after``): what the forward itself made of them on each rank."""
 
     def __init__(self, module: nn.Module):
         self.names = [n for n, _ in module.named_buffers()]
         self.snap: torch.Tensor | None = None
+        self.after: torch.Tensor | None = None
         self.sizes: list[int] = []
         self._handle = module.register_forward_pre_hook(self._pre) if self.names else None
+        self._post = module.register_forward_hook(self._end) if self.names else None
+
+    def _flat(self, module):
+        bufs = [b.detach().reshape(-1).to(torch.float64) for b in module.buffers()]
+        self.sizes = [b.numel() for b in bufs]
+        return torch.cat(bufs) if bufs else None
 
     def _pre(self, module, args):
         if self.snap is not None or not module.training or not torch.is_grad_enabled():
             return
-        bufs = [b.detach().reshape(-1).to(torch.float64) for b in module.buffers()]
-        self.sizes = [b.numel() for b in bufs]
-        self.snap = torch.cat(bufs) if bufs else None
+        self.snap = self._flat(module)
+
+    def _end(self, module, args, output):
+        if self.after is not None or self.snap is None or not module.training or not torch.is_grad_enabled():
+            return
+        self.after = self._flat(module)
+
+    def spreads_after(self, device: torch.device) -> dict[str, float]:
+        """As ``spreads``, for the buffers as the step's first forward ended; a collective (call it first)."""
+        after, self.after = self.after, None
+        return self._spreads(after, device)
 
     def spreads(self, device: torch.device) -> dict[str, float]:
         """``{buffer: (max - min over ranks) / max |value|}`` for buffers that differ; a collective."""
         snap, self.snap = self.snap, None
+        return self._spreads(snap, device)
+
+    def _spreads(self, snap, device) -> dict[str, float]:
         if snap is None or snap.numel() == 0:  # the same on every rank: they ran the same forward
             return {}
         hi, neg_lo = snap.to(device), (-snap).to(device)

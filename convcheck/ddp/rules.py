@@ -21,18 +21,20 @@ from convcheck.diagnose.verdict import Verdict
     remedies=("compare the data-parallel setup with the single-device one (convcheck.ddp.diagnostics)",))
 def ddp_setup(ev: Evidence) -> Verdict | None:
     """A ``ddp:`` target trains another model than one device: a loss off by the world size, ranks that see
-    the same samples, buffers that differ across ranks, random draws the shared masks miss (always: exact
-    evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
+    the same samples, buffers that differ across ranks, random draws the shared masks miss, an averaged
+    gradient at step 0 far outside its bound (always: exact evidence), or BatchNorm layers normalising each rank's slice on its own (when the drift leaves the
     envelope, or there is no envelope to tell) - and then only when it changes the outcome beyond what the
-    envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``); else it is a
-    note of the ``ok`` verdict. Sub-cause ``ddp``."""
+    envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``) or drifts more than
+    DRIFT_NOTE_MAX times the envelope's spread (``Evidence.drift_far``); else it is a note of the ``ok``
+    verdict. Sub-cause ``ddp``."""
     beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
     found = [f for f in ev.executor_findings if isinstance(f, DDPFinding)
-             and (f.exact or (beyond and ev.outcome_changed(f.arm)))]
+             and (f.exact or (beyond and (ev.outcome_changed(f.arm) or ev.drift_far)))]
     if not found:
         return None
     main = found[0]
     evidence = list(main.evidence) + [f"also: {f.summary}" for f in found[1:]] + training_lines(ev)
     return ddp_setup.verdict(
-        evidence, {"summary": main.summary}, remedies=[f.remedy for f in found], target=main.arm,
-        layer=main.layers[0] if main.layers else None, sub_cause="ddp", symptoms=[f.kind for f in found])
+        evidence, {"summary": main.summary}, remedies=list(dict.fromkeys(f.remedy for f in found)), target=main.arm,
+        layer=main.layers[0] if main.layers else None, sub_cause="ddp",
+        symptoms=list(dict.fromkeys(k for f in found for k in (f.kind, *f.covers))))

@@ -109,6 +109,7 @@ class RankState:
         r["loss"] = self._mean(r["loss"])
         r["nonfinite_loss"] = not math.isfinite(r["loss"])
         r["bn"] = self.probe.deviations(self.world)
+        r["buffers_after"] = self.buffers.spreads_after(self.comm_device)
         r["buffers"] = self.buffers.spreads(self.comm_device)
         r["draws"] = self.draws.finish(self.comm_device) if self.draws.active else None
         if self.rank != 0:

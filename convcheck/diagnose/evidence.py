@@ -23,7 +23,7 @@ from convcheck.diagnose.detectors.recipe import recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
-from convcheck.numerics.thresholds import APART_FACTOR, CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, \
+from convcheck.numerics.thresholds import DRIFT_NOTE_MAX, APART_FACTOR, CONVERGENCE_MIN_STEPS, OUTCOME_ABSOLUTE, OUTCOME_RELATIVE, \
     OUTCOME_SPREADS
 from convcheck.numerics.tolerances import Tolerances
 
@@ -138,13 +138,45 @@ class Evidence:
         others = [self.outcomes[n] for n in self.targets if n != name and n in self.outcomes]
         if self.judgeable and any(o.converged != info.converged for o in others):
             return True
-        finals = [v for v in self.envelope_finals if math.isfinite(v)]
-        if finals:
-            lo, hi = min(finals), max(finals)
-            margin = OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * _loss_scale(info.first_loss, sum(finals) / len(finals))
+        band = self.outcome_band(name)
+        if band is not None:
+            lo, hi, margin = band
             return not lo - margin <= info.final_loss <= hi + margin
         return any(abs(info.final_loss - o.final_loss) > OUTCOME_RELATIVE * _loss_scale(o.first_loss, o.final_loss)
                    + OUTCOME_ABSOLUTE for o in others)
+
+    @property
+    def drift_far(self) -> bool:
+        """Drift beyond the envelope by more than DRIFT_NOTE_MAX times its spread: never a note of ``ok``."""
+        d = self.drift
+        return d is not None and d.name == S.DRIFT and d.value is not None and d.value > DRIFT_NOTE_MAX
+
+    def outcome_band(self, name: str) -> tuple[float, float, float] | None:
+        """``(lo, hi, margin)``: the envelope runs' final losses and the margin ``outcome_changed`` widens them
+        by (OUTCOME_SPREADS of their range + OUTCOME_RELATIVE of the loss's scale); None without them."""
+        info = self.outcomes.get(name)
+        finals = [v for v in self.envelope_finals if math.isfinite(v)]
+        if info is None or not finals:
+            return None
+        lo, hi = min(finals), max(finals)
+        return lo, hi, OUTCOME_SPREADS * (hi - lo) + OUTCOME_RELATIVE * _loss_scale(info.first_loss,
+                                                                                    sum(finals) / len(finals))
+
+    def outcome_text(self) -> str:
+        """What the targets' final losses were held against (the ``ok`` verdict's drift note): the envelope
+        runs' range and the margin, in numbers, not 'within the envelope'."""
+        parts = []
+        for n in self.targets:
+            info, band = self.outcomes.get(n), self.outcome_band(n)
+            if n == self.judge or info is None or band is None:
+                continue
+            lo, hi, margin = band
+            parts.append(f"{n} ends at {info.final_loss:.5g}")
+        if not parts:
+            return "both targets converge alike and end alike"
+        lo, hi, margin = band
+        return (f"{', '.join(parts)} against the envelope runs' {lo:.5g}..{hi:.5g}, within the margin of "
+                f"{margin:.3g} that the outcome rule allows ({OUTCOME_RELATIVE:.0%} of the loss's size or fall)")
 
     def same_precision(self) -> bool:
         """Whether the two targets compute at the same precision (they differ at most in reduction order:
@@ -178,7 +210,7 @@ def gather(result) -> Evidence:
         + tuple(recipe_problems(result)) + _judge_producer(result),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
-        findings=tuple(result.findings or ()), executor_findings=_executor_findings(training),
+        findings=tuple(result.findings or ()), executor_findings=_executor_findings(training, parity),
     )
 
 
@@ -208,10 +240,11 @@ def _judge_producer(result) -> tuple[S.Symptom, ...]:
     return (sym,)
 
 
-def _executor_findings(training) -> tuple:
-    """Each target arm's findings from its executor (none from the in-process one), arm by arm."""
+def _executor_findings(training, parity=None) -> tuple:
+    """Each target arm's findings from its executor (none from the in-process one), arm by arm, from the
+    training and the one-step parity result."""
     return tuple(f for a in getattr(training, "arms", ()) if a.role == "target"
-                 for f in executor_for(a.target).findings(training, a.name))
+                 for f in executor_for(a.target).findings(training, a.name, parity))
 
 
 def _facts(runner) -> TargetFacts:

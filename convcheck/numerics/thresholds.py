@@ -68,6 +68,10 @@ ENVELOPE_SPREAD_FLOOR = 1e-300
 # (plus 5% of their mean) is a different outcome.
 OUTCOME_SPREADS = 3.0
 OUTCOME_RELATIVE = 0.05
+# Same-precision drift beyond this many times the envelope's spread is never a note of ``ok``: reduction
+# order alone was measured at up to ~14x (docs/ARCHITECTURE.md, the per-step null model); a data-parallel
+# setup that trains another model at 1e4-1e5x.
+DRIFT_NOTE_MAX = 1e3
 # Without an envelope, an unconverged target is only a finding when its final loss is above the
 # judge's by OUTCOME_RELATIVE plus this absolute slack (1db6312): a judge that reaches a loss of
 # exactly 0 does not make any positive rounding residue "worse".

@@ -95,8 +95,9 @@ class Executor:
     def training_arm(self, arm, job: ArmJob):
         return job.here(arm)
 
-    def findings(self, training, arm: str) -> tuple[Finding, ...]:
-        """Verdict-ready findings about ``arm`` (a target of this executor) from ``training``."""
+    def findings(self, training, arm: str, parity=None) -> tuple[Finding, ...]:
+        """Verdict-ready findings about ``arm`` (a target of this executor) from ``training`` and the
+        one-step ``parity`` result (its rows of this target)."""
         return ()
 
     # -- process-level hooks ----------------------------------------------------------------

@@ -71,8 +71,12 @@ def drift_is_a_note(ev: Evidence) -> bool:
     """Drift beyond the one-ulp envelope between two targets of the same precision (they differ only in
     reduction order: a data-parallel target, SyncBatchNorm) that changes neither target's outcome beyond
     the envelope's own runs: rounding injected at every step, which a one-time one-ulp perturbation
-    underestimates; a note of the ``ok`` verdict, not a verdict."""
+    underestimates; a note of the ``ok`` verdict, not a verdict - unless it is more than DRIFT_NOTE_MAX times
+    the envelope's spread."""
+    if ev.drift_far:
+        return False  # orders of magnitude beyond the envelope is no reduction order's rounding
     return ev.same_precision() and not any(ev.outcome_changed(n) for n in ev.targets if n != ev.judge)
+
 
 
 def _user_code_headline(main: S.Symptom, narrow: NumberFormat | None, at: str) -> str:

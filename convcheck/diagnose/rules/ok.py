@@ -30,8 +30,8 @@ def ok_verdict(ev: Evidence) -> Verdict:
                             f"result {m.floor:.2e} (a lower bound of its floor)")
     evidence += layer_note_lines(ev)
     if ev.drift is not None:
-        evidence.append(ev.drift.evidence + ("; both targets compute at the same precision and end within the "
-                                             "envelope's own runs (final loss, convergence): a note, not a cause"
+        evidence.append(ev.drift.evidence + (f"; both targets compute at the same precision and converge alike; "
+                                             f"{ev.outcome_text()}: a note, not a cause"
                                              if ev.drift.name == S.DRIFT else ""))
     evidence += [f"note ({f.arm}): {f.summary}; it does not change the outcome beyond the envelope's own runs "
                  "(final loss, convergence)" for f in ev.executor_findings]
