@@ -252,6 +252,18 @@ def test_parity_rows_compare_the_averaged_gradient_with_the_judge():
     assert set(rows["param"]) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     assert (rows["propagated"] < rows["bound"]).all() and (rows["propagated"] < 1e-5).all()
     assert abs(p.losses[T("ddp:cpu:2")] - p.losses[T("cpu")]) < 1e-6
+    # the report names a gradient row by its parameter, with no empty "()" for the module it has none of
+    import io
+    import types
+
+    from rich.console import Console
+
+    from convcheck.report.text import _layers
+
+    buf = io.StringIO()
+    _layers(Console(file=buf, width=200), types.SimpleNamespace(parity=p))
+    table = buf.getvalue()
+    assert "0.weight" in table and "0.weight ()" not in table and "()" not in table.replace("(Linear)", "")
 
 
 def _ddp_verdict(training, arm: str = "ddp:cpu:2"):

@@ -132,7 +132,7 @@ def layers_figure(result):
         ax.axhline(1.0, color="tab:green", lw=0.8, label="floor (the best at this precision)")
         ok = [(i, p) for i, p in zip(x, pts) if not p["nonfinite"] and math.isfinite(p["ratio"])]
         ax.plot([i for i, _ in ok], [max(p["ratio"], low) for _, p in ok], "-", color="0.6", lw=0.8)
-        for flagged, colour, label in ((False, "tab:blue", "own error / floor"),
+        for flagged, colour, label in ((False, "tab:blue", "gradient error / one device's" if ddp else "own error / floor"),
                                        (True, "tab:red", "flagged layer")):
             sel = [(i, p) for i, p in ok if p["flagged"] == flagged]
             if sel:

@@ -213,7 +213,9 @@ def _layers(c: Console, result) -> None:
     _title(c, f"One-step parity against the judge: each target's {WORST_LAYERS} worst of {len(df)} layer/gradient "
               "rows, by own error over floor (local = judge input through the target's layer; floor = the best "
               "at its precision)")
-    names = [f"{r.layer if r.kind == 'forward' else r.param} ({r.module})" for r in worst.itertuples()]
+    # a data-parallel target's gradient rows name no module (they hold the all-reduced gradient): no "()"
+    names = [f"{r.layer if r.kind == 'forward' else r.param}" + (f" ({r.module})" if r.module else "")
+             for r in worst.itertuples()]
     nonfinite = bool((worst["nan"] + worst["inf"]).any())  # the column only when something is non-finite
     own_measured = bool(worst["intrinsic"].notna().any())
     # an unmeasured own error (all "-") goes first; the flag, the target, the name and own/floor never go
