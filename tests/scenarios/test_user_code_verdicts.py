@@ -216,3 +216,51 @@ def test_a_silent_float16_overflow_that_only_worsens_the_outcome_is_not_ok():
     assert "its precision changes where training ends" in v.headline
     assert any("convcheck.watch" in x for x in v.remedies)
     assert not r
+
+
+PIXELS = dict(input_shape=(3, 8, 8), num_classes=10, env_findings=[])
+
+
+def _row(r, target, layer, param=None):
+    t = r.parity.layers
+    t = t[(t["target"] == target) & (t["layer"] == layer)]
+    return (t[t["kind"] == "forward"] if param is None else t[t["param"] == param]).iloc[0]
+
+
+def test_an_einsum_in_a_users_leaf_is_held_against_a_floor_with_tf32s_operand_rounding():
+    """The einsum (``bmm``) in a leaf of the user's own code reads TF32 operands on cpu:emulate-tf32; its
+    floor rounds them too (was: float32 output rounding only, 3.6e-08 against an own error of 4.6e-05,
+    flagged 1300x). Raw pixels: the variance cancels, TF32's operand rounding is all of the error."""
+    r = compare(U.pixel_gram_net, "cpu,cpu:emulate-tf32", steps=4, envelope=0, verify=False, **PIXELS)
+    tf32, f32 = _row(r, "cpu:emulate-tf32", "norm"), _row(r, "cpu", "norm")
+    assert tf32["module"] == "GramNorm"
+    assert not tf32["flagged"], tf32[["local", "intrinsic", "floor"]]
+    assert tf32["floor"] > 100 * f32["floor"]  # TF32's 10-bit operands, not float32 output rounding
+    assert tf32["over_floor"] < 2, tf32[["local", "floor"]]
+    assert r.verdict.category == "ok", r.verdict.headline
+    assert not any("below min_error" in e for e in r.verdict.evidence), r.verdict.evidence  # no flagged note
+
+
+def test_an_einsum_variance_of_sensor_readings_names_the_float32_formula_not_tf32():
+    """Readings around 100: TF32's rounding of the einsum's operands loses ~20% of the variance, which is
+    the floor at TF32 (the row is within it); the float32 target's one-pass formula is what computes
+    beyond its floor, and the remedy is the stable formula (was: 'computes something else on
+    cpu:emulate-tf32', 9e4x a floor without TF32's rounding, remedy: disable TF32)."""
+    r = compare(U.sensor_gram_net, "cpu,cpu:emulate-tf32", steps=4, envelope=0, verify=False, **PIXELS)
+    tf32 = _row(r, "cpu:emulate-tf32", "norm")
+    assert not tf32["flagged"] and tf32["floor"] > 0.05, tf32[["local", "intrinsic", "floor"]]
+    v = r.verdict
+    assert v.category == "layer" and v.target == "cpu" and v.layer == "norm", v.headline
+    assert "computes something else on cpu:" in v.headline, v.headline
+    assert any("numerically stable formula" in rem for rem in v.remedies), v.remedies
+    assert not any("allow_tf32" in rem for rem in v.remedies), v.remedies
+
+
+def test_a_users_einsum_linear_gradient_floor_rounds_the_backward_matmuls_operands():
+    """A leaf with a parameter whose forward is an einsum: its weight's gradient (the backward's matmul)
+    under emulated TF32 is held against a floor whose backward rounds its operands too."""
+    r = compare(U.einsum_mlp, "cpu,cpu:emulate-tf32", steps=2, envelope=0, verify=False, **PIXELS)
+    fwd, grad = _row(r, "cpu:emulate-tf32", "fc1"), _row(r, "cpu:emulate-tf32", "fc1", "fc1.weight")
+    assert not fwd["flagged"] and not grad["flagged"], (fwd[["local", "floor"]], grad[["local", "floor"]])
+    assert fwd["floor"] > 1e-5 and grad["floor"] > 1e-5  # TF32's rounding (2^-11), not float32's
+    assert not r.parity.layers[r.parity.layers["target"] == "cpu:emulate-tf32"]["flagged"].any()

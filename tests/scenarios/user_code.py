@@ -223,3 +223,75 @@ class CosineHeadNet(nn.Module):
 
 def cosine_head_net() -> nn.Module:
     return CosineHeadNet()
+
+
+class GramNorm(nn.Module):
+    """The one-pass variance with its sum of squares written as an einsum (``bmm`` underneath: TF32 on a
+    GPU): a leaf of the user's own code whose matmul reads its operands at the target's matmul precision."""
+
+    def forward(self, x):
+        n = x.shape[-1]
+        m = x.mean(-1, keepdim=True)
+        sq = torch.einsum("bi,bi->b", x, x).unsqueeze(-1) / n
+        return (x - m) / torch.sqrt((sq - m * m).clamp_min(0) + 1e-5)
+
+
+class PixelGramNet(nn.Module):
+    """Raw 0..255 pixels (not normalised) through a Linear, then the einsum variance."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3 * 8 * 8, 64)
+        self.norm = GramNorm()
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = x.flatten(1) * 255.0 + 128.0
+        return self.fc2(F.relu(self.norm(self.fc1(x))))
+
+
+class SensorGramNet(nn.Module):
+    """Sensor readings around 100, normalised in the model by the einsum variance."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = GramNorm()
+        self.fc1 = nn.Linear(192, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = x.flatten(1) + 100.0
+        return self.fc2(F.relu(self.fc1(self.norm(x))))
+
+
+def pixel_gram_net() -> nn.Module:
+    return PixelGramNet()
+
+
+def sensor_gram_net() -> nn.Module:
+    return SensorGramNet()
+
+
+class EinsumLinear(nn.Module):
+    """A linear layer written by hand with einsum (a leaf with a parameter: its gradient is a matmul too)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
+
+    def forward(self, x):
+        return torch.einsum("bi,oi->bo", x, self.weight)
+
+
+class EinsumMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = EinsumLinear(3 * 8 * 8, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def einsum_mlp() -> nn.Module:
+    return EinsumMLP()

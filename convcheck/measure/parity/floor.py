@@ -11,6 +11,13 @@ an ill-conditioned layer has a large floor, a well-conditioned one a small
 one. Where the target sums in a format coarser than float32, a matmul/conv
 also gets the accumulation term ``u_accumulate * sqrt(K) * |terms| / |result|``.
 
+A leaf of the user's own code may still run matmuls/convolutions inside its
+forward (``torch.einsum`` dispatches ``bmm``): under a
+precision that reads their operands coarser than the layer's inputs (TF32,
+autocast) its float64 copy runs under ``own_code.RoundOperands``, as a module's own
+code does, so every such op's operands are rounded where they are made
+(``rounds_in_code``); a call that runs none computes exactly the unrounded copy.
+
 Every float64 tensor here is built by the judge's runner (``reference``,
 ``reference_module``), on the judge's device; rounding uses
 ``runners.precision.round_to`` to the op class's format (``convcheck.numerics.formats``).
@@ -22,7 +29,8 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import tensors_in
+from convcheck.capture import own_code_leaf, tensors_in
+from convcheck.measure.parity.own_code import RoundOperands, rounds_operands
 from convcheck.numerics.metrics import rel_l2, rounding_error
 from convcheck.targets.runners import Runner
 from convcheck.numerics.formats import FLOAT32
@@ -75,6 +83,8 @@ class FloorMeter:
         # (layer, op precision, args, output): the float64 output on rounded operands that the
         # gradients' floor computed on its way (``grads``), the forward's floor itself (``forward``)
         self._last_out: tuple | None = None
+        # the last ``forward`` of a ``rounds_in_code`` call that rounded nothing: its unrounded output
+        self.unrounded: torch.Tensor | None = None
 
     @classmethod
     def of(cls, runner: Runner, judge: Runner) -> "FloorMeter":
@@ -101,12 +111,39 @@ class FloorMeter:
         u = op.operand.unit_roundoff
         return any(t.is_floating_point() and u > dtype_unit_roundoff(t.dtype) for t in tensors)
 
+    def rounds_in_code(self, module: nn.Module, args: tuple) -> bool:
+        """Whether a leaf of the user's own code (``capture.own_code_leaf``, of no matmul/conv class)
+        has its float64 copy run under ``RoundOperands``: the precision reads a matmul/conv's
+        operands coarser than the finest floating input or parameter it holds (TF32 on float32,
+        autocast), so any matmul its forward runs (``einsum``'s ``bmm``) rounds them, as the
+        target's own dispatch does. Torch's own leaves are left out: one may run another kernel
+        in float32 than in float64 (a CPU LSTM: ``mkldnn_rnn_layer``, which no TF32 emulation
+        rounds, against ``mm`` in float64)."""
+        if op_class(module) != "elementwise" or not own_code_leaf(module):
+            return False
+        dtypes = [t.dtype for t in (*args, *module.parameters(), *module.buffers())
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return bool(dtypes) and rounds_operands(self.precision, min(dtypes, key=dtype_unit_roundoff))
+
     def forward(self, module: nn.Module, ref: nn.Module, args: tuple, judge_out: torch.Tensor,
                 reference_out: torch.Tensor | None, out_dtype: torch.dtype) -> float:
         """The measured floor of a forward: ``ref`` (the layer's float64 copy, parameters as the
         target holds them) on operand-rounded ``args`` (as the target's call received them),
         rounded to ``out_dtype``, vs ``judge_out``. ``reference_out`` (``ref`` on ``args``
-        unrounded) is reused when the rounding changes nothing (float32, a cast target)."""
+        unrounded) is reused when the rounding changes nothing (float32, a cast target).
+        A call that ``rounds_in_code`` runs under ``RoundOperands`` (``reference_out`` unused);
+        ``unrounded`` then holds its output where it rounded nothing (no matmul ran)."""
+        self.unrounded = None
+        if self.rounds_in_code(module, args):
+            out = self._taken_output(module, args)
+            if out is None:
+                mode = RoundOperands(self.precision)
+                with mode:
+                    out = reference_call(ref, args, self.judge)
+                self.unrounded = out if not mode.rounded else None
+            if out is None:
+                return math.nan
+            return rel_l2(round_to(out, dtype_format(out_dtype)), judge_out)
         out = self._taken_output(module, args) if self.rounds(module, args) else reference_out
         if out is None:
             out = reference_call(*self._rounded(module, ref, args), self.judge)
@@ -117,7 +154,7 @@ class FloorMeter:
     def rounds_grads(self, module: nn.Module, args: tuple, grad_output: torch.Tensor) -> bool:
         """Whether a gradient's floor rounds any operand (the output gradient too) beyond the target's."""
         op = self.precision.for_module(module)
-        return self.rounds(module, args) or (op_class(module) != "elementwise"
+        return self.rounds(module, args) or self.rounds_in_code(module, args) or (op_class(module) != "elementwise"
                                              and op.operand.unit_roundoff > dtype_unit_roundoff(grad_output.dtype))
 
     def grads(self, module: nn.Module, ref: nn.Module, args: tuple, grad_output: torch.Tensor,
@@ -128,7 +165,13 @@ class FloorMeter:
         changes nothing (``rounds_grads`` is False) ``reference``, the float64 gradients on the
         unrounded operands, is rounded instead (and must be given). ``keep_output``: the forward
         floor of this call comes next (its forward row): the float64 output is kept for it."""
-        if self.rounds_grads(module, args, grad_output):
+        if self.rounds_in_code(module, args):
+            # the backward's matmuls too: the mode sees autograd's ops (their operands rounded there)
+            with RoundOperands(self.precision):
+                out, reference = reference_forward_backward(ref, args, grad_output, self.judge)
+            op = self.precision.for_module(module)
+            self._last_out = (module, op, args, out) if keep_output else None
+        elif self.rounds_grads(module, args, grad_output):
             op = self.precision.for_module(module)
             g = round_to(self.judge.reference(grad_output), op.operand)
             out, reference = reference_forward_backward(*self._rounded(module, ref, args), g, self.judge)

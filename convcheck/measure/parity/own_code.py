@@ -219,10 +219,12 @@ class RoundOperands(TorchDispatchMode):
     def __init__(self, precision: PrecisionModel):
         super().__init__()
         self.precision = precision
+        self.rounded = False  # whether a matmul/convolution ran (its operands rounded) under the mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         matmul, conv = _op_classes()
         if func in matmul or func in conv:
+            self.rounded = True
             fmt = self.precision.of("matmul" if func in matmul else "conv").operand
             args = tuple(round_to(a, fmt) if isinstance(a, torch.Tensor) and a.is_floating_point()
                          else a for a in args)
