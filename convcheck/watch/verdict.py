@@ -228,6 +228,13 @@ def decide(d, a, b) -> Verdict:
             side, s = stops[0]
             return stopped_verdict(side, s, extra + ["the runs agree within rounding at every aligned step "
                                                      "before it"])
+        wander = getattr(d, "loss_wander", None)
+        if wander is not None:  # not "at every step": say what was let pass, and why
+            k, ea, eb = wander
+            return Verdict("ok", "the two watched runs agree within rounding: their losses wander apart from step "
+                           f"{k} (different precisions) but end alike", evidence=extra + [
+                               f"the losses differ by more than {d.loss_tol:.3g} (relative) from step {k}, and end "
+                               f"at {ea:.4g} (A) and {eb:.4g} (B): rounding differences compounding over the steps"])
         return Verdict("ok", "the two watched runs agree within rounding at every aligned step", evidence=extra)
     where = f"the runs part at step {part.step} in {part.layer}"
     lines = [f"{where}: {part.why}"]

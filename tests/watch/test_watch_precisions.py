@@ -43,7 +43,9 @@ def test_a_healthy_bf16_autocast_run_agrees_with_its_float32_run(runs, capsys):
 def test_a_bf16_cast_model_fed_cast_inputs_sees_the_same_data(runs, capsys):
     code, out = diff(capsys, runs / "fp32", runs / "cast")
     assert "data: the same batches at every aligned step" in out
-    assert verdict(out) == "verdict: ok: the two watched runs agree within rounding at every aligned step"
+    assert verdict(out) == ("verdict: ok: the two watched runs agree within rounding: their losses wander apart "
+                            "from step 21 (different precisions) but end alike")
+    assert "rounding differences compounding over the steps" in out
     assert code == 0
 
 
@@ -106,3 +108,30 @@ def test_a_large_batch_is_the_same_data_in_bf16_and_fp16_and_another_one_is_not(
     other = rounded_hashes((torch.randn(4, 3, 200, 200, generator=g),), {})
     assert other["bfloat16"] != mine["bfloat16"] and other["float16"] != mine["float16"]
     assert rounded_hashes((x.reshape(4, 3, 400, 100),), {})["bfloat16"] != mine["bfloat16"]  # the shape counts
+
+
+def _runs(losses_a, losses_b, dtype_b="bfloat16"):
+    import types
+
+    def run(losses, dtype):
+        return types.SimpleNamespace(steps=[{"loss": v, "layers": {"fc": {"dtype": dtype}}} for v in losses])
+
+    return run(losses_a, "float32"), run(losses_b, dtype_b)
+
+
+def _curve(first, last, n=30):
+    return [first + (last - first) * k / (n - 1) for k in range(n)]
+
+
+@pytest.mark.parametrize("b_losses, parts", [
+    (_curve(2.41, 0.197), False),  # the healthy bf16-cast run of the trial: 9% above float32's end
+    (_curve(2.45, 0.150), True),   # 3.7x float32's end (review): not rounding
+    (_curve(2.40, 0.040)[:15] + [5.0] + _curve(2.40, 0.040)[16:], True),  # a mid-run spike of 100x
+])
+def test_losses_at_different_precisions_part_unless_they_end_alike(b_losses, parts):
+    from convcheck.watch.diff import _loss_parting
+
+    a, b = _runs(_curve(2.34, 0.18) if not parts else _curve(2.34, 0.040), b_losses)
+    step, wander = _loss_parting(a, b, 30)
+    assert (step is not None) == parts
+    assert (wander is not None) == (not parts)
