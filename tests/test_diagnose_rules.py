@@ -145,6 +145,9 @@ def test_same_precision_drift_orders_of_magnitude_beyond_the_envelope_is_never_o
     v = diagnose_evidence(ev)
     assert v.category != "ok" and "1.12e+05x beyond" in v.headline, v.headline
     assert diagnose_evidence(replace(ev, drift=replace(far, value=40.0))).category == "ok"
+    # read over the run, not at the step the drift rule fired (review): 40x then, 1.12e5x later
+    grew = replace(far, value=40.0, extra={**far.extra, "largest": 1.12e5})
+    assert diagnose_evidence(replace(ev, drift=grew)).category != "ok"
 
 
 def test_a_stochastic_layer_the_ranks_found_is_left_to_their_executors_rule():

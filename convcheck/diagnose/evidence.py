@@ -149,7 +149,8 @@ class Evidence:
     def drift_far(self) -> bool:
         """Drift beyond the envelope by more than DRIFT_NOTE_MAX times its spread: never a note of ``ok``."""
         d = self.drift
-        return d is not None and d.name == S.DRIFT and d.value is not None and d.value > DRIFT_NOTE_MAX
+        largest = d.extra.get("largest", d.value) if d is not None else None  # over the run, not where it fired
+        return d is not None and d.name == S.DRIFT and largest is not None and largest > DRIFT_NOTE_MAX
 
     def outcome_band(self, name: str) -> tuple[float, float, float] | None:
         """``(lo, hi, margin)``: the envelope runs' final losses and the margin ``outcome_changed`` widens them
@@ -165,16 +166,17 @@ class Evidence:
     def outcome_text(self) -> str:
         """What the targets' final losses were held against (the ``ok`` verdict's drift note): the envelope
         runs' range and the margin, in numbers, not 'within the envelope'."""
-        parts = []
+        parts, bands = [], []
         for n in self.targets:
             info, band = self.outcomes.get(n), self.outcome_band(n)
             if n == self.judge or info is None or band is None:
                 continue
-            lo, hi, margin = band
             parts.append(f"{n} ends at {info.final_loss:.5g}")
+            bands.append(band)
         if not parts:
             return "both targets converge alike and end alike"
-        lo, hi, margin = band
+        lo, hi = bands[0][0], bands[0][1]  # the envelope runs' finals: the same for every target
+        margin = min(b[2] for b in bands)  # each target's margin scales with its own first loss: the tightest said
         return (f"{', '.join(parts)} against the envelope runs' {lo:.5g}..{hi:.5g}, within the margin of "
                 f"{margin:.3g} that the outcome rule allows ({OUTCOME_RELATIVE:.0%} of the loss's size or fall)")
 

@@ -356,7 +356,7 @@ def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str,
                            f"parameter distance between {targets[0]} and {targets[1]} is {ratio[s]:.3g}x the spread "
                            f"of {reference}'s {envelope} from step {start} (> {ENVELOPE_FAR:g}x for "
                            f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s],
-                           extra={"envelope": envelope})
+                           extra={"envelope": envelope, "largest": max(ratio.values())})
     worst = max(ratio.values())
     size = ("rounding noise" if worst <= ENVELOPE_BENIGN
             else f"above {ENVELOPE_BENIGN:g}x at times but not {ENVELOPE_FAR:g}x early and for long")
