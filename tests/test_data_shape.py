@@ -63,3 +63,16 @@ def test_an_explicit_input_shape_still_wins(tmp_path, capsys):
                  "--input-shape", "1,6,6", "--targets", "cpu,cpu:bf16", "--steps", "2", "--no-save"])
     assert code == 2
     assert "rejects input shape 1x6x6" in capsys.readouterr().err  # --input-shape, not the data's 1x8x8
+
+
+def test_a_channels_last_npz_says_so(tmp_path, capsys):
+    """Review: an N x 32 x 32 x 3 x was taken as 32 channels ('expected 3 channels, but got 32')."""
+    (tmp_path / "models.py").write_text(MODELS.replace("nn.Conv2d(1, 8, 3, padding=1)", "nn.Conv2d(3, 8, 3, padding=1)")
+                                        .replace("8 * 8 * 8", "8 * 32 * 32"))
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "hwc.npz", x=rng.normal(size=(16, 32, 32, 3)).astype(np.float32), y=rng.integers(0, 3, 16))
+    code = main(["compare", "--model", f"{tmp_path / 'models.py'}:small_cnn", "--data", f"npz:{tmp_path / 'hwc.npz'}",
+                 "--targets", "cpu,cpu:bf16", "--steps", "2", "--no-save"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "x has shape (16, 32, 32, 3), expected (N, 3, 32, 32) (channels last: save x.transpose(0, 3, 1, 2))" in err

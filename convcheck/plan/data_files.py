@@ -164,8 +164,11 @@ def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
     if x.ndim == 3 and input_shape[0] == 1:
         x = x[:, None]
     if x.ndim != 4 or tuple(x.shape[1:]) != input_shape:
+        c, h, w = input_shape
+        hint = (f" (channels last: save x.transpose(0, 3, 1, 2))" if x.ndim == 4 and tuple(x.shape[1:]) == (h, w, c)
+                else "")
         raise UsageError(
-            f"{path}: x has shape {x.shape}, expected (N, {', '.join(map(str, input_shape))})"
+            f"{path}: x has shape {x.shape}, expected (N, {', '.join(map(str, input_shape))}){hint}"
         )
     if len(x) == 0:
         raise UsageError(f"{path}: x holds no samples")

@@ -171,7 +171,11 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         num_classes = linears[-1].out_features if linears else None
     if input_shape is None:
-        input_shape = _declared(raw, model, "input_shape", spec) or data_shape
+        input_shape = _declared(raw, model, "input_shape", spec)
+    if input_shape is None and data_shape is not None and not _forward_problem(model, data_shape, None,
+                                                                                torch.get_default_dtype()):
+        input_shape = data_shape  # the file's sample shape, where the model takes it (else sizes are tried and
+        # the file's reader says what does not fit: a channels-last x)
     if not infer:
         if asked is not None and input_shape is not None:
             _check_classes_asked(model, input_shape, asked, spec)
