@@ -223,6 +223,9 @@ def decide(d, a, b) -> Verdict:
     if part is None:
         extra = [f"A ran {d.steps[0]} steps, B {d.steps[1]}: compared the first {min(d.steps)}"] \
             if d.steps[0] != d.steps[1] else []
+        why = _precision(d, a, b)
+        if why is not None:  # agreeing at different precisions: within the coarser one's rounding, said so
+            extra.append(f"{why}: they agree within the coarser precision's rounding")
         stops = [(side, s) for side, s in zip("AB", d.stopped) if s is not None]
         if stops:  # they agree up to where one stopped: that stop is the finding
             side, s = stops[0]

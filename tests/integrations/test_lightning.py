@@ -85,11 +85,14 @@ def test_two_float32_runs_agree(runs, capsys):
     assert "verdict: ok: the two watched runs agree within rounding at every aligned step" in out
 
 
-def test_float32_against_bf16_mixed_is_a_precision_finding(runs, capsys):
+def test_float32_against_bf16_mixed_agrees_within_bf16s_rounding(runs, capsys):
+    """The example's CNN trains alike in float32 and bf16-mixed (losses 15.26, 15.20, 9.57, 3.56 against 15.25,
+    15.20, 9.41, 3.57: at most 1.7% apart, a few bfloat16 roundoffs): no finding, and the diff says the two
+    compute at different precisions (new-user trial 3: such healthy pairs were blamed as numerics)."""
     code, out = diff(capsys, runs / "fp32", runs / "bf16")
-    assert code == 1
-    assert "verdict: numerics:" in out and "they compute at different precisions" in out
-    assert "A's layers output float32, B's bfloat16" in out
+    assert code == 0
+    assert "verdict: ok:" in out
+    assert "A's layers output float32, B's bfloat16: they agree within the coarser precision's rounding" in out
 
 
 def test_a_loader_shuffled_with_another_seed_is_named_as_different_data(runs, capsys):
