@@ -273,3 +273,29 @@ def test_an_ok_verdict_does_not_say_every_layer_is_within_its_bound_beside_a_fla
     assert lines and lines[0].startswith("cpu: every layer but 'norm' (flagged, below min_error: "
                                          "see the note) within its floor's bound"), lines
     assert any(e.startswith("note (cpu): 'norm' (_GramNorm)") for e in r.verdict.evidence)
+
+
+class _NaiveLayerNorm(nn.Module):
+    def forward(self, x):
+        m = x.mean(dim=1, keepdim=True)
+        var = (x * x).mean(dim=1, keepdim=True) - m * m  # cancels: the inputs sit near 50
+        return (x - m) / (var.clamp_min(0) + 1e-5).sqrt()
+
+
+class _Shift(nn.Module):
+    def forward(self, x):
+        return x + 50.0
+
+
+def _shifted_norm_net():
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), _Shift(), _NaiveLayerNorm(), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_a_target_failing_with_every_envelope_run_while_the_judge_converges_is_never_ok(clean_env):
+    """New-user trial 5: min_error=1000 made the destroyed bf16 norm a note, and the bf16 arm ending at 128 against
+    the judge's 0.87 sat 'within its envelope' (every one-ulp run fails alike): the verdict was ok, exit 0."""
+    r = compare(_shifted_norm_net, "cpu,cpu:bf16", steps=10, batch_size=16, input_shape=(3, 8, 8), num_classes=4,
+                min_error=1000, env_findings=clean_env)
+    assert r.verdict.category != "ok", r.verdict.headline
+    assert not r
+    assert any("did not converge" in e and "one-ulp envelope runs fail alike" in e for e in r.verdict.evidence)
