@@ -96,7 +96,7 @@ def optimizer_settings(result) -> dict:
     one built on a dummy parameter, so an SGD's implicit momentum 0.9 shows; the config's values where the
     optimizer cannot be built here (a user factory that fails, no torch)."""
     cfg, recipe = result.config, result.recipe
-    given = {"momentum": cfg.momentum, "nesterov": cfg.nesterov, "betas": cfg.betas, "eps": cfg.eps,
+    given = {"lr": cfg.lr, "momentum": cfg.momentum, "nesterov": cfg.nesterov, "betas": cfg.betas, "eps": cfg.eps,
              "weight_decay": cfg.weight_decay}
     if recipe is None:
         return given
@@ -120,7 +120,8 @@ def recipe_line(result) -> str:
     extras += ["nesterov"] if settings.get("nesterov") else []
     betas = settings.get("betas") if cfg.betas else None
     extras += [f"betas {betas[0]:g},{betas[1]:g}"] if betas else []
-    opt = f"{cfg.optimizer if isinstance(cfg.optimizer, str) else recipe.optimizer_name} lr {cfg.lr:g}"
+    lr = settings.get("lr") if isinstance(settings.get("lr"), (int, float)) else cfg.lr  # a factory's own lr
+    opt = f"{cfg.optimizer if isinstance(cfg.optimizer, str) else recipe.optimizer_name} lr {lr:g}"
     parts = [f"loss {recipe.loss_name if recipe else 'cross-entropy'}", opt + (f" ({', '.join(extras)})" if extras
                                                                                 else "")]
     schedule = recipe.schedule_name if recipe else cfg.schedule

@@ -156,3 +156,22 @@ def test_no_number_is_cropped(with_envelope, width):
     for value in c[c["arm"] == "cpu"]["loss"]:
         assert f" {fmt(value, 3)}" in curves
     assert all(len(line) <= width for line in curves.splitlines())
+
+
+def _nesterov_factory(params):
+    """A user's optimizer factory: its own lr, momentum and nesterov (convcheck's --lr does not reach it)."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
+
+
+def test_the_recipe_line_shows_an_optimizer_factorys_own_lr():
+    """New-user trial 5: the header printed the config's lr 0.001 beside the factory's name, not the 0.05 it uses."""
+    from types import SimpleNamespace
+
+    from convcheck.plan.config import CompareConfig
+    from convcheck.plan.recipe import build_recipe
+    from convcheck.report.text import recipe_line
+
+    cfg = CompareConfig(optimizer=_nesterov_factory)
+    line = recipe_line(SimpleNamespace(config=cfg, recipe=build_recipe(cfg)))
+    assert "_nesterov_factory lr 0.05 (momentum 0.9, nesterov)" in line
+    assert "lr 0.001" not in line
