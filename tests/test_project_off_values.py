@@ -107,3 +107,14 @@ def test_compare_against_in_the_project_folder(project, capsys):
     err = capsys.readouterr().err
     assert code in (0, 1), err
     assert "recorded" not in err
+
+
+@pytest.mark.parametrize("line, said", [("lr = -1", "lr = -1"), ('targets = "cpu,gpu"', "targets = 'cpu,gpu'")])
+def test_an_lr_or_targets_from_the_file_is_named_with_it(project, capsys, line, said):
+    """New-user trial 5: 'learning rate must be a positive number, got -1' did not say it came from the file."""
+    table = TABLE.replace("warmup = 3\n", "").replace('targets = ["cpu", "cpu:float64"]\n', "")
+    (project / "pyproject.toml").write_text(table + line + "\n")
+    assert main(["compare", "--no-save"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert f"({said} from {project / 'pyproject.toml'})" in err, err

@@ -219,6 +219,11 @@ def _with_project(parser, argv, args):
     return args
 
 
+# how error messages name an option that its key does not spell ("learning rate must be a positive number")
+_SAID_AS = {"lr": ("learning rate",), "targets": ("target",), "classes": ("number of classes",),
+            "clip_grad_norm": ("clip",), "input_shape": ("input shape",)}
+
+
 def from_project(exc: BaseException, args) -> BaseException:
     """A usage error about a value that came from the project file, saying so: ``--warmup 3 is not shorter
     than the run (30 steps) (warmup = 3 from /p/pyproject.toml)``; any other error as it is."""
@@ -230,7 +235,7 @@ def from_project(exc: BaseException, args) -> BaseException:
     message = str(exc)
     named = []
     for key, value in values.items():
-        forms = {key, key.replace("_", "-"), key.replace("_", " ")}
+        forms = {key, key.replace("_", "-"), key.replace("_", " "), *_SAID_AS.get(key, ())}
         if any(re.search(rf"(?<!\w){re.escape(form)}(?![\w-])", message) for form in forms):
             named.append(f"{key.replace('_', '-')} = {value!r}")
     if not named:
