@@ -112,8 +112,17 @@ def check_input_shape(model: nn.Module, input_shape: tuple[int, ...], num_classe
 
     name = name or type(model).__name__
     with preserved_global_flags():  # flags the user's forward sets during the probe do not leak out
-        problem = _forward_problem(copy.deepcopy(model).to(torch.float64), input_shape,
-                                   num_classes, torch.float64, task)
+        probe = copy.deepcopy(model).to(torch.float64)
+        problem = _forward_problem(probe, input_shape, num_classes, torch.float64, task)
+        if problem and task == "classification" and num_classes:
+            try:
+                out = _forward(probe, input_shape, torch.float64)
+            except Exception:  # noqa: BLE001 - the input shape's problem, said below
+                out = None
+            if isinstance(out, torch.Tensor) and out.ndim == 2 and out.shape[0] == 2 and out.shape[1] != num_classes:
+                k = out.shape[1]  # the input fits; the class count asked for does not
+                raise UsageError(f"model {name!r} outputs {k} {_classes(k)} but {num_classes} were asked for "
+                                 f"(--classes / num_classes): pass {k}, or leave it out to use the model's own")
     if problem:
         raise UsageError(f"model {name!r} rejects input shape {_shape_text(input_shape)}: {problem}")
 
