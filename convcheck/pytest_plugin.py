@@ -82,17 +82,19 @@ def convcheck_compare(request):
 
 @pytest.fixture
 def convcheck_baseline(request):
-    """``run(model, target, name=None) -> CompareResult``: this run of ``target`` diagnosed against the
-    baseline recorded with ``--convcheck-record DIR`` (checked with ``--convcheck-against DIR``)."""
+    """``run(model, target, name=None, input_shape=None, num_classes=None, **options) -> CompareResult``: this run
+    of ``target`` diagnosed against the baseline recorded with ``--convcheck-record DIR`` (checked with
+    ``--convcheck-against DIR``); the input shape and class count where the model cannot tell (recorded with
+    the baseline, which the check then uses)."""
     from convcheck.bundle.baseline import run_baseline
     from convcheck.plan.config import with_options
 
     config = _test_config(request)
     opts = request.config.option
 
-    def run(model, target, name=None, **options):
+    def run(model, target, name=None, input_shape=None, num_classes=None, **options):
         return run_baseline(model, target, with_options(config, **options), record_dir=opts.convcheck_record,
                             against_dir=opts.convcheck_against, nodeid=f"{request.node.path.stem}.{request.node.name}", name=name,
-                            fail=pytest.fail, skip=pytest.skip)
+                            fail=pytest.fail, skip=pytest.skip, input_shape=input_shape, num_classes=num_classes)
 
     return run

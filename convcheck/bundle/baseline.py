@@ -19,7 +19,7 @@ def baseline_path(root: str, nodeid: str, target: str, name: str | None) -> Path
 
 
 def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: str | None, against_dir: str | None,
-                 nodeid: str, name: str | None = None, fail, skip):
+                 nodeid: str, name: str | None = None, fail, skip, input_shape=None, num_classes=None):
     """``nodeid``: the test's module stem and name (not pytest's node id, which moves with the rootdir).
     Record (then ``skip`` saying where) or diff against the recorded baseline (returns the
     ``CompareResult``); ``fail`` when neither option is given or the baseline is missing."""
@@ -31,7 +31,12 @@ def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: 
     if record_dir:
         path = baseline_path(record_dir, nodeid, target, name)
         folder, _ = prepare_folder(path, force=True)
-        record_run(model, target, config, folder, snapshot_steps=None)
+        try:
+            record_run(model, target, config, folder, snapshot_steps=None, input_shape=input_shape,
+                       num_classes=num_classes)
+        except BaseException:
+            _remove_if_empty(folder)  # a record that failed leaves no empty baseline folder behind
+            raise
         skip(f"convcheck: recorded the baseline {path}; run with --convcheck-against {record_dir} to check against it")
     if not against_dir:
         fail("convcheck: no baseline given: record one with 'pytest --convcheck-record DIR', then check against it "
@@ -44,6 +49,16 @@ def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: 
     with tempfile.TemporaryDirectory(prefix="convcheck-here-") as tmp:
         here = Path(tmp) / "here"
         here.mkdir()
-        record_run(recorded["model"]["spec"], target, config_of(recorded, None, config.judge), here)
+        m = recorded["model"]
+        record_run(m["spec"], target, config_of(recorded, None, config.judge), here,
+                   input_shape=tuple(m["input_shape"]) if m.get("input_shape") else input_shape,
+                   num_classes=m.get("num_classes") or num_classes)
         result, _, _ = diff_bundles(path, here, labels=("baseline", "here"))
     return result
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only an empty folder: anything written there is kept
+    except OSError:
+        pass
