@@ -27,6 +27,7 @@ def test_this_machine_says_no_gpu_and_cpu_only(capsys):
     assert "No NVIDIA GPU found" in out
     assert "is a CPU-only build" in out
     assert "Only CPU targets can run here" in out
+    assert "data-parallel ddp:cpu:N" in out  # which runs here too (new-user trial 5)
     assert "Findings: none." in out
     assert out.index("Findings") < out.index("Stack")
 

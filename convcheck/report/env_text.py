@@ -92,7 +92,8 @@ def _headline(fp: Fingerprint) -> list[str]:
     if not fp.gpus and (fp.torch.cpu_only or fp.torch.version is None):
         from convcheck.targets.runners import specs_on  # the registry: every kind of target convcheck has
 
-        out.append(f"Only CPU targets can run here ({', '.join(specs_on('cpu'))}).")
+        out.append(f"Only CPU targets can run here ({', '.join(specs_on('cpu'))}, and data-parallel ddp:cpu:N "
+                   "on N CPU processes, each of them composable: ddp:cpu:2:bf16).")
     return out
 
 
