@@ -55,6 +55,9 @@ def test_critical_findings_come_first_with_their_remedy(capsys):
     findings = out[out.index("Findings"):out.index("Stack")]
     assert findings.index("CRITICAL DRV001") < findings.index("WARN     CUDA002") < findings.index("INFO")
     assert "Upgrade the driver to 530.30.02 or newer" in " ".join(findings.split())
+    # why not the 525.60.13 the finding calls the minimum for CUDA 12.x (new-user trial 5)
+    assert ("(CUDA 12.1's own minimum; 525.60.13 would run it in minor-version compatibility mode)"
+            in " ".join(findings.split()))
 
 
 def test_report_shows_the_stack_and_an_anonymised_gpu_id(capsys):

@@ -47,7 +47,9 @@ def driver_vs_cuda(fp: Fingerprint):
                 f"NVIDIA driver {fp.driver.version} is older than {floor}, the minimum for CUDA "
                 f"{cuda[0]}.x; torch {fp.torch.version} was built with CUDA {cuda_txt} and cannot use the GPU"
                 + (f" (this driver supports CUDA up to {newest[0]}.{newest[1]})" if newest else ""),
-                f"Upgrade the driver to {need or floor} or newer{fix_other}.",
+                f"Upgrade the driver to {need or floor} or newer"
+                + (f" (CUDA {cuda_txt}'s own minimum; {floor} would run it in minor-version compatibility mode)"
+                   if need and need != floor else "") + f"{fix_other}.",
                 t.DRIVER_SOURCE,
             )
         elif need and driver < t.parse_version(need):
