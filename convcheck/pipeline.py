@@ -23,6 +23,7 @@ from convcheck.measure.parity import ParityResult
 from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
+                              measure_weight_decay,
                               out_of_memory_explained, plan, threads_chosen, verify)
 from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
@@ -49,6 +50,8 @@ class CompareResult:
     recipe: Recipe | None = None  # the loss, optimizer and schedule as built
     batches_hash: str = ""  # one SHA-256 over every batch's hash (batch_hashes lists the first 1000)
     loss_batch_ratio: float = float("nan")  # loss(batch) / mean(loss(halves)): ~1 averaged, ~2 summed
+    # the optimizer's strongest weight decay per step (``stages.measure_weight_decay``); None: none read
+    weight_decay: dict | None = None
     verification: object | None = None  # a convcheck.verify.Verification: the verdict's remedies re-run
     threads: object | None = None  # the plan's ThreadChoice (convcheck.plan.threads); None when rebuilt from bundles
 
@@ -115,6 +118,7 @@ def compare(
                 timings["threads_s"] = time.perf_counter() - t0
                 parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
                 loss_ratio = measure_loss_reduction(run, first)
+                decay = measure_weight_decay(run)
                 arms = make_arms(list(cfg.targets), cfg.envelope, cfg.seed, cfg.judge)
                 training = _timed(timings, "train_s", lambda: measure_training(run, arms, progress=stage))
             env = audit_environment(env_findings, fingerprint)
@@ -124,6 +128,7 @@ def compare(
                 data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
                 fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
                 batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio, threads=threads,
+                weight_decay=decay,
             ))
             with out_of_memory_explained():
                 checked = _timed(timings, "verify_s", lambda: verify(run, result, cfg.verify))

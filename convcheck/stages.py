@@ -284,6 +284,30 @@ def measure_loss_reduction(plan: Plan, batch) -> float:
     return loss_reduction_probe(plan.build(judge), judge.runner, batch, plan.recipe.loss)
 
 
+def measure_weight_decay(plan: Plan) -> dict | None:
+    """The optimizer's strongest weight decay per step, read from its own ``param_groups`` as the recipe builds
+    it over the judge's model (a factory's groups included): ``{optimizer, lr, weight_decay, momentum}`` of the
+    group with the largest lr x weight_decay, the lr before any schedule (``initial_lr``: the peak of a
+    warm-up). Only where lr x wd is what the weights lose a step: SGD's coupled decay and a decoupled one
+    (AdamW, ``decoupled_weight_decay``); an adaptive optimizer's coupled L2 goes through its normalisation and
+    is not read (None). None also when the optimizer cannot be built here."""
+    try:
+        opt = plan.recipe.make_optimizer(plan.build(plan.config.judge).parameters())
+    except Exception:  # noqa: BLE001 - the training run reports a factory's failure; this is evidence only
+        return None
+    plain = isinstance(opt, torch.optim.SGD)
+    best = None
+    for g in opt.param_groups:
+        lr, wd = g.get("initial_lr", g.get("lr")), g.get("weight_decay") or 0.0
+        if not (plain or g.get("decoupled_weight_decay")) or not isinstance(lr, (int, float)) \
+                or isinstance(lr, bool) or not wd:
+            continue
+        if best is None or lr * wd > best["lr"] * best["weight_decay"]:
+            best = dict(optimizer=type(opt).__name__, lr=float(lr), weight_decay=float(wd),
+                        momentum=float(g.get("momentum") or 0.0) if plain else 0.0)
+    return best
+
+
 def measure_training(plan: Plan, arms: Sequence[Arm], *, progress: Progress | None = None) -> TrainResult:
     """``arms`` trained in lockstep on the plan's stream with its recipe. ``progress`` hears
     ("train", arm-steps done, total); a ``RunStage`` keeps the curves for a stopped run."""

@@ -136,3 +136,65 @@ def test_a_divergence_during_warmup_is_blamed_on_the_schedule():
     v = r.verdict
     assert v.category == "setup" and v.sub_cause == R.SCHEDULE_DIVERGENCE, (v.headline, v.evidence)
     assert any("warm-up" in e for e in v.evidence) and "warm up for longer" in v.remedies[0]
+
+
+# --- weight decay too strong (a new user's --weight-decay 10 was blamed as a loss plateau) ---------------
+
+def test_decay_too_strong_fires_far_above_common_recipes():
+    strong = R.decay_too_strong(dict(optimizer="SGD", lr=0.05, weight_decay=10.0, momentum=0.9), "j")
+    assert strong.name == R.DECAY_TOO_STRONG and strong.value == pytest.approx(0.5)
+    assert "lr x weight_decay = 0.5" in strong.evidence
+    # ResNet-50's SGD 0.1 x 1e-4 and torch's AdamW defaults are nowhere near it
+    assert R.decay_too_strong(dict(optimizer="SGD", lr=0.1, weight_decay=1e-4), "j") is None
+    assert R.decay_too_strong(dict(optimizer="AdamW", lr=1e-3, weight_decay=1e-2), "j") is None
+    assert R.decay_too_strong(None, "j") is None
+
+
+def _groups_of(factory):
+    from types import SimpleNamespace
+
+    from convcheck.stages import measure_weight_decay
+
+    plan = SimpleNamespace(recipe=SimpleNamespace(make_optimizer=factory), build=lambda t: _mlp(),
+                           config=SimpleNamespace(judge=Target.parse("cpu:float64")))
+    return measure_weight_decay(plan)
+
+
+def test_the_optimizers_own_groups_give_lr_and_weight_decay():
+    def two_groups(params):  # decay on matrices only, as users write it; the strongest group is read
+        params = list(params)
+        return torch.optim.SGD([{"params": [p for p in params if p.ndim > 1], "weight_decay": 10.0},
+                                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "lr": 0.5}],
+                               lr=0.05, momentum=0.9)
+    assert _groups_of(two_groups) == dict(optimizer="SGD", lr=0.05, weight_decay=10.0, momentum=0.9)
+    adamw = _groups_of(lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=5.0))  # decoupled: lr x wd
+    assert adamw["optimizer"] == "AdamW" and adamw["lr"] * adamw["weight_decay"] == pytest.approx(0.05)
+    # Adam's coupled L2 goes through its normalisation: lr x wd is not what the weights lose
+    assert _groups_of(lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=5.0)) is None
+
+
+def make_wd10(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=10.0)
+
+
+@pytest.mark.parametrize("optimizer", [dict(optimizer="sgd", lr=0.05, weight_decay=10.0),
+                                       dict(optimizer=make_wd10)])
+def test_a_weight_decay_of_10_is_named_not_a_plateau(optimizer):
+    from convcheck.pipeline import compare
+    from convcheck.verify import VERIFIED
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=30, **optimizer, **SMALL)
+    v = r.verdict
+    assert v.category == "setup" and v.sub_cause == R.DECAY_TOO_STRONG, (v.headline, v.evidence)
+    assert "weight decay too strong" in v.headline
+    assert v.remedies[0].startswith("lower the weight decay (e.g. 1e-4..1e-2)")
+    assert not any("raise the learning rate" in x for x in v.remedies)
+    assert r.verification.status == VERIFIED, r.verification
+    assert "weight decay lowered to 0.0001" in r.verification.line
+
+
+def test_a_common_weight_decay_is_not_blamed():
+    from convcheck.pipeline import compare
+
+    r = compare(_mlp4, "cpu,cpu:bf16", steps=30, optimizer="sgd", lr=0.05, weight_decay=5e-4, **SMALL)
+    assert r.verdict.sub_cause != R.DECAY_TOO_STRONG and r.weight_decay["weight_decay"] == 5e-4

@@ -308,7 +308,11 @@ def _symptoms_of(result, t) -> list[S.Symptom]:
     lost = (S.lost_updates(training.curves, name, t.unit_roundoff, t.runner.half_storage)
             if cfg.optimizer == "sgd" else None)
     info = training.outcomes.get(t)
-    out.append(lost if info is not None and not info.converged else None)
+    # a run too short to judge convergence is "not converged" by default: there the symptom stands only when
+    # the target's loss ends apart from the judge's (``_tracks_judge``), as the outcome rules judge it
+    short = cfg.steps < CONVERGENCE_MIN_STEPS
+    out.append(lost if info is not None and not info.converged
+               and not (short and _tracks_judge(result, t)) else None)
     out = [s for s in out if s]
     layer = _flagged_layer(result, t)
     if layer is not None and any(s.layer == layer.layer for s in out):
@@ -408,6 +412,21 @@ def _layer_error(parity, name: str, flagged: str) -> S.Symptom:
     return S.Symptom(S.LAYER_ERROR, name, f"{what}: {size}; local error {r['local']:.3g}, propagated "
                      f"{r['propagated']:.3g} (flagged above {r['bound']:.2e})",
                      layer=flagged, value=float(own), extra={"kind": r["kind"], "module": str(r["module"])})
+
+
+def _tracks_judge(result, t) -> bool:
+    """The target's final loss within the outcome rules' margin of the judge's (OUTCOME_RELATIVE of the loss's
+    scale, as ``_apart_from_judge`` holds the other target) or inside the envelope runs' final losses."""
+    per, name = result.training.outcomes, str(t)
+    info, judge_info = per.get(t), per.get(result.config.judge)
+    if info is None or judge_info is None or not (math.isfinite(info.final_loss)
+                                                  and math.isfinite(judge_info.final_loss)):
+        return False
+    curves = result.training.curves
+    if (curves["role"] == "envelope").any() and S.outcome_vs_envelope(curves, name) is None:
+        return True
+    margin = OUTCOME_RELATIVE * _loss_scale(judge_info.first_loss, judge_info.final_loss) + OUTCOME_ABSOLUTE
+    return abs(info.final_loss - judge_info.final_loss) <= margin
 
 
 def _outcome_symptoms(result, t) -> list[S.Symptom]:

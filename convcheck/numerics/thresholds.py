@@ -131,3 +131,13 @@ LR_JUMP_FACTOR = 1.5
 SCHEDULE_WINDOW = 2
 # Clipping that acts on at least this share of the steps is too tight (it rescales every update).
 CLIPPED_SHARE = 0.9
+# Weight decay too strong for training to undo: each step multiplies the weights by (1 - lr x weight_decay)
+# (SGD's coupled decay; AdamW's decoupled one, Loshchilov & Hutter 2019, is lr x wd too), so they lose a
+# fraction lr x wd per step and an e-fold in 1/(lr x wd) steps. Common recipes sit at 1e-6..1e-4 (ResNet-50:
+# SGD lr 0.1 x wd 1e-4 = 1e-5, Goyal et al. 2017; GPT-3: AdamW lr 6e-4 x wd 0.1 = 6e-5, Brown et al. 2020;
+# torch's AdamW defaults 1e-3 x 1e-2 = 1e-5), while the gradient moves the weights by ~1e-3 of their norm a
+# step (the update/weight ratio rule of thumb, CS231n's
+# "Neural Networks Part 3"). At 1e-2 the decay outruns that 10x and is 100x past the common
+# recipes: an e-fold every 100 steps (a quarter of the weights gone in a 30-step run). Read only when the
+# float64 judge fails too.
+DECAY_PER_STEP_HIGH = 1e-2

@@ -3,7 +3,7 @@
 An ``Action`` changes at most four things of the failing arm's run, each a pure function of the old one:
 the target (``TF32 off``: the same device without TF32), the model as built (``keep in float32``: one
 module's parameters and arithmetic in float32 inside a lower-precision model), the recipe (the
-optimizer's eps, the learning rate, gradient clipping) and the global flags while it runs (deterministic
+optimizer's eps, the learning rate, the weight decay, gradient clipping) and the global flags while it runs (deterministic
 algorithms). ``actions_for(verdict, ...)`` derives the actions that fit a verdict from its fields
 (category, sub_cause, layer, target) and the recipe in use, most specific first; it never reads the
 rules' remedy texts. Each kind is one ``@action``-registered function (``ACTIONS``), so a new kind is one
@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.capture import tensors_in
+from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
 from convcheck.targets import executors
@@ -30,6 +31,7 @@ from convcheck.targets.spec import Target
 RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
 LR_FACTOR = 0.1  # "lower the learning rate (try 10x smaller)"
 CLIP_NORM = 1.0  # torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+LOWERED_WEIGHT_DECAY = 1e-4  # "lower the weight decay (e.g. 1e-4..1e-2)": the low end, safe at any lr
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Action:
     eps: float | None = None
     lr_factor: float | None = None
     clip: float | None = None
+    weight_decay: float | None = None  # every group's weight decay lowered to at most this
     target: Target | None = None
     deterministic: bool = False
     # options of the run's config changed for the re-run, applied through the executors' ``wrap_builder``
@@ -55,7 +58,8 @@ class Action:
     @property
     def changes_recipe(self) -> bool:
         """Whether the judge trains differently too (a recipe change): then the judge is re-run with it."""
-        return self.eps is not None or self.lr_factor is not None or self.clip is not None
+        return (self.eps is not None or self.lr_factor is not None or self.clip is not None
+                or self.weight_decay is not None)
 
     def target_for(self, target: Target) -> Target:
         return self.target if self.target is not None else target
@@ -84,9 +88,9 @@ class Action:
 
     def recipe(self, recipe):
         """The recipe with this action's optimizer and clipping changes (the same recipe when it has none)."""
-        if self.eps is None and self.lr_factor is None and self.clip is None:
+        if not self.changes_recipe:
             return recipe
-        make, eps, factor = recipe.make_optimizer, self.eps, self.lr_factor
+        make, eps, factor, decay = recipe.make_optimizer, self.eps, self.lr_factor, self.weight_decay
 
         def make_optimizer(params):
             opt = make(params)
@@ -95,6 +99,8 @@ class Action:
                     group["eps"] = eps
                 if factor is not None:
                     group["lr"] = group["lr"] * factor
+                if decay is not None and (group.get("weight_decay") or 0.0) > decay:
+                    group["weight_decay"] = decay
             return opt
         clip = recipe.clip_grad_norm if self.clip is None else self.clip
         # ``source=None``: the recipe no longer is what its config fields build (pickled field by field)
@@ -123,6 +129,9 @@ class Action:
             return f"optimizer = torch.optim.Adam(model.parameters(), lr=..., eps={self.eps:g})  # --eps {self.eps:g}"
         if self.lr_factor is not None:
             return f"lr = {self.lr_factor:g} * lr"
+        if self.weight_decay is not None:
+            return (f"optimizer = torch.optim.SGD(model.parameters(), lr=..., weight_decay={self.weight_decay:g})"
+                    f"  # --weight-decay {self.weight_decay:g}")
         if self.clip is not None:
             return (f"torch.nn.utils.clip_grad_norm_(model.parameters(), {self.clip:g})  # before optimizer.step()"
                     f"; --clip-grad-norm {self.clip:g}")
@@ -407,6 +416,16 @@ def _clip(ctx: Context) -> Action | None:
     return Action("clip-gradients", f"with gradients clipped to norm {CLIP_NORM:g}", clip=CLIP_NORM)
 
 
+@action("lower-weight-decay")
+def _lower_weight_decay(ctx: Context) -> Action | None:
+    """Weight decay too strong (lr x weight_decay far above what training undoes): every parameter group's
+    weight decay lowered to 1e-4."""
+    if ctx.target is None or ctx.sub_cause != R.DECAY_TOO_STRONG:
+        return None
+    return Action("lower-weight-decay", f"with the weight decay lowered to {LOWERED_WEIGHT_DECAY:g}",
+                  weight_decay=LOWERED_WEIGHT_DECAY)
+
+
 @action("tf32-off")
 def _tf32_off(ctx: Context) -> Action | None:
     """A TF32 target (or its emulation) with a layer error or drift: the same device without TF32."""
@@ -440,11 +459,12 @@ def _sync_batchnorm(ctx: Context) -> Action | None:
 
 
 # most specific first: a module kept in float32 before a recipe change
-ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "clip-gradients", "lower-lr", "deterministic")
+ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "lower-weight-decay", "clip-gradients",
+         "lower-lr", "deterministic")
 
 
 # the words of the verdict's remedy each recipe action applies: the verdict lists them in its own order
-REMEDY_WORDS = {"lower-lr": ("lower the learning rate",), "clip-gradients": ("clip gradients", "clip the gradients")}
+REMEDY_WORDS = {"lower-lr": ("lower the learning rate",), "lower-weight-decay": ("lower the weight decay",), "clip-gradients": ("clip gradients", "clip the gradients")}
 
 
 def actions_for(ctx: Context) -> list[Action]:

@@ -7,7 +7,9 @@ Each returns a ``Symptom`` naming the part implicated, with the numbers:
 * the learning-rate schedule: the divergence starts when warm-up ends or at a
   step of the schedule (within ``SCHEDULE_WINDOW`` steps after the change);
 * gradient clipping too tight: (nearly) every step clipped and no convergence;
-* weight decay that also shrinks normalisation layers' weights and biases.
+* weight decay that also shrinks normalisation layers' weights and biases;
+* weight decay too strong: lr x weight_decay (what the weights lose a step, read from the optimizer's
+  ``param_groups``, ``stages.measure_weight_decay``) at or above ``DECAY_PER_STEP_HIGH``.
 
 Detectors never run a model (this module imports no torch); the probe
 (``convcheck.measure.loss_probe``) runs in the pipeline and its ratio is evidence.
@@ -22,13 +24,14 @@ import pandas as pd
 from convcheck.diagnose.detectors.training import Symptom
 from convcheck.measure.layer_names import NORM_MODULES
 from convcheck.numerics.thresholds import (
-    CLIPPED_SHARE, LOSS_RISE_FACTOR, LR_JUMP_FACTOR, SCHEDULE_WINDOW, SUMMED_LOSS_HIGH, SUMMED_LOSS_LOW,
+    CLIPPED_SHARE, DECAY_PER_STEP_HIGH, LOSS_RISE_FACTOR, LR_JUMP_FACTOR, SCHEDULE_WINDOW, SUMMED_LOSS_HIGH, SUMMED_LOSS_LOW,
 )
 
 LOSS_SUMMED = "loss summed over the batch"
 SCHEDULE_DIVERGENCE = "learning-rate schedule"
 CLIPPING_TOO_TIGHT = "gradient clipping too tight"
 DECAY_ON_NORMS = "weight decay on normalisation parameters"
+DECAY_TOO_STRONG = "weight decay too strong"
 
 REMEDIES = {
     LOSS_SUMMED: ["average the loss over the batch (reduction='mean'), or divide the summed loss by the batch "
@@ -37,6 +40,8 @@ REMEDIES = {
                           "check the schedule's jumps (step:EVERY:GAMMA with GAMMA > 1 raises the rate)"],
     CLIPPING_TOO_TIGHT: ["raise --clip-grad-norm above the typical gradient norm (see grad_norm in curves.csv), "
                          "or remove the clipping"],
+    DECAY_TOO_STRONG: ["lower the weight decay (e.g. 1e-4..1e-2): lr x weight_decay is the fraction of the "
+                       "weights it removes every step"],
     DECAY_ON_NORMS: ["exclude BatchNorm/LayerNorm weights and all biases from weight decay (two parameter groups)"],
 }
 
@@ -91,6 +96,7 @@ def recipe_problems(result) -> list[Symptom]:
              schedule_divergence(training.curves, judge, getattr(cfg, "warmup", 0)),
              clipping_too_tight(training.curves, judge, getattr(cfg, "clip_grad_norm", None),
                                 bool(outcome and outcome.converged)),
+             decay_too_strong(getattr(result, "weight_decay", None), judge),
              decay_on_norms(norms, getattr(cfg, "weight_decay", 0.0), getattr(cfg, "optimizer", None), judge)]
     return [s for s in found if s is not None]
 
@@ -119,3 +125,22 @@ def decay_on_norms(norms: list[str], weight_decay: float, optimizer, arm: str) -
     return Symptom(DECAY_ON_NORMS, arm, f"weight decay {weight_decay:g} applies to every parameter, the "
                    f"{len(norms)} normalisation layer(s) ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) "
                    "and all biases included", value=weight_decay)
+
+
+def decay_too_strong(decay: dict | None, arm: str) -> Symptom | None:
+    """``decay``: the optimizer's strongest group (``stages.measure_weight_decay``); lr x weight_decay at or
+    above ``DECAY_PER_STEP_HIGH``."""
+    if not decay:
+        return None
+    lr, wd = decay["lr"], decay["weight_decay"]
+    rate = lr * wd
+    if not (math.isfinite(rate) and rate >= DECAY_PER_STEP_HIGH):
+        return None
+    momentum = decay.get("momentum") or 0.0
+    shrink = (f"the weights lose {rate:.3g} of their size every step" if rate < 1
+              else "the decay alone overshoots the weights past zero every step")
+    more = (f" ({rate / (1 - momentum):.3g} a step once SGD's momentum {momentum:g} has built up)"
+            if 0 < momentum < 1 and rate < 1 else "")
+    return Symptom(DECAY_TOO_STRONG, arm, f"{decay.get('optimizer', 'the optimizer')}'s weight decay {wd:g} at lr "
+                   f"{lr:g}: lr x weight_decay = {rate:.3g}, {shrink}{more}, far above the 1e-6..1e-4 of common "
+                   f"recipes (>= {DECAY_PER_STEP_HIGH:g}: more than the gradient can undo)", value=rate)

@@ -314,10 +314,17 @@ def underflow(layer_grads: pd.DataFrame, target: str, judge: str) -> Symptom | N
 
 
 def lost_updates(curves: pd.DataFrame, target: str, unit_roundoff: float, weights_low_precision: bool) -> Symptom | None:
-    """Weights stored in bf16/fp16 drop updates smaller than about u of the weight (FACTS.md)."""
+    """Weights stored in bf16/fp16 drop updates smaller than about u of the weight (FACTS.md). The steps of a
+    warm-up (the learning rate still rising to its peak) do not count: their small updates are the warm-up's
+    design, and a short run that is mostly warm-up would be judged on them alone."""
     if not weights_low_precision:
         return None
-    c = curves[curves["arm"] == target]
+    c = curves[curves["arm"] == target].sort_values("step")
+    if "lr" in c and len(c):
+        lr = [float(v) for v in c["lr"]]
+        finite = [v for v in lr if math.isfinite(v)]
+        peak = lr.index(max(finite)) if finite else 0
+        c = c.iloc[peak:]  # before the first step at the peak the rate is still rising
     ratios = sorted(float(v) for v in c["update_ratio"] if math.isfinite(v))
     if not ratios:
         return None

@@ -26,8 +26,11 @@ SETUP_REMEDIES = {
     S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
     S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
 }
+# a weight decay too strong ranks after an exploding loss (the learning rate's) and before what it causes: the
+# vanishing gradients, dead ReLUs and plateau of weights decayed towards zero
 SETUP_PRIORITY = [S.NONFINITE_USER_CODE, R.LOSS_SUMMED, R.SCHEDULE_DIVERGENCE, R.CLIPPING_TOO_TIGHT,
-                  S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, S.VANISHING_GRADIENTS, S.SATURATED_ACTIVATIONS,
+                  S.NONFINITE_LOSS, S.EXPLODING_GRADIENTS, R.DECAY_TOO_STRONG, S.VANISHING_GRADIENTS,
+                  S.SATURATED_ACTIVATIONS,
                   S.DEAD_RELUS, S.INPUT_OUT_OF_RANGE, S.LOSS_PLATEAU, S.OSCILLATING_LOSS, R.DECAY_ON_NORMS]
 SETUP_REMEDIES.update(R.REMEDIES)
 _UNLISTED = 99
