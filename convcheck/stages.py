@@ -286,13 +286,16 @@ def measure_loss_reduction(plan: Plan, batch) -> float:
 
 def measure_weight_decay(plan: Plan) -> dict | None:
     """The optimizer's strongest weight decay per step, read from its own ``param_groups`` as the recipe builds
-    it over the judge's model (a factory's groups included): ``{optimizer, lr, weight_decay, momentum}`` of the
+    it over the judge's model for a factory (its groups included; a named optimizer over one stand-in
+    parameter: no model built): ``{optimizer, lr, weight_decay, momentum}`` of the
     group with the largest lr x weight_decay, the lr before any schedule (``initial_lr``: the peak of a
     warm-up). Only where lr x wd is what the weights lose a step: SGD's coupled decay and a decoupled one
     (AdamW, ``decoupled_weight_decay``); an adaptive optimizer's coupled L2 goes through its normalisation and
     is not read (None). None also when the optimizer cannot be built here."""
-    try:
-        opt = plan.recipe.make_optimizer(plan.build(plan.config.judge).parameters())
+    named = isinstance(plan.config.optimizer, str) and ":" not in plan.config.optimizer
+    try:  # a named optimizer's one group is its settings: built over one stand-in parameter, no model
+        params = [torch.nn.Parameter(torch.zeros(1))] if named else plan.build(plan.config.judge).parameters()
+        opt = plan.recipe.make_optimizer(params)
     except Exception:  # noqa: BLE001 - the training run reports a factory's failure; this is evidence only
         return None
     plain = isinstance(opt, torch.optim.SGD)

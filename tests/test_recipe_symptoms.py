@@ -156,7 +156,7 @@ def _groups_of(factory):
     from convcheck.stages import measure_weight_decay
 
     plan = SimpleNamespace(recipe=SimpleNamespace(make_optimizer=factory), build=lambda t: _mlp(),
-                           config=SimpleNamespace(judge=Target.parse("cpu:float64")))
+                           config=SimpleNamespace(judge=Target.parse("cpu:float64"), optimizer=factory))
     return measure_weight_decay(plan)
 
 
