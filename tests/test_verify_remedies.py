@@ -140,3 +140,40 @@ def test_by_default_a_data_parallel_rerun_is_left_to_verify():
     assert v.status == "skipped" and v.attempts == () and "--verify runs it" in v.reason
     assert v.untried == ("with SyncBatchNorm (--ddp-sync-bn)",)
     assert "remedies not verified: re-running ddp:cpu:2 costs 2 processes" in failure_message(r)
+
+
+def _naive_focal(output, target, gamma=2.0):
+    """A focal loss as it is often written from the paper: softmax, then log of the probabilities, in the
+    model's own dtype (float16 rounds a small p to exactly 0: log(0) = -inf)."""
+    import torch
+    import torch.nn.functional as F
+
+    p = torch.softmax(output, dim=1)
+    onehot = F.one_hot(target, output.shape[1]).to(p.dtype)
+    return (-(onehot * (1 - p) ** gamma * torch.log(p)).sum(1)).mean()
+
+
+def _warm_cnn():
+    import torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                          nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4))
+            self.head = nn.Linear(16 * 16, 10)
+
+        def forward(self, x):
+            return self.head(self.features(x).flatten(1)) * 25.0  # sharpened logits
+
+    return Net()
+
+
+def test_a_loss_whose_own_log_overflows_in_float16_verifies_computed_in_float32():
+    """New-user trial 5: 'compute the loss function in float32' was remedied but never tried ('none of them is
+    one convcheck can apply')."""
+    r = compare(_warm_cnn, "cpu,cpu:fp16", loss=_naive_focal, optimizer="sgd", lr=0.002, steps=20,
+                input_shape=(1, 28, 28), num_classes=10, env_findings=[])
+    assert r.verdict.category == "numerics" and "loss function" in r.verdict.headline, r.verdict.headline
+    assert r.verification.status == VERIFIED, r.verification.line
+    assert r.verification.line.startswith("verified: with the loss computed in float32, cpu:fp16 converges")

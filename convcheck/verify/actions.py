@@ -47,6 +47,7 @@ class Action:
     lr_factor: float | None = None
     clip: float | None = None
     weight_decay: float | None = None  # every group's weight decay lowered to at most this
+    loss_float32: bool = False  # the loss computed in float32 on a 16-bit output, outside autocast
     target: Target | None = None
     deterministic: bool = False
     # options of the run's config changed for the re-run, applied through the executors' ``wrap_builder``
@@ -87,7 +88,10 @@ class Action:
                                    text=f"{self.text} and the optimizer's eps raised to {eps:g} ({why})")
 
     def recipe(self, recipe):
-        """The recipe with this action's optimizer and clipping changes (the same recipe when it has none)."""
+        """The recipe with this action's loss, optimizer and clipping changes (the same recipe when it has none).
+        The loss in float32 leaves the judge's (a float64 output) as it was: only a 16-bit output is cast."""
+        if self.loss_float32:
+            recipe = dataclasses.replace(recipe, loss=float32_loss(recipe.loss), source=None)
         if not self.changes_recipe:
             return recipe
         make, eps, factor, decay = recipe.make_optimizer, self.eps, self.lr_factor, self.weight_decay
@@ -125,6 +129,9 @@ class Action:
             return (float32_snippet(self.modules) + "\n" + dataclasses.replace(self, modules=()).snippet() + "\n")
         if self.modules:
             return float32_snippet(self.modules)
+        if self.loss_float32:
+            return ("with torch.autocast(device_type=out.device.type, enabled=False):\n"
+                    "    loss = loss_fn(out.float(), y)  # the loss in float32, whatever the model computes in\n")
         if self.eps is not None:
             return f"optimizer = torch.optim.Adam(model.parameters(), lr=..., eps={self.eps:g})  # --eps {self.eps:g}"
         if self.lr_factor is not None:
@@ -397,6 +404,29 @@ def _optimizer_eps(ctx: Context) -> Action | None:
     return Action("optimizer-eps", f"with the optimizer's eps raised to {RAISED_EPS:g}", eps=RAISED_EPS)
 
 
+def float32_loss(loss):
+    """``loss`` on the model's output cast to float32 where it is 16-bit, autocast off inside it."""
+    def loss_in_float32(out, y):
+        if isinstance(out, torch.Tensor) and out.dtype in (torch.float16, torch.bfloat16):
+            out = out.float()
+        with torch.autocast(device_type=out.device.type if isinstance(out, torch.Tensor) else "cpu", enabled=False):
+            return loss(out, y)
+    loss_in_float32.__name__ = getattr(loss, "__name__", "loss")
+    return loss_in_float32
+
+
+@action("loss-float32")
+def _loss_in_float32(ctx: Context) -> Action | None:
+    """The loss function's own code made the first NaN/Inf on a 16-bit target, and the verdict says to compute it
+    in float32: the loss on the output cast to float32, autocast off (the judge's unchanged)."""
+    v = ctx.verdict
+    if ctx.target is None or ctx.is_judge or not ctx.target.runner.half_compute:
+        return None
+    if v.sub_cause != S.NONFINITE_USER_CODE or not any("compute the loss" in r for r in (v.remedies or ())):
+        return None
+    return Action("loss-float32", "with the loss computed in float32", loss_float32=True)
+
+
 @action("lower-lr")
 def _lower_lr(ctx: Context) -> Action | None:
     """Exploding gradients, a NaN loss, oscillation, dead ReLUs, weights the step makes NaN: 10x lower lr."""
@@ -459,8 +489,8 @@ def _sync_batchnorm(ctx: Context) -> Action | None:
 
 
 # most specific first: a module kept in float32 before a recipe change
-ORDER = ("float32-module", "sync-batchnorm", "tf32-off", "optimizer-eps", "lower-weight-decay", "clip-gradients",
-         "lower-lr", "deterministic")
+ORDER = ("float32-module", "loss-float32", "sync-batchnorm", "tf32-off", "optimizer-eps", "lower-weight-decay",
+         "clip-gradients", "lower-lr", "deterministic")
 
 
 # the words of the verdict's remedy each recipe action applies: the verdict lists them in its own order
