@@ -299,15 +299,19 @@ def measure_weight_decay(plan: Plan) -> dict | None:
     except Exception:  # noqa: BLE001 - the training run reports a factory's failure; this is evidence only
         return None
     plain = isinstance(opt, torch.optim.SGD)
+    decoupled = isinstance(opt, torch.optim.AdamW)  # torch < 2.6's AdamW has no decoupled_weight_decay key
+    first = opt.param_groups[0] if opt.param_groups else {}
+    lr0 = first.get("initial_lr", first.get("lr"))  # group 0's: the training curves record its lr as it ran
     best = None
     for g in opt.param_groups:
         lr, wd = g.get("initial_lr", g.get("lr")), g.get("weight_decay") or 0.0
-        if not (plain or g.get("decoupled_weight_decay")) or not isinstance(lr, (int, float)) \
+        if not (plain or decoupled or g.get("decoupled_weight_decay")) or not isinstance(lr, (int, float)) \
                 or isinstance(lr, bool) or not wd:
             continue
         if best is None or lr * wd > best["lr"] * best["weight_decay"]:
             best = dict(optimizer=type(opt).__name__, lr=float(lr), weight_decay=float(wd),
-                        momentum=float(g.get("momentum") or 0.0) if plain else 0.0)
+                        momentum=float(g.get("momentum") or 0.0) if plain else 0.0,
+                        lr0=float(lr0) if isinstance(lr0, (int, float)) else float("nan"))
     return best
 
 

@@ -169,3 +169,33 @@ def test_no_threshold_literal_outside_thresholds(path):
     floats = [n.value for n in ast.walk(ast.parse(path.read_text()))
               if isinstance(n, ast.Constant) and isinstance(n.value, float) and n.value not in (0.0, 1.0)]
     assert floats == [], f"{path.name}: threshold literals {floats} belong in convcheck/numerics/thresholds.py"
+
+
+def _curves(finals: dict[str, float], roles: dict[str, str], targets: dict[str, str], first: float = 2.3):
+    rows = []
+    for arm, final in finals.items():
+        for step, loss in ((0, first), (19, final)):
+            rows.append(dict(arm=arm, role=roles[arm], target=targets[arm], step=step, loss=loss))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("bf16, envelope, found", [
+    (2.14, (2.14, 2.15, 2.16), False),   # just misses the 0.9 rule beside a like envelope: borderline (review)
+    (127.9, (123.7, 124.5, 125.7), True),  # every run far above the judge's 2.03: the precision fails
+])
+def test_a_target_failing_with_its_envelope_is_no_convergence_only_when_far_from_the_judge(bf16, envelope, found):
+    from convcheck.diagnose.evidence import _outcome_symptoms
+    from convcheck.targets.spec import Target
+
+    bf, judge = Target.parse("cpu:bf16"), Target.parse(JUDGE)
+    finals = {"cpu": 2.03, "cpu:bf16": bf16, JUDGE: 2.03, **{f"cpu:bf16~{i}": v for i, v in enumerate(envelope, 1)}}
+    roles = {a: ("judge" if a == JUDGE else "envelope" if "~" in a else "target") for a in finals}
+    targets = {a: a.split("~")[0] for a in finals}
+    result = SimpleNamespace(
+        config=SimpleNamespace(steps=20, judge=judge, targets=(Target.parse("cpu"), bf)),
+        training=SimpleNamespace(curves=_curves(finals, roles, targets),
+                                 outcomes={bf: outcome("cpu:bf16", 2.3, bf16), judge: outcome(JUDGE, 2.3, 2.03)}))
+    got = _outcome_symptoms(result, bf)
+    assert bool(got) == found, got
+    if found:
+        assert "one-ulp envelope runs fail alike" in got[0].evidence

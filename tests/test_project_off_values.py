@@ -118,3 +118,14 @@ def test_an_lr_or_targets_from_the_file_is_named_with_it(project, capsys, line, 
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert f"({said} from {project / 'pyproject.toml'})" in err, err
+
+
+def test_a_message_about_the_datas_label_targets_is_not_blamed_on_the_files_targets():
+    from types import SimpleNamespace
+
+    from convcheck.cli.main import from_project
+    from convcheck.errors import UsageError
+
+    args = SimpleNamespace(project_values={"targets": "cpu,cpu:bf16"}, project_file="/p/pyproject.toml")
+    message = "data npz:d.npz: the target's labels span 0..9, outside 0..6 for a 7-class model"
+    assert str(from_project(UsageError(message), args)) == message  # review: it got "(targets = ... from ...)"

@@ -177,3 +177,23 @@ def test_a_loss_whose_own_log_overflows_in_float16_verifies_computed_in_float32(
     assert r.verdict.category == "numerics" and "loss function" in r.verdict.headline, r.verdict.headline
     assert r.verification.status == VERIFIED, r.verification.line
     assert r.verification.line.startswith("verified: with the loss computed in float32, cpu:fp16 converges")
+
+
+def test_the_float32_loss_casts_every_16_bit_tensor_of_output_and_target_and_leaves_others_alone():
+    """Review: a float16 target beside a float32 output failed in the backward (huber), and a tuple output was
+    left in float16."""
+    import torch
+    import torch.nn.functional as F
+
+    from convcheck.verify.actions import float32_loss
+
+    out = torch.randn(4, 3, dtype=torch.float16, requires_grad=True)
+    y = torch.randn(4, 3).half()
+    loss = float32_loss(F.huber_loss)(out, y)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert out.grad is not None and out.grad.dtype == torch.float16
+    pair = float32_loss(lambda o, t: o[0].sum() + o[1].sum())((out.detach(), out.detach().bfloat16()), None)
+    assert pair.dtype == torch.float32
+    judge = torch.randn(4, 3, dtype=torch.float64)
+    assert float32_loss(lambda o, t: o.sum())(judge, None).dtype == torch.float64  # the judge's stays float64

@@ -220,8 +220,9 @@ def _with_project(parser, argv, args):
 
 
 # how error messages name an option that its key does not spell ("learning rate must be a positive number")
-_SAID_AS = {"lr": ("learning rate",), "targets": ("target",), "classes": ("number of classes",),
-            "clip_grad_norm": ("clip",), "input_shape": ("input shape",)}
+# (the start of a message, or of its part after a colon: "target 'gpu': unknown device", not "the target's labels")
+_SAID_AS = {"lr": ("learning rate ",), "targets": ("target '",), "classes": ("number of classes ",),
+            "input_shape": ("input shape ",)}
 
 
 def from_project(exc: BaseException, args) -> BaseException:
@@ -235,8 +236,9 @@ def from_project(exc: BaseException, args) -> BaseException:
     message = str(exc)
     named = []
     for key, value in values.items():
-        forms = {key, key.replace("_", "-"), key.replace("_", " "), *_SAID_AS.get(key, ())}
-        if any(re.search(rf"(?<!\w){re.escape(form)}(?![\w-])", message) for form in forms):
+        forms = {key, key.replace("_", "-"), key.replace("_", " ")}
+        if any(re.search(rf"(?<!\w){re.escape(form)}(?![\w-])", message) for form in forms) or any(
+                message.startswith(said) or f": {said}" in message for said in _SAID_AS.get(key, ())):
             named.append(f"{key.replace('_', '-')} = {value!r}")
     if not named:
         return exc

@@ -448,12 +448,15 @@ def _outcome_symptoms(result, t) -> list[S.Symptom]:
              or info.final_loss > judge_final * (1 + OUTCOME_RELATIVE) + OUTCOME_ABSOLUTE)
     if oc:
         return [oc]
-    finals = _envelope_finals(curves) if has_envelope else ()
-    # every envelope run fails alike (each far above the judge too): the precision fails deterministically,
-    # not by chance - within the envelope is no alibi then (a trial: min_error=1000 turned a destroyed bf16
-    # layer into a note, and the bf16 arm ending at 128 against the judge's 0.87 was 'ok')
-    alike = bool(finals) and all(not math.isfinite(v) or v > judge_final * (1 + OUTCOME_RELATIVE) + OUTCOME_ABSOLUTE
-                                 for v in finals)
+    perturbs = has_envelope and bool((curves[(curves["role"] == "envelope")]["target"] == name).any())
+    finals = _envelope_finals(curves) if perturbs else ()
+    # every envelope run of this target fails alike, it and they far above the judge (``ends_apart``): the
+    # precision fails deterministically, not by chance - within the envelope is no alibi then (a trial:
+    # min_error=1000 turned a destroyed bf16 layer into a note, and the bf16 arm ending at 128 against the
+    # judge's 0.87 was 'ok'); a borderline run just missing the rule beside its like envelope is no finding
+    judge_first = judge_info.first_loss if judge_info else math.nan
+    far = (lambda v: not math.isfinite(v) or ends_apart(v, judge_final, judge_first))  # noqa: E731
+    alike = bool(finals) and far(info.final_loss) and all(far(v) for v in finals)
     if worse and (not has_envelope or alike):
         why = (f"; its {len(finals)} one-ulp envelope runs fail alike (final losses "
                f"{min(finals):.4g}..{max(finals):.4g}): its precision, not chance" if alike else "")

@@ -93,7 +93,7 @@ def _headline(fp: Fingerprint) -> list[str]:
         from convcheck.targets.runners import specs_on  # the registry: every kind of target convcheck has
 
         out.append(f"Only CPU targets can run here ({', '.join(specs_on('cpu'))}, and data-parallel ddp:cpu:N "
-                   "on N CPU processes, each of them composable: ddp:cpu:2:bf16).")
+                   "on N CPU processes, e.g. ddp:cpu:2 or ddp:cpu:2:bf16).")
     return out
 
 

@@ -2,12 +2,13 @@
 
 An ``Action`` changes at most four things of the failing arm's run, each a pure function of the old one:
 the target (``TF32 off``: the same device without TF32), the model as built (``keep in float32``: one
-module's parameters and arithmetic in float32 inside a lower-precision model), the recipe (the
-optimizer's eps, the learning rate, the weight decay, gradient clipping) and the global flags while it runs (deterministic
-algorithms). ``actions_for(verdict, ...)`` derives the actions that fit a verdict from its fields
-(category, sub_cause, layer, target) and the recipe in use, most specific first; it never reads the
-rules' remedy texts. Each kind is one ``@action``-registered function (``ACTIONS``), so a new kind is one
-function here plus its test.
+module's parameters and arithmetic in float32 inside a lower-precision model), the recipe (the loss in
+float32, the optimizer's eps, the learning rate, the weight decay, gradient clipping) and the global flags
+while it runs (deterministic algorithms). ``actions_for(verdict, ...)`` derives the actions that fit a
+verdict from its fields (category, sub_cause, layer, target) and the recipe in use, most specific first;
+the remedy texts are read in two places only: whether the verdict asks for the loss in float32
+(``loss-float32``), and the order of the recipe actions it lists (``REMEDY_WORDS``). Each kind is one
+``@action``-registered function (``ACTIONS``), so a new kind is one function here plus its test.
 """
 
 from __future__ import annotations
@@ -137,8 +138,9 @@ class Action:
         if self.lr_factor is not None:
             return f"lr = {self.lr_factor:g} * lr"
         if self.weight_decay is not None:
-            return (f"optimizer = torch.optim.SGD(model.parameters(), lr=..., weight_decay={self.weight_decay:g})"
-                    f"  # --weight-decay {self.weight_decay:g}")
+            return (f"for group in optimizer.param_groups:  # your optimizer, as built\n"
+                    f"    group['weight_decay'] = min(group['weight_decay'], {self.weight_decay:g})"
+                    f"  # --weight-decay {self.weight_decay:g}\n")
         if self.clip is not None:
             return (f"torch.nn.utils.clip_grad_norm_(model.parameters(), {self.clip:g})  # before optimizer.step()"
                     f"; --clip-grad-norm {self.clip:g}")
@@ -405,12 +407,19 @@ def _optimizer_eps(ctx: Context) -> Action | None:
 
 
 def float32_loss(loss):
-    """``loss`` on the model's output cast to float32 where it is 16-bit, autocast off inside it."""
+    """``loss`` on the model's output and the targets with every 16-bit floating tensor cast to float32 (a tuple or
+    dict output too; a float16 target beside a float32 output would fail in the backward), autocast off inside it.
+    A float32 or float64 tensor is passed as it is: the judge's loss and a float32 target's are unchanged."""
+    from convcheck.batch import map_tensors
+
+    def up(t):
+        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
     def loss_in_float32(out, y):
-        if isinstance(out, torch.Tensor) and out.dtype in (torch.float16, torch.bfloat16):
-            out = out.float()
-        with torch.autocast(device_type=out.device.type if isinstance(out, torch.Tensor) else "cpu", enabled=False):
-            return loss(out, y)
+        first = next(iter(tensors_in(out)), None)
+        device = first.device.type if first is not None else "cpu"
+        with torch.autocast(device_type=device, enabled=False):
+            return loss(map_tensors(out, up), map_tensors(y, up))
     loss_in_float32.__name__ = getattr(loss, "__name__", "loss")
     return loss_in_float32
 

@@ -287,7 +287,8 @@ def ends_alike(ea: float, eb: float, x0: float, y0: float, tol: float) -> bool:
     lo, hi = sorted((abs(ea), abs(eb)))
     gap = abs(ea - eb)
     fall = max(x0 - ea, y0 - eb, 0.0)
-    return hi <= ENDS_ALIKE_RATIO * lo or gap <= tol * hi or gap <= ENDS_ALIKE_FALL * fall
+    same_sign = (ea >= 0) == (eb >= 0)  # an NLL or ELBO can end below 0: -0.5 and 0.45 are not alike
+    return (same_sign and hi <= ENDS_ALIKE_RATIO * lo) or gap <= tol * hi or gap <= ENDS_ALIKE_FALL * fall
 
 
 def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int) -> tuple[int | None, tuple | None]:

@@ -135,3 +135,10 @@ def test_losses_at_different_precisions_part_unless_they_end_alike(b_losses, par
     step, wander = _loss_parting(a, b, 30)
     assert (step is not None) == parts
     assert (wander is not None) == (not parts)
+
+
+def test_final_losses_on_either_side_of_zero_do_not_end_alike():
+    from convcheck.watch.diff import ends_alike
+
+    assert not ends_alike(-0.5, 0.45, 2.0, 2.0, 0.01)  # an NLL ending below 0 beside one above it (review)
+    assert ends_alike(-0.50, -0.45, 2.0, 2.0, 0.01)

@@ -40,8 +40,8 @@ REMEDIES = {
                           "check the schedule's jumps (step:EVERY:GAMMA with GAMMA > 1 raises the rate)"],
     CLIPPING_TOO_TIGHT: ["raise --clip-grad-norm above the typical gradient norm (see grad_norm in curves.csv), "
                          "or remove the clipping"],
-    DECAY_TOO_STRONG: ["lower the weight decay (e.g. 1e-4..1e-2): lr x weight_decay is the fraction of the "
-                       "weights it removes every step"],
+    DECAY_TOO_STRONG: ["lower the weight decay until lr x weight_decay, the fraction of the weights it removes "
+                       "every step, is 1e-4 or less (e.g. 5e-4 at lr 0.1, 1e-2 at lr 0.01)"],
     DECAY_ON_NORMS: ["exclude BatchNorm/LayerNorm weights and all biases from weight decay (two parameter groups)"],
 }
 
@@ -96,7 +96,7 @@ def recipe_problems(result) -> list[Symptom]:
              schedule_divergence(training.curves, judge, getattr(cfg, "warmup", 0)),
              clipping_too_tight(training.curves, judge, getattr(cfg, "clip_grad_norm", None),
                                 bool(outcome and outcome.converged)),
-             decay_too_strong(getattr(result, "weight_decay", None), judge),
+             decay_too_strong(getattr(result, "weight_decay", None), judge, _peak_lr(training.curves, judge)),
              decay_on_norms(norms, getattr(cfg, "weight_decay", 0.0), getattr(cfg, "optimizer", None), judge)]
     return [s for s in found if s is not None]
 
@@ -127,12 +127,24 @@ def decay_on_norms(norms: list[str], weight_decay: float, optimizer, arm: str) -
                    "and all biases included", value=weight_decay)
 
 
-def decay_too_strong(decay: dict | None, arm: str) -> Symptom | None:
+def _peak_lr(curves: pd.DataFrame, arm: str) -> float:
+    """The largest learning rate ``arm`` ran with (its group 0's, as the curves record it; NaN: not recorded)."""
+    c = curves[curves["arm"] == arm] if "lr" in curves else curves.iloc[0:0]
+    lrs = [float(v) for v in c["lr"] if math.isfinite(float(v))] if len(c) else []
+    return max(lrs) if lrs else math.nan
+
+
+def decay_too_strong(decay: dict | None, arm: str, ran_lr: float = math.nan) -> Symptom | None:
     """``decay``: the optimizer's strongest group (``stages.measure_weight_decay``); lr x weight_decay at or
-    above ``DECAY_PER_STEP_HIGH``."""
+    above ``DECAY_PER_STEP_HIGH``, the lr as the schedule ran it at its peak (``ran_lr``, group 0's: the
+    strongest group's lr scaled as group 0's was), not as the optimizer was built (a LambdaLR of 1e-4 on lr 1
+    decays 1e-6 a step, not wd)."""
     if not decay:
         return None
     lr, wd = decay["lr"], decay["weight_decay"]
+    lr0 = decay.get("lr0", math.nan)
+    if math.isfinite(ran_lr) and isinstance(lr0, (int, float)) and math.isfinite(lr0) and lr0 > 0:
+        lr = lr * ran_lr / lr0
     rate = lr * wd
     if not (math.isfinite(rate) and rate >= DECAY_PER_STEP_HIGH):
         return None
