@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
@@ -39,6 +41,7 @@ print(f"checked {len(names)}")
 """
 
 
+@pytest.mark.slow  # ~12 s: every module re-imported first in one subprocess; CI's slow pass runs it
 def test_every_module_imports_first():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], capture_output=True, text=True, timeout=300,
                           cwd=ROOT)

@@ -169,6 +169,7 @@ def _warm_cnn():
     return Net()
 
 
+@pytest.mark.slow  # 20 steps of a CNN on three arms and the re-run: ~8 s
 def test_a_loss_whose_own_log_overflows_in_float16_verifies_computed_in_float32():
     """New-user trial 5: 'compute the loss function in float32' was remedied but never tried ('none of them is
     one convcheck can apply')."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 TEST = '''
 import convcheck
 
@@ -47,6 +49,7 @@ def test_own_model_bf16(convcheck_baseline):
 '''
 
 
+@pytest.mark.slow  # three pytester runs: ~3 s
 def test_a_baseline_of_a_model_that_cannot_tell_its_input_shape(pytester, tmp_path, bundles):
     """New-user trial 5: convcheck_baseline refused input_shape ('unknown convcheck option'), so only models of a
     size convcheck can guess could have a baseline; a failed record left an empty baseline folder."""
