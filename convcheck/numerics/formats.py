@@ -112,3 +112,17 @@ def coarsest(formats) -> NumberFormat:
 def narrowest_range(formats) -> NumberFormat:
     """The format with the smallest largest-finite value (the first of equals): the one that overflows first."""
     return min(formats, key=lambda f: f.largest)
+
+
+def unit_roundoff_of(dtype_name: str) -> float:
+    """The unit roundoff of the format a dtype's name holds (``"bfloat16"``: 2^-8); float32's for a name
+    that is no registered floating format (a watched run's dtype field is read from a file)."""
+    fmt = _BY_DTYPE.get(str(dtype_name).removeprefix("torch."))
+    return (fmt or FLOAT32).unit_roundoff
+
+
+def coarsest_dtype(names) -> str | None:
+    """The dtype name (of those given) whose format has the largest unit roundoff (unknown names count as
+    float32's); None for none."""
+    names = list(names)
+    return max(names, key=unit_roundoff_of) if names else None

@@ -25,7 +25,8 @@ from convcheck.diagnose.verdict import Verdict
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
-from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
+from convcheck.numerics.formats import FLOAT32, coarsest_dtype, unit_roundoff_of
+from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL, LOSS_SPIKE, PART_FACTOR
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.recorder import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
@@ -33,7 +34,6 @@ from convcheck.watch.setup import (initial_weights_difference, lr_difference, op
                                    settings_difference)
 from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
 
-LOSS_RTOL = 1e-3  # the smallest relative loss difference that parts two runs (a float32 pair's)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def layer_distance(ra: dict, rb: dict) -> tuple[float, str]:
     if (ra["nan"] + ra["inf"] > 0) != (rb["nan"] + rb["inf"] > 0):
         side = "A" if ra["nan"] + ra["inf"] else "B"
         return math.inf, f"non-finite values in {side} only"
-    u = max(UNIT_ROUNDOFF.get(ra["dtype"], 2.0**-24), UNIT_ROUNDOFF.get(rb["dtype"], 2.0**-24))
+    u = max(unit_roundoff_of(ra["dtype"]), unit_roundoff_of(rb["dtype"]))
     scale = max(ra["std"], rb["std"]) or max(ra["max_abs"], rb["max_abs"])
     parts = {"max |x|": _rel(ra["max_abs"], rb["max_abs"], max(ra["max_abs"], rb["max_abs"])),
              "mean": _rel(ra["mean"], rb["mean"], scale), "std": _rel(ra["std"], rb["std"], scale)}
@@ -175,7 +175,7 @@ def layer_distance(ra: dict, rb: dict) -> tuple[float, str]:
 
 
 def _coarser(ra: dict, rb: dict) -> str:
-    return max((ra["dtype"], rb["dtype"]), key=lambda d: UNIT_ROUNDOFF.get(d, 0))
+    return coarsest_dtype((ra["dtype"], rb["dtype"]))
 
 
 def _dtypes_at(run: WatchedRun, step: int) -> dict[str, str]:
@@ -201,9 +201,9 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
                 continue
             norm = max(np.linalg.norm(x), np.linalg.norm(y))
             d = float(np.linalg.norm(x - y) / norm) if norm else 0.0
-            u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
+            u = max(unit_roundoff_of(da[key]), unit_roundoff_of(db[key]))
             if d > PART_FACTOR * u:
-                coarser = max((da[key], db[key]), key=lambda t: UNIT_ROUNDOFF.get(t, 0))
+                coarser = coarsest_dtype((da[key], db[key]))
                 origin = ("" if what != "input" else " (the batch: the runs were given different data)"
                           if not same_batch and i == 0 else " (made by the own code that runs before it)")
                 return Parting(step, layer, f"its {what}{origin} differs by {d:.3g} (relative, element by "
@@ -236,7 +236,7 @@ def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
     if sa["batch_sha256"] == sb["batch_sha256"]:
         return True
     dtypes = {r["dtype"] for s in (sa, sb) for r in s["layers"].values()}
-    fmt = max(dtypes, key=lambda t: UNIT_ROUNDOFF.get(t, 0), default=None)
+    fmt = coarsest_dtype(dtypes)
     ra, rb = sa.get("batch_rounded"), sb.get("batch_rounded")
     if fmt not in ROUNDED or ra is None or rb is None or len(ra) != len(rb):
         return False
@@ -252,7 +252,7 @@ def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | No
 def _loss_unit(a: WatchedRun, b: WatchedRun) -> float:
     """The unit roundoff of the coarser of the two runs' precisions (their layers' output dtypes at step 0)."""
     dtypes = {r["dtype"] for run in (a, b) if run.steps for r in run.steps[0]["layers"].values()}
-    return max((UNIT_ROUNDOFF.get(t, 2.0**-24) for t in dtypes), default=2.0**-24)
+    return max((unit_roundoff_of(t) for t in dtypes), default=FLOAT32.unit_roundoff)
 
 
 def loss_tolerance(a: WatchedRun, b: WatchedRun) -> float:
@@ -270,15 +270,6 @@ def _final_losses(run: WatchedRun, steps: int) -> float | None:
     return sum(tail) / len(tail)
 
 
-# Two runs at different precisions whose losses wander apart step by step still "end alike" (no parting in
-# the loss) when, with no step's gap above LOSS_SPIKE of the first loss, their final losses (the means of the
-# last tenth of the steps) are within ENDS_ALIKE_RATIO of each other, or within the precision's tolerance of
-# the final loss, or within ENDS_ALIKE_FALL of how far the loss fell (two runs converging near 0 from 2.4,
-# at 0.0013 and 0.0047). A bf16 run ending at 0.197 beside float32's 0.18 ends alike; one ending at 0.15
-# beside 0.04 (both from 2.3), or spiking to 5.0 mid-run, parts.
-ENDS_ALIKE_RATIO = 1.25
-ENDS_ALIKE_FALL = 0.01
-LOSS_SPIKE = 0.5
 
 
 def ends_alike(ea: float, eb: float, x0: float, y0: float, tol: float) -> bool:
@@ -303,7 +294,7 @@ def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int) -> tuple[int | None,
         if x is not None and y is not None and x != y and not (abs(x - y) <= tol * max(abs(x), abs(y))):
             first = k
             break
-    if first is None or _loss_unit(a, b) <= 2.0**-24:
+    if first is None or _loss_unit(a, b) <= FLOAT32.unit_roundoff:
         return first, None
     ea, eb = _final_losses(a, steps), _final_losses(b, steps)
     x0, y0 = a.steps[0]["loss"], b.steps[0]["loss"]

@@ -24,14 +24,12 @@ MEMBERS = (MANIFEST, STEPS, SNAPSHOTS)
 DEFAULT_MAX_BYTES = 2 * 1024**3
 MAX_STEPS_BYTES = 4 * 1024**3  # what a reader accepts of steps.jsonl
 MAX_LINE_BYTES = 16 * 1024**2  # one step's record
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-PART_FACTOR = 16  # two watched runs' values differ beyond rounding past this many unit roundoffs of the coarser dtype
 
 ENV_SNAPSHOT_STEPS = "CONVCHECK_SNAPSHOT_STEPS"
 ENV_MAX_BYTES = "CONVCHECK_WATCH_MAX_BYTES"
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
-__all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "PART_FACTOR", "SNAPSHOTS", "STEPS", "UNIT_ROUNDOFF", "WATCH_SCHEMA",
+__all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "WATCH_SCHEMA",
            "prepare_out"]
 
 

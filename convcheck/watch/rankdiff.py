@@ -21,8 +21,9 @@ import numpy as np
 
 from convcheck.diagnose.verdict import Verdict
 from convcheck.errors import UsageError
-from convcheck.watch.diff import PART_FACTOR, WatchDiff, diff_watched
-from convcheck.watch.layout import UNIT_ROUNDOFF
+from convcheck.numerics.formats import unit_roundoff_of
+from convcheck.numerics.thresholds import PART_FACTOR
+from convcheck.watch.diff import WatchDiff, diff_watched
 from convcheck.watch.ranks import RANK_DIR, rank_folders
 from convcheck.watch.reader import WatchedRun, open_watched
 
@@ -60,7 +61,7 @@ def _distributed(run: WatchedRun) -> dict:
 
 
 def _unit(dtypes: dict, name: str) -> float:
-    return UNIT_ROUNDOFF.get(dtypes.get(name, "float32"), 2.0**-24)
+    return unit_roundoff_of(dtypes.get(name, "float32"))
 
 
 def _rel(x: float, y: float) -> float:

@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from convcheck.watch.layout import PART_FACTOR, UNIT_ROUNDOFF
+from convcheck.numerics.formats import unit_roundoff_of
+from convcheck.numerics.thresholds import EXPLODE_FACTOR, LR_RTOL, PART_FACTOR, RISE_FACTOR, RISE_MIN_STEPS
 
-LR_RTOL = 1e-6  # a learning rate or setting given as a float32 tensor (lr=torch.tensor(1e-3)) is the same
-EXPLODE_FACTOR = 10.0  # a finite loss above this many times its first value: the run diverged
-RISE_FACTOR = 2.0  # a loss that never falls below its first value and ends at this many times it
-RISE_MIN_STEPS = 4  # at least this many recorded steps: a 3-step run rising from a noisy first loss says little
 
 OPTIMIZER_REMEDIES = ["build the same optimizer on both sides (its class and its hyperparameters), then diff again"]
 LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimizer's lr=, the scheduler and where "
@@ -137,7 +134,7 @@ def initial_weights_difference(a, b) -> Setup | None:
             continue
         norm = max(np.linalg.norm(x), np.linalg.norm(y))
         d = float(np.linalg.norm(x - y) / norm) if norm else 0.0
-        u = max(UNIT_ROUNDOFF.get(da[key], 2.0**-24), UNIT_ROUNDOFF.get(db[key], 2.0**-24))
+        u = max(unit_roundoff_of(da[key]), unit_roundoff_of(db[key]))
         if d > PART_FACTOR * u:
             return Setup(f"different initial weights: {p['name']} already differs at step 0, before any update",
                          "initial weights",
