@@ -21,6 +21,7 @@ import math
 import numpy as np
 from dataclasses import dataclass, field, replace
 
+from convcheck.diagnose.detectors.watched import gradient_underflow, recipe_difference, run_findings
 from convcheck.diagnose.verdict import Verdict
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
@@ -55,6 +56,8 @@ class WatchDiff:
     # (first step apart, A's final loss, B's final loss): losses at different precisions that wandered apart
     # step by step but end alike (``_loss_parting``); None otherwise
     loss_wander: tuple | None = None
+    own: tuple = ((), ())  # each run's own findings (``diagnose.detectors.watched.run_findings``): Symptoms
+    pair: tuple = ()  # what only the pair shows: a recipe difference at step 0, a gradient underflow (Symptoms)
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -67,6 +70,8 @@ class WatchDiff:
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
                                   f"step {self.parting.step}, layer {self.parting.layer}: {self.parting.why}"))
         out += [f"setup: {f.headline}" for f in self.setup]
+        out += [f"{s.arm} on its own: {s.label}: {s.evidence}" for side in self.own for s in side]
+        out += [f"pair: {s.label}: {s.evidence}" for s in self.pair]
         for side, p in zip("AB", self.producers):
             if p is not None:
                 out.append(f"first non-finite in {side}: {producer_text(p)}")
@@ -86,7 +91,16 @@ class WatchDiff:
                 "math_flags_diff": [list(f) for f in self.flags],
                 "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
                 "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
-                "stopped": list(self.stopped), "verdict": self.verdict.to_dict()}
+                "stopped": list(self.stopped),
+                "own_findings": [[symptom_dict(s) for s in side] for side in self.own],
+                "pair_findings": [symptom_dict(s) for s in self.pair], "verdict": self.verdict.to_dict()}
+
+
+def symptom_dict(s) -> dict:
+    """A symptom as JSON: what, on which side, where, when, how much."""
+    value = s.value if s.value is None or math.isfinite(s.value) else str(s.value)
+    return {"kind": s.name, "label": s.label, "side": s.arm, "layer": s.layer, "step": s.step, "value": value,
+            "evidence": s.evidence}
 
 
 def stopped_line(side: str, s: dict) -> str:
@@ -126,6 +140,7 @@ class WatchJudge:
     replay: Replay
     verdict: Verdict
     stopped: dict | None = None
+    own: tuple = ()  # the run's own findings (``diagnose.detectors.watched.run_findings``)
 
     def __bool__(self) -> bool:
         return self.verdict.category == "ok"
@@ -136,6 +151,7 @@ class WatchJudge:
             out.append(stopped_line("-", self.stopped))
         out.append("first non-finite: " + ("none" if self.producer is None else producer_text(self.producer)))
         out += judge_lines((self.replay,), sides="-")
+        out += [f"on its own: {s.label}: {s.evidence}" for s in self.own]
         v = self.verdict
         out.append(f"verdict: {v.category}: {v.headline}")
         out += [f"  - {e}" for e in v.evidence]
@@ -144,15 +160,17 @@ class WatchJudge:
 
     def to_dict(self) -> dict:
         return {"run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
-                "judge_replay": self.replay.to_dict(), "stopped": self.stopped, "verdict": self.verdict.to_dict()}
+                "judge_replay": self.replay.to_dict(), "stopped": self.stopped,
+                "own_findings": [symptom_dict(s) for s in self.own], "verdict": self.verdict.to_dict()}
 
 
 def judge_watched(path, judge: str) -> WatchJudge:
     """One watched run against the float64 judge ``judge`` (a float64 target of this machine)."""
     run = open_watched(path)
     replay = replay_run(run, judge)
-    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay),
-                      stopped=run.manifest.get("stopped"))
+    own = tuple(run_findings(run, "the run"))
+    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay, own),
+                      stopped=run.manifest.get("stopped"), own=own)
 
 
 def _rel(x: float, y: float, scale: float) -> float:
@@ -324,11 +342,20 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)
     loss_step, wander = _loss_parting(a, b, steps)
-    result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), _first_data_difference(a, b, steps),
-                       first_parting(a, b, steps), loss_step,
+    data_step = _first_data_difference(a, b, steps)
+    parting = first_parting(a, b, steps)
+    pair = []
+    if steps and data_step != 0 and not any(f.step == 0 and f.sub_cause == "initial weights" for f in setup) \
+            and (parting is None or parting.step > 0):  # the same weights and batch: step 0's forward agrees
+        pair.append(recipe_difference(a, b, loss_tolerance(a, b)))
+    pair.append(gradient_underflow(a, b))
+    result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), data_step,
+                       parting, loss_step,
                        (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup,
                        stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")),
-                       loss_tol=loss_tolerance(a, b), loss_wander=wander)
+                       loss_tol=loss_tolerance(a, b), loss_wander=wander,
+                       own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),
+                       pair=tuple(x for x in pair if x is not None))
     if judge is None:
         from convcheck.targets.spec import default_judge
 

@@ -10,8 +10,11 @@ its exploding loss a ``setup`` finding."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.rules.numerics import op_remedies
 from convcheck.diagnose.verdict import Verdict
 from convcheck.watch.setup import divergence
@@ -62,7 +65,7 @@ def _precision(d, a, b) -> str | None:
     return "the TF32 switches differ (" + "; ".join(tf32) + ")" if tf32 else None
 
 
-def _nonfinite(d) -> Verdict | None:
+def _nonfinite(d, a, b) -> Verdict | None:
     pa, pb = d.producers
     if pa is None and pb is None:
         return None
@@ -70,13 +73,55 @@ def _nonfinite(d) -> Verdict | None:
         return None
     side, p = ("B", pb) if pa is None or (pb is not None and pb["step"] < pa["step"]) else ("A", pa)
     other = "A" if side == "B" else "B"
-    state = "stays finite" if d.producers["AB".index(other)] is None else "turns non-finite later or elsewhere"
+    exploded = divergence((a, b)["AB".index(other)])
+    if d.producers["AB".index(other)] is not None:
+        state = "turns non-finite later or elsewhere"
+    elif exploded is not None:
+        state = f"stays finite, but its own loss explodes too ({exploded.headline.removeprefix('the loss explodes: ')})"
+    else:
+        state = "stays finite"
+    run = (a, b)["AB".index(side)]
+    before = [f"before it: {u.evidence}" for u in d.pair
+              if u.name == S.GRADIENT_UNDERFLOW and u.step is not None and u.step <= p["step"]]
+    if _scaled_backward(run, p):
+        return _loss_scale_overflow(side, run, p, f"{other} {state}", before)
     return Verdict("numerics", f"{side} turns non-finite at step {p['step']} in {producer_where(p)}; "
                                f"{other} {state}",
-                   evidence=[f"first non-finite in {side}: {producer_text(p)}"] + _parting_lines(d)
-                   + _overflow_lines(d.replays),
-                   remedies=nonfinite_remedies(p), target=side, layer=p["layer"],
-                   sub_cause="overflow" if p["direction"] == "forward" else "backward")
+                   evidence=[f"first non-finite in {side}: {producer_text(p)}"] + before + _parting_lines(d)
+                   + _overflow_lines(d.replays) + ([f"{other} on its own: {exploded.headline}"] if exploded else []),
+                   remedies=nonfinite_remedies(p) + (list(exploded.remedies) if exploded else []), target=side,
+                   layer=p["layer"], sub_cause="overflow" if p["direction"] == "forward" else "backward")
+
+
+def _scaled_backward(run, p: dict) -> bool:
+    """The first non-finite value is a gradient the loss's own backward hands the model while the loss itself
+    is finite, with no GradScaler recorded: the backward was run on a scaled loss ((loss * S).backward())
+    whose gradients pass the model's 16-bit range (a mean loss hands each output at most ~1/batch)."""
+    if p.get("layer") != LOSS or p.get("direction") != "backward" or run.manifest.get("scaler"):
+        return False
+    k = p.get("step")
+    loss = run.steps[k]["loss"] if isinstance(k, int) and 0 <= k < len(run.steps) else None
+    return isinstance(loss, (int, float)) and math.isfinite(loss)
+
+
+LOSS_SCALE_REMEDIES = ["use a dynamic torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(optimizer); "
+                       "scaler.update()): it lowers the scale when the gradients overflow and skips that step",
+                       "or a smaller fixed scale: the scale times the largest gradient must stay below 65504 in float16"]
+
+
+def _loss_scale_overflow(who: str, run, p: dict, other: str | None, before: list) -> Verdict:
+    loss = run.steps[p["step"]]["loss"]
+    what = str(p.get("detail") or "the gradient into the model's output")
+    headline = (f"{who}'s scaled backward overflows at step {p['step']}: {what} is Inf while the loss itself is "
+                f"finite ({loss:.4g})" if who in "AB" else
+                f"the scaled backward overflows at step {p['step']}: {what} is Inf while the loss itself is finite "
+                f"({loss:.4g})")
+    return Verdict("numerics", headline + (f"; {other}" if other else ""),
+                   evidence=[f"first non-finite: {producer_text(p)}",
+                             "no GradScaler was recorded (watch(..., scaler=)): a fixed loss scale - (loss * S)."
+                             "backward() - makes gradients S times larger, past float16's 65504"] + before,
+                   remedies=list(LOSS_SCALE_REMEDIES), target=who if who in "AB" else None, layer=p["layer"],
+                   sub_cause="loss scale overflow")
 
 
 NONFINITE_REMEDIES = ["keep that layer's operation in float32 (autocast(enabled=False) around it), or rescale its "
@@ -143,7 +188,7 @@ def _parting_lines(d) -> list[str]:
     return [f"the runs part at step {d.parting.step} in {d.parting.layer}: {d.parting.why}"]
 
 
-def decide_single(run, replay) -> Verdict:
+def decide_single(run, replay, own=()) -> Verdict:
     """One watched run against the float64 judge: a layer above its floor at a snapshot step (``layer``),
     a loss that explodes (``setup``: ``setup.divergence``) or the first non-finite producer (``numerics``),
     the earliest of them (in that order on the same step); otherwise ``ok``."""
@@ -157,6 +202,14 @@ def decide_single(run, replay) -> Verdict:
         extra = [f"then the first non-finite: {producer_text(p)}"] if p is not None else []
         return Verdict("setup", diverged.headline, evidence=diverged.evidence + extra,
                        remedies=list(diverged.remedies), sub_cause=diverged.sub_cause)
+    if p is not None and _scaled_backward(run, p):
+        return _loss_scale_overflow("the run", run, p, None, [])
+    lost = next((s for s in own if s.name == S.SMALL_UPDATES_LOST), None)
+    if lost is not None and (p is None or lost.step is None or lost.step < p["step"]):
+        return Verdict("numerics", f"small updates lost: the weights are kept in {lost.extra.get('format')} and most "
+                                   "updates round away", evidence=[lost.evidence],
+                       remedies=["keep float32 master weights (autocast instead of casting the model to bf16/fp16), "
+                                 "or use an optimizer that keeps them"], sub_cause="small updates lost")
     if p is not None:
         return Verdict("numerics", f"the run turns non-finite at step {p['step']} in {producer_where(p)}",
                        evidence=[f"first non-finite: {producer_text(p)}"] + _overflow_lines((replay,)),
@@ -195,6 +248,7 @@ def _setup_verdict(d) -> Verdict | None:
                       [f"batch hashes of step {d.data_step} differ; a loader, sampler or worker-seeding "
                        "difference, not the numerics"], DATA_REMEDIES, "data order"))
     found += [(f.headline, f.evidence, f.remedies, f.sub_cause) for f in d.setup]
+    found += [_recipe(r) for r in d.pair if r.name in (RECIPE, LOSS_SCALE)]
     if not found:
         return None
     headline, evidence, remedies, sub_cause = found[0]
@@ -203,11 +257,68 @@ def _setup_verdict(d) -> Verdict | None:
     return Verdict("setup", headline, evidence=evidence, remedies=remedies, sub_cause=sub_cause)
 
 
+RECIPE_REMEDIES = ["make both sides compute the same loss: the loss function and its arguments (label_smoothing=, "
+                   "weight=, reduction=), what is added to it (regularisers, auxiliary terms) and how it is scaled; "
+                   "then diff again"]
+SCALE_REMEDIES = ["a gradient-accumulation loop divides each micro-batch's loss by the number of micro-batches "
+                  "(loss / accumulation_steps) before backward(); a loss multiplied by a constant (a fixed loss scale, "
+                  "the world size) on one side only: make both sides scale it alike, then diff again"]
+
+
+def _recipe(r) -> tuple:
+    """A recipe symptom (``detectors.watched.recipe_difference``) as a setup finding."""
+    before = "at step 0, before any update, with the same weights and batch"
+    if r.name == LOSS_SCALE:
+        head = (f"the runs scale the loss differently: {before}, B's gradients are {r.value:.4g}x A's for every "
+                "parameter" + (f" and its loss {r.extra['loss_ratio']:.4g}x A's" if r.extra.get("loss_ratio") else
+                               " (the losses recorded agree)"))
+        return head, [r.evidence], SCALE_REMEDIES, "loss scale"
+    return (f"the runs compute a different loss: {before}, B's loss is {r.value:.4g}x A's", [r.evidence],
+            RECIPE_REMEDIES, "loss")
+
+
+def _own_failure(d, a, b) -> Verdict | None:
+    """A run's own finding the other run does not have: its weights drop their updates (``numerics``)."""
+    lost = [s for side in d.own for s in side if s.name == S.SMALL_UPDATES_LOST]
+    if not lost:
+        return None
+    s = lost[0]
+    both = len({x.arm for x in lost}) == 2
+    who = "both runs" if both else s.arm
+    return Verdict("numerics", f"small updates lost in {who}: the weights are kept in {s.extra.get('format')} and most "
+                               "updates round away", evidence=[f"{x.arm} on its own: {x.evidence}" for x in lost]
+                   + _parting_lines(d), remedies=["keep float32 master weights (autocast instead of casting the model "
+                                                  "to bf16/fp16), or use an optimizer that keeps them"],
+                   target=None if both else s.arm, sub_cause="small updates lost")
+
+
+def _underflow(d) -> Verdict | None:
+    u = next((x for x in d.pair if x.name == S.GRADIENT_UNDERFLOW), None)
+    if u is None or (d.parting is not None and d.parting.step <= u.step):
+        return None  # the forward parted first: zeros downstream of it are its consequence, not an underflow
+    other = "A" if u.arm == "B" else "B"
+    dtype = u.extra.get("compute")
+    remedy = ("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16"
+              if dtype == "float16" else "bfloat16 keeps float32's range: these zeros are lost digits; compute "
+              "the layer before it in float32")
+    return Verdict("numerics", f"gradient underflow in {u.arm}: {u.layer}'s gradient is exactly zero at step {u.step} "
+                               f"where {other}'s is not", evidence=[u.evidence] + _parting_lines(d),
+                   remedies=[remedy], target=u.arm, layer=u.layer, sub_cause="gradient underflow")
+
+
 def decide(d, a, b) -> Verdict:
     setup = _setup_verdict(d)
     if setup is not None:
         return setup
-    found = _nonfinite(d)
+    found = _nonfinite(d, a, b)
+    if found is not None:
+        return found
+    both = [divergence(r) for r in (a, b)]
+    if all(x is not None for x in both):
+        return Verdict("setup", f"both runs diverge on their own: {both[0].headline} (A); {both[1].headline} (B)",
+                       evidence=both[0].evidence + both[1].evidence, remedies=list(both[0].remedies),
+                       sub_cause="divergence")
+    found = _own_failure(d, a, b)
     if found is not None:
         return found
     flagged = first_flagged(d.replays)
@@ -217,6 +328,15 @@ def decide(d, a, b) -> Verdict:
         if other is not None and any(r.layer == row.layer for r in other.flagged):
             return _both_runs(d.replays, row.layer)  # the layer's code, whatever the target
         return layer_verdict(side, row, f"{side}'s ")
+    found = _underflow(d)
+    if found is not None:
+        return found
+    one = next(((side, x) for side, x in zip("AB", both) if x is not None), None)
+    if one is not None:
+        side, x = one
+        return Verdict("setup", f"{side}'s own loss explodes: {x.headline.removeprefix('the loss ')}; the other run's "
+                                "does not", evidence=x.evidence + _parting_lines(d), remedies=list(x.remedies),
+                       target=side, sub_cause="divergence")
     part = d.parting
     if part is None and d.loss_step is not None:
         part = Parting(d.loss_step, "the loss", f"the losses differ by more than {d.loss_tol:.3g} (relative)")

@@ -61,7 +61,12 @@ def test_a_planted_fp16_overflow_is_named_with_its_module_and_step(tmp_path, cap
     assert code == 1
     v = json.loads(out)["verdict"]
     assert v["category"] == "numerics" and v["layer"] == "att" and v["target"] == "B"
-    assert v["headline"] == "B turns non-finite at step 4 in att (own code: matmul, forward); A stays finite"
+    # A's own loss explodes too (the inputs grow 4x a step): said in the pair's verdict, never "A stays finite"
+    assert v["headline"].startswith("B turns non-finite at step 4 in att (own code: matmul, forward); A stays "
+                                    "finite, but its own loss explodes too (")
+    assert "A on its own: the loss explodes" in "\n".join(v["evidence"])
+    assert any(r.startswith("lower the learning rate") for r in v["remedies"])
+    assert "exploding gradients / learning rate too high" in [s["label"] for s in json.loads(out)["own_findings"][0]]
 
 
 def test_json_and_out_folder_never_overwrite(runs, tmp_path, capsys):

@@ -1,0 +1,222 @@
+"""compare's detectors on watched runs, and the differences only a pair of runs shows.
+
+A watched run is read through three members (``watch.reader.WatchedRun`` has them; a test may hand a
+stand-in): ``steps`` (one dict per optimizer step: ``loss``, ``lr`` per group, ``grad_norms`` per
+parameter, ``layers``), ``manifest`` (``model.parameters`` with their dtypes, ``optimizer``,
+``optimizer_settings``, ``snapshots``) and ``snapshot(step)`` (the arrays of a snapshot step: ``param/``,
+``grad/``...). Every detector returns ``training.Symptom`` records (kind, side as the ``arm``, layer,
+step, value) - the same data ``compare``'s detectors return - and never decides a verdict.
+
+- ``run_findings(run, side)``: one run on its own - compare's ``training_problems`` (a NaN-like loss,
+  exploding or vanishing gradients, an oscillating loss) on the run's curves, and ``lost_updates`` for
+  weights kept in bfloat16/float16 (the update ratio from the learning rate, the gradient norms and the
+  step-0 weights).
+- ``recipe_difference(a, b, tol)``: two runs that already differ at step 0, before any update, with the
+  same weights and batch (the caller checks both): the loss is computed differently (its value ratio), and
+  a gradient-norm ratio that is one constant for every parameter is a loss scale.
+- ``gradient_underflow(a, b)``: a parameter whose gradient is exactly zero in one run where the other's is
+  not (its norm, at every step; the zero share of its entries, at the snapshot steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from convcheck.diagnose.detectors import training as S
+from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
+from convcheck.numerics.thresholds import (EXPLODING_LAYER_RATIO, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
+                                          UNDERFLOW_EXTRA_ZEROS)
+
+RECIPE = "recipe difference"  # the loss computed differently (pair symptom)
+LOSS_SCALE = "loss scale"  # the same loss, gradients multiplied by one factor (pair symptom)
+SGD_LIKE = ("SGD",)  # an update of lr x the (momentum-averaged) gradient
+ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")  # an update of about lr per entry
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _global_norm(norms: dict) -> float:
+    vals = [v for v in norms.values() if isinstance(v, (int, float))]
+    return math.sqrt(sum(v * v for v in vals)) if vals else math.nan
+
+
+def _weights_at_step0(run) -> dict[str, np.ndarray] | None:
+    if not any(s["step"] == 0 for s in run.manifest.get("snapshots", [])):
+        return None
+    snap = run.snapshot(0) or {}
+    params = {k[len("param/"):]: v for k, v in snap.items() if k.startswith("param/")}
+    return params or None
+
+
+def _update_ratio(run, k: int, weight_norm: float, numel: int) -> float:
+    """An estimate of one step's |dW| / |W| from what a watched step records: SGD's lr x |g| (divided by
+    1 - momentum, its steady state), Adam's about lr per entry; NaN for another optimizer."""
+    lr = [v for v in run.steps[k]["lr"] if _finite(v)]
+    if not lr or not weight_norm > 0:
+        return math.nan
+    opt = run.manifest.get("optimizer")
+    settings = (run.manifest.get("optimizer_settings") or [{}])[0] or {}
+    if opt in SGD_LIKE:
+        momentum = settings.get("momentum", 0.0)
+        momentum = momentum if _finite(momentum) and 0 <= momentum < 1 else 0.0
+        return max(lr) * _global_norm(run.steps[k]["grad_norms"]) / (1 - momentum) / weight_norm
+    if opt in ADAM_LIKE:
+        return max(lr) * math.sqrt(numel) / weight_norm
+    return math.nan
+
+
+def curves(run, side: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """compare's ``curves`` and per-layer gradient rows (``layer_grads``) for one watched run: each step's
+    loss, learning rate, global gradient norm and update ratio; each module's gradient norm (its
+    parameters' norms combined), in the model's order."""
+    weights = _weights_at_step0(run)
+    wnorm = math.sqrt(sum(float(np.sum(np.square(w.astype(np.float64)))) for w in weights.values())) \
+        if weights else math.nan
+    numel = sum(int(w.size) for w in weights.values()) if weights else 0
+    rows, grads = [], []
+    for k, s in enumerate(run.steps):
+        loss = s["loss"] if _finite(s["loss"]) else math.nan
+        lr = [v for v in s["lr"] if _finite(v)]
+        rows.append({"arm": side, "step": k, "loss": loss, "grad_norm": _global_norm(s["grad_norms"]),
+                     "update_ratio": _update_ratio(run, k, wnorm, numel), "lr": max(lr) if lr else math.nan,
+                     "loss_scale": s.get("scale", math.nan), "skipped": bool(s.get("skipped", False))})
+        by_layer: dict[str, float] = {}
+        for name, v in s["grad_norms"].items():
+            layer = name.rsplit(".", 1)[0] if "." in name else name
+            if isinstance(v, (int, float)):
+                by_layer[layer] = by_layer.get(layer, 0.0) + v * v
+        grads += [{"arm": side, "layer": layer, "step": k, "grad_norm": math.sqrt(sq), "zero_frac": math.nan}
+                  for layer, sq in by_layer.items()]
+    cols = ["arm", "layer", "step", "grad_norm", "zero_frac"]
+    return pd.DataFrame(rows), pd.DataFrame(grads, columns=cols)
+
+
+_NO_ACTIVATIONS = pd.DataFrame(columns=["arm", "layer", "step", "kind", "dead_frac", "saturated_frac"])
+
+
+def weights_format(run) -> str | None:
+    """The coarsest dtype the model's parameters are kept in, when it is a 16-bit one (else None)."""
+    dtypes = {p.get("dtype") for p in run.manifest.get("model", {}).get("parameters", [])}
+    coarse = coarsest_dtype(d for d in dtypes if isinstance(d, str))
+    return coarse if coarse in ("bfloat16", "float16") else None
+
+
+def compute_format(run) -> str | None:
+    """The coarsest dtype the run's layers output at its first step (what it computes in)."""
+    if not run.steps:
+        return None
+    return coarsest_dtype(r["dtype"] for r in run.steps[0]["layers"].values() if isinstance(r.get("dtype"), str))
+
+
+def run_findings(run, side: str) -> list[S.Symptom]:
+    """What ``compare``'s detectors find on this run alone (its ``side``: "A", "B", or "the run")."""
+    if not run.steps:
+        return []
+    c, g = curves(run, side)
+    lr = float(c["lr"].max()) if c["lr"].notna().any() else math.nan
+    norms = [v for v in c["grad_norm"] if math.isfinite(v)]
+    grew = len(norms) >= 2 and max(norms) > EXPLODING_LAYER_RATIO * max(norms[0], TINY_NORM)
+    # a per-batch loss that ends 1.5x its first is no finding alone here (the run's own divergence rule,
+    # EXPLODE_FACTOR / RISE_FACTOR, reads the loss): gradients count when they grew or turned non-finite
+    found = [s for s in S.training_problems(c, g, _NO_ACTIVATIONS, side, 0, lr)
+             if s.name != S.EXPLODING_GRADIENTS or s.step is not None or grew]
+    fmt = weights_format(run)
+    if fmt is not None:
+        lost = S.lost_updates(c, side, unit_roundoff_of(fmt), True)
+        if lost is not None:
+            found.append(S.Symptom(lost.name, side, f"{lost.evidence} ({fmt} weights, "
+                                   f"{run.manifest.get('optimizer') or 'optimizer'})", value=lost.value,
+                                   extra={"format": fmt}))
+    return found
+
+
+def _ratio_text(r: float) -> str:
+    return f"{r:.4g}x"
+
+
+def recipe_difference(a, b, tol: float) -> S.Symptom | None:
+    """Step 0 of two runs with the same weights and batch (the caller's check): the losses differ beyond
+    ``tol`` (relative), or every parameter's gradient norm differs by one common factor (a loss scale).
+    Returns a ``RECIPE`` or ``LOSS_SCALE`` symptom on side "B" (B against A)."""
+    if not a.steps or not b.steps:
+        return None
+    la, lb = a.steps[0]["loss"], b.steps[0]["loss"]
+    loss_apart = (_finite(la) and _finite(lb) and la != lb and abs(la - lb) > tol * max(abs(la), abs(lb)))
+    ga, gb = a.steps[0]["grad_norms"], b.steps[0]["grad_norms"]
+    names = [n for n in ga if n in gb and _finite(ga[n]) and _finite(gb[n]) and ga[n] > 0 and gb[n] > 0]
+    scale = None
+    if names:
+        ratios = sorted(gb[n] / ga[n] for n in names)
+        median = ratios[len(ratios) // 2]
+        dtypes = {p["name"]: p.get("dtype", "float32") for p in a.manifest["model"]["parameters"]}
+        u = max(unit_roundoff_of(dtypes.get(n, "float32")) for n in names)
+        spread = max(SCALE_RATIO_SPREAD, PART_FACTOR * u)
+        if abs(median - 1) > spread and all(abs(r / median - 1) <= spread for r in ratios):
+            scale = median
+    if not loss_apart and scale is None:
+        return None
+    lines = []
+    if loss_apart:
+        lines.append(f"step-0 loss: A {la:.6g}, B {lb:.6g} (B/A = {_ratio_text(lb / la) if la else 'inf'}), "
+                     f"beyond rounding ({tol:.3g} relative)")
+    if scale is not None:
+        lines.append(f"step-0 gradient norms: B's are {_ratio_text(scale)} A's for all {len(names)} parameters "
+                     f"(within {max(SCALE_RATIO_SPREAD, PART_FACTOR * u):.3g}): one factor multiplies the whole "
+                     "backward")
+    elif names:
+        worst = max(names, key=lambda n: abs(math.log(gb[n] / ga[n])))
+        lines.append(f"step-0 gradient norms differ parameter by parameter (largest: {worst}, B/A = "
+                     f"{_ratio_text(gb[worst] / ga[worst])}): not one scale")
+    kind = LOSS_SCALE if scale is not None and (not loss_apart or abs(lb / la / scale - 1) <= 0.01) else RECIPE
+    value = scale if kind == LOSS_SCALE else (lb / la if la else math.inf)
+    return S.Symptom(kind, "B", "; ".join(lines), step=0, value=value,
+                     extra={"loss_ratio": lb / la if loss_apart and la else None, "grad_ratio": scale})
+
+
+def _zero_share(x: np.ndarray) -> float:
+    return float(np.count_nonzero(x == 0)) / x.size if x.size else 0.0
+
+
+def gradient_underflow(a, b) -> S.Symptom | None:
+    """The first aligned step at which a parameter's gradient is exactly zero in one run and not in the
+    other: its whole norm 0 (every step's record), or UNDERFLOW_EXTRA_ZEROS more of its entries exactly zero
+    (the snapshot steps both runs took)."""
+    steps = min(len(a.steps), len(b.steps))
+    snapped = ({s["step"] for s in a.manifest.get("snapshots", [])}
+               & {s["step"] for s in b.manifest.get("snapshots", [])})
+    for k in range(steps):
+        ga, gb = a.steps[k]["grad_norms"], b.steps[k]["grad_norms"]
+        for n in ga:
+            x, y = ga[n], gb.get(n)
+            if not (_finite(x) and _finite(y)):
+                continue
+            if (x == 0) != (y == 0):
+                side, other, v = ("B", "A", x) if y == 0 else ("A", "B", y)
+                return S.Symptom(S.GRADIENT_UNDERFLOW, side, f"the gradient of {n} is exactly 0 in {side} at step "
+                                 f"{k} where {other}'s norm is {v:.3g}", layer=n, step=k, value=1.0,
+                                 extra={"other_norm": v, "compute": compute_format((a, b)["AB".index(side)])})
+        if k in snapped:
+            found = _snapshot_zeros(a, b, k)
+            if found is not None:
+                return found
+    return None
+
+
+def _snapshot_zeros(a, b, k: int) -> S.Symptom | None:
+    sa, sb = a.snapshot(k) or {}, b.snapshot(k) or {}
+    for key in sa:
+        if not key.startswith("grad/") or key not in sb or sa[key].shape != sb[key].shape:
+            continue
+        za, zb = _zero_share(sa[key]), _zero_share(sb[key])
+        if abs(zb - za) > UNDERFLOW_EXTRA_ZEROS:
+            side, other = ("B", "A") if zb > za else ("A", "B")
+            name = key[len("grad/"):]
+            return S.Symptom(S.GRADIENT_UNDERFLOW, side, f"{max(za, zb):.0%} of the gradient entries of {name} are "
+                             f"exactly 0 in {side} at step {k} against {min(za, zb):.0%} in {other}", layer=name,
+                             step=k, value=abs(zb - za), extra={"compute": compute_format((a, b)["AB".index(side)])})
+    return None
