@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from convcheck.errors import UsageError
 from convcheck.watch import stats as _stats
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
@@ -191,6 +192,24 @@ def _module_of(cls: type) -> str:
     return spec.name if spec is not None and spec.name else cls.__module__
 
 
+def check_optimizer(model: torch.nn.Module, optimizer) -> None:
+    """An optimizer the watch can read: a ``torch.optim.Optimizer`` (its step hooks, its param_groups) that
+    holds at least one of the model's parameters - one built over another model's (or a copy's) would
+    train nothing the watch sees, and the runs would part for no reason a diff can name."""
+    if optimizer is None:
+        return
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise UsageError(f"convcheck.watch: optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer "
+                         "(pass the optimizer whose step() trains the model, or none)")
+    mine = {id(p) for p in model.parameters()}
+    held = [p for g in groups for p in g["params"]]
+    if mine and not any(id(p) in mine for p in held):
+        raise UsageError(f"convcheck.watch: the optimizer ({type(optimizer).__name__}, {len(held)} parameters) holds "
+                         "none of the model's parameters: build it over model.parameters() after the model is "
+                         "final (after .to(device), a copy or torch.compile's original module)")
+
+
 class Watch:
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
@@ -203,6 +222,7 @@ class Watch:
         max_bytes = self.from_env.get("max_bytes", max_bytes)
         if not (isinstance(max_bytes, int) and max_bytes > 0):
             raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
+        check_optimizer(model, optimizer)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.out, self.distributed = rank_out(Path(out))  # under DDP: out/rank<k>
         self.force = force

@@ -27,7 +27,7 @@ import pandas as pd
 
 from convcheck.diagnose.detectors import training as S
 from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
-from convcheck.numerics.thresholds import (EXPLODING_LAYER_RATIO, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
+from convcheck.numerics.thresholds import (EXPLODING_LAYER_RATIO, LOSS_LIPSCHITZ, LOSS_RTOL, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
                                           UNDERFLOW_EXTRA_ZEROS)
 
 RECIPE = "recipe difference"  # the loss computed differently (pair symptom)
@@ -147,6 +147,9 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
         return None
     la, lb = a.steps[0]["loss"], b.steps[0]["loss"]
     loss_apart = (_finite(la) and _finite(lb) and la != lb and abs(la - lb) > tol * max(abs(la), abs(lb)))
+    explained = _output_explains(a, b)
+    if not loss_apart and explained is not None and _finite(la) and _finite(lb):
+        loss_apart = abs(la - lb) > PART_FACTOR * LOSS_LIPSCHITZ * explained + LOSS_RTOL * max(abs(la), abs(lb))
     ga, gb = a.steps[0]["grad_norms"], b.steps[0]["grad_norms"]
     names = [n for n in ga if n in gb and _finite(ga[n]) and _finite(gb[n]) and ga[n] > 0 and gb[n] > 0]
     scale = None
@@ -154,7 +157,8 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
         ratios = sorted(gb[n] / ga[n] for n in names)
         median = ratios[len(ratios) // 2]
         dtypes = {p["name"]: p.get("dtype", "float32") for p in a.manifest["model"]["parameters"]}
-        u = max(unit_roundoff_of(dtypes.get(n, "float32")) for n in names)
+        computed = [f for f in (compute_format(a), compute_format(b)) if f is not None]
+        u = max([unit_roundoff_of(dtypes.get(n, "float32")) for n in names] + [unit_roundoff_of(f) for f in computed])
         spread = max(SCALE_RATIO_SPREAD, PART_FACTOR * u)
         if abs(median - 1) > spread and all(abs(r / median - 1) <= spread for r in ratios):
             scale = median
@@ -162,8 +166,10 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
         return None
     lines = []
     if loss_apart:
-        lines.append(f"step-0 loss: A {la:.6g}, B {lb:.6g} (B/A = {_ratio_text(lb / la) if la else 'inf'}), "
-                     f"beyond rounding ({tol:.3g} relative)")
+        why = (f"beyond rounding ({tol:.3g} relative)" if abs(la - lb) > tol * max(abs(la), abs(lb)) else
+               f"{abs(la - lb) / max(explained, 1e-300):.3g}x the largest difference of the model's outputs "
+               f"({explained:.3g}): more than the outputs explain")
+        lines.append(f"step-0 loss: A {la:.6g}, B {lb:.6g} (B/A = {_ratio_text(lb / la) if la else 'inf'}), {why}")
     if scale is not None:
         lines.append(f"step-0 gradient norms: B's are {_ratio_text(scale)} A's for all {len(names)} parameters "
                      f"(within {max(SCALE_RATIO_SPREAD, PART_FACTOR * u):.3g}): one factor multiplies the whole "
@@ -176,6 +182,29 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
     value = scale if kind == LOSS_SCALE else (lb / la if la else math.inf)
     return S.Symptom(kind, "B", "; ".join(lines), step=0, value=value,
                      extra={"loss_ratio": lb / la if loss_apart and la else None, "grad_ratio": scale})
+
+
+def _output_explains(a, b) -> float | None:
+    """The largest element-by-element difference between the two runs' model outputs at step 0 (the last
+    layer called, from both step-0 snapshots), or None without them. A loss of those outputs can differ by
+    at most ``LOSS_LIPSCHITZ`` times it (cross-entropy, with class weights or label smoothing: its
+    log-sum-exp and its picked logit are each 1-Lipschitz in the largest difference); a loss further apart
+    than ``PART_FACTOR`` times that was computed differently, whatever the two precisions."""
+    if not (a.steps and b.steps and a.steps[0]["layers"]):
+        return None
+    snapped = ({s["step"] for s in a.manifest.get("snapshots", [])}
+               & {s["step"] for s in b.manifest.get("snapshots", [])})
+    if 0 not in snapped:
+        return None
+    last = list(a.steps[0]["layers"])[-1]
+    key = f"out/{last}/0/0"
+    sa, sb = a.snapshot(0) or {}, b.snapshot(0) or {}
+    if key not in sa or key not in sb or sa[key].shape != sb[key].shape:
+        return None
+    x, y = sa[key].astype(np.float64), sb[key].astype(np.float64)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()) or not x.size:
+        return None
+    return float(np.max(np.abs(x - y)))
 
 
 def _zero_share(x: np.ndarray) -> float:

@@ -1,0 +1,145 @@
+"""Training loops as users write them, each with one of issue 34's problems: a gradient-accumulation loop
+that forgets to divide the loss, label smoothing and class weights on one side only, weights kept in
+bfloat16 under plain SGD, a fixed loss scale of 2**24 under float16 autocast, a sharp float16 attention
+whose query/key gradients underflow to exactly zero."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import convcheck
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 20, h: int = 64, c: int = 5):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, h), nn.Linear(h, h), nn.Linear(h, c)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def batches(n: int, b: int = 16, d: int = 20, c: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` learnable batches (a random linear teacher), the same on every call."""
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(d, c, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(b, d, generator=g)
+        out.append((x, (x @ teacher).argmax(1)))
+    return out
+
+
+def accumulation_run(out, divide: bool = True, bf16: bool = False, steps: int = 6, micro: int = 4) -> None:
+    """SGD with momentum, ``micro`` micro-batches a step; the loss divided by ``micro`` when ``divide``."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = batches(steps * micro)
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(steps):
+            opt.zero_grad()
+            total = 0.0
+            for i in range(micro):
+                x, y = data[step * micro + i]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                if divide:
+                    loss = loss / micro
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            w.step(total)
+
+
+def smoothing_run(out, smooth: bool = False, bf16: bool = False, steps: int = 8) -> None:
+    """Adam; ``smooth``: label smoothing 0.3 and class weights (a recipe one side was given)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    weight = torch.tensor([1.0, 4.0, 1.0, 0.25, 1.0]) if smooth else None
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x * 4)  # features in [-12, 12]: the first logits are far from uniform
+            loss = nn.functional.cross_entropy(logits.float(), y, weight=weight,
+                                               label_smoothing=0.3 if smooth else 0.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+def bf16_weights_run(out, bf16: bool = True, steps: int = 30) -> None:
+    """Plain SGD at lr 1e-3; ``bf16``: the model cast with ``model.to(torch.bfloat16)`` (no master weights)."""
+    torch.manual_seed(0)
+    model = MLP()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            logits = model(x.to(torch.bfloat16) if bf16 else x)
+            loss = nn.functional.cross_entropy(logits.float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+def loss_scale_run(out, fp16: bool = True, scale: float = 2.0**24, steps: int = 3) -> None:
+    """A hand-written static loss scale: (loss * scale).backward(), the gradients divided back before the step."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            (loss * scale).backward()
+            for p in model.parameters():
+                p.grad /= scale
+            opt.step()
+            w.step(loss)
+
+
+class SharpAttention(nn.Module):
+    """Attention with a learned-looking sharpness of 8 on its scores: its softmax saturates."""
+
+    def __init__(self, d: int = 16, sharpness: float = 8.0):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.sharpness = sharpness
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(1, 2) * self.sharpness
+        return torch.softmax(s, -1) @ self.v(x)
+
+
+class SharpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.att, self.head = nn.Linear(8, 16), SharpAttention(), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.att(self.embed(x)).mean(1))
+
+
+def sharp_attention_run(out, fp16: bool, steps: int = 4) -> None:
+    """Inputs of std 6 under float16 autocast: the saturated softmax's gradients flush to zero in float16."""
+    torch.manual_seed(0)
+    model = SharpNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            x = torch.randn(4, 6, 8, generator=g) * 6
+            y = torch.randint(0, 3, (4,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

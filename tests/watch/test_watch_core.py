@@ -1,0 +1,118 @@
+"""Issue 34's "Seen", as users write the loops (``recipe_loops.py``): ``convcheck diff`` of two watched runs
+reaches compare's verdicts - a recipe difference present at step 0 is ``setup`` (never chance or precision),
+bf16 weights that drop their updates are named, a fixed loss scale that overflows the backward gets the
+GradScaler remedy, gradients that underflow to exactly zero in one run are named; an optimizer over none of
+the model's parameters is refused at the edge."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import convcheck
+from convcheck.cli.main import main
+from convcheck.errors import UsageError
+
+from .recipe_loops import (MLP, accumulation_run, bf16_weights_run, loss_scale_run, sharp_attention_run,
+                           smoothing_run)
+
+
+def diff(capsys, *args) -> tuple[int, dict]:
+    code = main(["diff", *map(str, args), "--no-save", "--json"])
+    out, _ = capsys.readouterr()
+    return code, json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("core")
+    accumulation_run(tmp / "acc")
+    accumulation_run(tmp / "acc_undivided", divide=False)
+    accumulation_run(tmp / "acc_undivided_bf16", divide=False, bf16=True)
+    smoothing_run(tmp / "plain")
+    smoothing_run(tmp / "smooth", smooth=True)
+    smoothing_run(tmp / "smooth_bf16", smooth=True, bf16=True)
+    smoothing_run(tmp / "plain_bf16", bf16=True)
+    bf16_weights_run(tmp / "w32", bf16=False)
+    bf16_weights_run(tmp / "w16")
+    loss_scale_run(tmp / "scaled32", fp16=False)
+    loss_scale_run(tmp / "scaled16")
+    sharp_attention_run(tmp / "att32", fp16=False)
+    sharp_attention_run(tmp / "att16", fp16=True)
+    return tmp
+
+
+def test_accumulation_that_forgets_to_divide_is_a_loss_scale_not_nondeterminism(runs, capsys):
+    code, d = diff(capsys, runs / "acc", runs / "acc_undivided")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "loss scale"
+    assert v["headline"].startswith("the runs scale the loss differently: at step 0, before any update, with the "
+                                    "same weights and batch, B's gradients are 4x A's for every parameter")
+    assert "loss / accumulation_steps" in v["remedies"][0]
+    assert "deterministic" not in " ".join(v["remedies"])
+
+
+def test_the_same_forgotten_division_in_bf16_is_still_the_recipe_not_precision(runs, capsys):
+    code, d = diff(capsys, runs / "acc", runs / "acc_undivided_bf16")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "setup", v["headline"]
+    assert "at step 0, before any update" in v["headline"] and "4x A's" in v["headline"]
+
+
+def test_label_smoothing_and_class_weights_on_one_side_are_a_different_loss(runs, capsys):
+    for other in ("smooth", "smooth_bf16"):
+        code, d = diff(capsys, runs / "plain", runs / other)
+        v = d["verdict"]
+        assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "loss", (other, v["headline"])
+        assert v["headline"].startswith("the runs compute a different loss: at step 0, before any update")
+        assert "label_smoothing=" in v["remedies"][0]
+
+
+def test_the_same_recipe_in_bf16_stays_ok(runs, capsys):
+    code, d = diff(capsys, runs / "plain", runs / "plain_bf16")
+    assert code == 0 and d["verdict"]["category"] == "ok", d["verdict"]["headline"]
+    assert d["pair_findings"] == []
+
+
+def test_bf16_weights_under_plain_sgd_lose_their_updates(runs, capsys):
+    code, d = diff(capsys, runs / "w32", runs / "w16")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "numerics" and v["sub_cause"] == "small updates lost" and v["target"] == "B"
+    assert "master weights" in v["remedies"][0]
+    assert [s["kind"] for s in d["own_findings"][1]].count("small updates lost") == 1
+    assert not [s for s in d["own_findings"][0] if s["kind"] == "small updates lost"]
+    code = main(["diff", str(runs / "w16"), "--judge", "cpu:float64", "--no-save", "--json"])
+    alone = json.loads(capsys.readouterr()[0])["verdict"]
+    assert code == 1 and alone["sub_cause"] == "small updates lost", alone["headline"]
+
+
+def test_a_fixed_loss_scale_that_overflows_float16_gets_the_grad_scaler_remedy(runs, capsys):
+    code, d = diff(capsys, runs / "scaled32", runs / "scaled16")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "numerics" and v["sub_cause"] == "loss scale overflow"
+    assert v["headline"].startswith("B's scaled backward overflows at step 0: gradient into fc3's output is Inf "
+                                    "while the loss itself is finite")
+    assert "GradScaler" in v["remedies"][0]
+    assert not any("compute the loss in float32" in r for r in v["remedies"])
+    code = main(["diff", str(runs / "scaled16"), "--judge", "cpu:float64", "--no-save", "--json"])
+    alone = json.loads(capsys.readouterr()[0])["verdict"]
+    assert code == 1 and alone["sub_cause"] == "loss scale overflow"
+
+
+def test_float16_gradients_that_underflow_to_zero_are_named(runs, capsys):
+    code, d = diff(capsys, runs / "att32", runs / "att16")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "numerics" and v["sub_cause"] == "gradient underflow", v["headline"]
+    assert v["target"] == "B" and v["layer"].startswith("att.")
+    assert "exactly zero" in v["headline"] and "GradScaler" in v["remedies"][0]
+
+
+def test_an_optimizer_over_none_of_the_models_parameters_is_refused(tmp_path):
+    model, other = MLP(), MLP()
+    with pytest.raises(UsageError, match="holds none of the model's parameters"):
+        convcheck.watch(model, torch.optim.SGD(other.parameters(), lr=0.1), out=tmp_path / "run")
+    with pytest.raises(UsageError, match="not a torch.optim.Optimizer"):
+        convcheck.watch(model, "sgd", out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
