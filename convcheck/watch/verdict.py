@@ -209,7 +209,7 @@ def decide_single(run, replay, own=()) -> Verdict:
         return Verdict("numerics", f"small updates lost: the weights are kept in {lost.extra.get('format')} and most "
                                    "updates round away", evidence=[lost.evidence],
                        remedies=["keep float32 master weights (autocast instead of casting the model to bf16/fp16), "
-                                 "or use an optimizer that keeps them"], sub_cause="small updates lost")
+                                 "or use an optimizer that keeps them"], sub_cause=S.SMALL_UPDATES_LOST)
     if p is not None:
         return Verdict("numerics", f"the run turns non-finite at step {p['step']} in {producer_where(p)}",
                        evidence=[f"first non-finite: {producer_text(p)}"] + _overflow_lines((replay,)),
@@ -289,7 +289,7 @@ def _own_failure(d, a, b) -> Verdict | None:
                                "updates round away", evidence=[f"{x.arm} on its own: {x.evidence}" for x in lost]
                    + _parting_lines(d), remedies=["keep float32 master weights (autocast instead of casting the model "
                                                   "to bf16/fp16), or use an optimizer that keeps them"],
-                   target=None if both else s.arm, sub_cause="small updates lost")
+                   target=None if both else s.arm, sub_cause=S.SMALL_UPDATES_LOST)
 
 
 def _underflow(d) -> Verdict | None:
@@ -303,7 +303,7 @@ def _underflow(d) -> Verdict | None:
               "the layer before it in float32")
     return Verdict("numerics", f"gradient underflow in {u.arm}: {u.layer}'s gradient is exactly zero at step {u.step} "
                                f"where {other}'s is not", evidence=[u.evidence] + _parting_lines(d),
-                   remedies=[remedy], target=u.arm, layer=u.layer, sub_cause="gradient underflow")
+                   remedies=[remedy], target=u.arm, layer=u.layer, sub_cause=S.GRADIENT_UNDERFLOW)
 
 
 def decide(d, a, b) -> Verdict:

@@ -152,7 +152,7 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
         loss_apart = abs(la - lb) > PART_FACTOR * LOSS_LIPSCHITZ * explained + LOSS_RTOL * max(abs(la), abs(lb))
     ga, gb = a.steps[0]["grad_norms"], b.steps[0]["grad_norms"]
     names = [n for n in ga if n in gb and _finite(ga[n]) and _finite(gb[n]) and ga[n] > 0 and gb[n] > 0]
-    scale = None
+    scale, spread = None, SCALE_RATIO_SPREAD
     if names:
         ratios = sorted(gb[n] / ga[n] for n in names)
         median = ratios[len(ratios) // 2]
@@ -167,18 +167,18 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
     lines = []
     if loss_apart:
         why = (f"beyond rounding ({tol:.3g} relative)" if abs(la - lb) > tol * max(abs(la), abs(lb)) else
-               f"{abs(la - lb) / max(explained, 1e-300):.3g}x the largest difference of the model's outputs "
+               f"{abs(la - lb) / max(explained, TINY_NORM):.3g}x the largest difference of the model's outputs "
                f"({explained:.3g}): more than the outputs explain")
         lines.append(f"step-0 loss: A {la:.6g}, B {lb:.6g} (B/A = {_ratio_text(lb / la) if la else 'inf'}), {why}")
     if scale is not None:
         lines.append(f"step-0 gradient norms: B's are {_ratio_text(scale)} A's for all {len(names)} parameters "
-                     f"(within {max(SCALE_RATIO_SPREAD, PART_FACTOR * u):.3g}): one factor multiplies the whole "
+                     f"(within {spread:.3g}): one factor multiplies the whole "
                      "backward")
     elif names:
         worst = max(names, key=lambda n: abs(math.log(gb[n] / ga[n])))
         lines.append(f"step-0 gradient norms differ parameter by parameter (largest: {worst}, B/A = "
                      f"{_ratio_text(gb[worst] / ga[worst])}): not one scale")
-    kind = LOSS_SCALE if scale is not None and (not loss_apart or abs(lb / la / scale - 1) <= 0.01) else RECIPE
+    kind = LOSS_SCALE if scale is not None and (not loss_apart or abs(lb / la / scale - 1) <= spread) else RECIPE
     value = scale if kind == LOSS_SCALE else (lb / la if la else math.inf)
     return S.Symptom(kind, "B", "; ".join(lines), step=0, value=value,
                      extra={"loss_ratio": lb / la if loss_apart and la else None, "grad_ratio": scale})
