@@ -344,6 +344,7 @@ def test_numeric_modes_compose_and_envelope_runs_of_a_ddp_target():
     assert (c[c["arm"] == "ddp:cpu:2:bf16~1"]["dist_ref"] > 0).all()
 
 
+@pytest.mark.slow  # ~5 s: a rank really waits out the collective timeout
 def test_a_stuck_rank_ends_the_run_within_the_collective_timeout(monkeypatch):
     monkeypatch.setenv("CONVCHECK_DDP_TIMEOUT", "2")
 

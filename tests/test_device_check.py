@@ -153,6 +153,7 @@ def test_exit_codes_mean_results_or_failures(dc):
     assert dc._status(tool, -9, True, 3) == ("timeout", "killed after 3s")
 
 
+@pytest.mark.slow  # ~6 s: a step really runs into its timeout
 def test_runner_kills_a_step_at_its_timeout_and_keeps_going(dc, tmp_path):
     runner = dc.Runner(tmp_path, budget=120, python=sys.executable)
     try:

@@ -79,6 +79,7 @@ def test_a_stop_while_training_keeps_a_partial_summary(tmp_path, sig):
     assert signal.Signals(sig).name in summary["stopped"]
 
 
+@pytest.mark.slow  # ~4 s: two real runs, one stopped by a signal
 def test_a_stopped_run_replacing_a_report_with_force_leaves_no_file_of_the_old_one(tmp_path):
     """``--out run --force`` over a finished report, stopped while training: the folder holds the new
     run's partial summary, layers and curves only, never the old run's plots, HTML and env beside them (a
@@ -133,6 +134,7 @@ def test_an_ignored_hangup_stays_ignored(tmp_path):
     assert code == 3 and "interrupted (SIGTERM)" in _one_line(err), err
 
 
+@pytest.mark.slow  # ~5 s: a whole run, then the signal
 def test_a_ctrl_c_after_the_report_is_written_changes_nothing(tmp_path):
     env = {**os.environ, "CONVCHECK_NO_PROGRESS": "1", "NO_COLOR": "1", "PYTHONPATH": str(ROOT), "CC_AT": ""}
     proc = subprocess.run([sys.executable, "-m", "convcheck", "compare", "--model",
