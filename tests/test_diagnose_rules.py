@@ -15,7 +15,7 @@ import pytest
 import convcheck.diagnose.detectors.training as S
 import convcheck.diagnose.detectors.recipe as RD
 from convcheck.diagnose import (
-    RULE_IDS, RULES, Evidence, LayerMargin, TargetFacts, Verdict, decide, ok_verdict,
+    RULES as ALL_RULES, Evidence, LayerMargin, TargetFacts, Verdict, decide, ok_verdict,
     verdict_rule,
 )
 from convcheck.diagnose import rules as R
@@ -23,6 +23,10 @@ from convcheck.ddp.diagnostics import DDPFinding
 from convcheck.ddp.rules import ddp_setup
 from convcheck.env import Finding
 from convcheck.measure.train.result import ArmOutcome, EnvelopeSummary
+
+# a comparison's rules (live or two bundles); the watched runs' rules are tests/test_diagnose_watched_rules.py's
+RULES = [r for r in ALL_RULES if r.reads is Evidence]
+RULE_IDS = {r.id: r.name for r in RULES}
 
 JUDGE = "cpu:float64"
 

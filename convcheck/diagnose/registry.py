@@ -1,10 +1,13 @@
 """The verdict rule registry: ``VerdictRule``, the ``@verdict_rule`` decorator, ``RULES``, ``decide``.
 
 A leaf of the ``diagnose`` package next to ``verdict`` and ``evidence``: ``rules``
-imports it, it imports no rule. A rule is a small function ``(Evidence) ->
+imports it, it imports no rule. A rule is a small function ``(evidence) ->
 Verdict | None`` registered with a stable id, a priority (lower runs first), the
-category it decides, its headline template and its remedies. ``decide`` runs
-the rules by priority; the first verdict wins, ``ok`` when none fires.
+category it decides, its headline template, its remedies and the evidence it
+reads (``reads``: ``Evidence``, a comparison's - live or two bundles -, by default;
+``watched_evidence.PairEvidence`` / ``RunEvidence`` for watched runs). ``decide``
+runs the rules that read the evidence's type, by priority; the first verdict wins,
+``otherwise(ev)`` when none fires. One chooser for every source.
 
 The decorator returns the registered ``VerdictRule`` (callable like the
 function), so a rule fills its own templates: ``my_rule.verdict(lines, fields,
@@ -32,6 +35,7 @@ class VerdictRule:
     remedies: tuple[str, ...]  # templates; the default a rule may replace from the evidence
     check: Check
     doc: str = ""
+    reads: type = Evidence  # the evidence record this rule reads
 
     def __call__(self, ev: Evidence) -> Verdict | None:
         return self.check(ev)
@@ -50,18 +54,19 @@ RULES: list[VerdictRule] = []
 
 
 def verdict_rule(rule_id: str, name: str, *, priority: int, category: str, headline: str,
-                 remedies: tuple[str, ...] = ()) -> Callable[[Check], VerdictRule]:
-    """Register ``fn`` as a verdict rule; ids, names and priorities are unique."""
+                 remedies: tuple[str, ...] = (), reads: type = Evidence) -> Callable[[Check], VerdictRule]:
+    """Register ``fn`` as a verdict rule; ids and names are unique, priorities among the rules that read the
+    same evidence."""
     if category not in CATEGORIES or category == "ok":
         raise ValueError(f"verdict rule {rule_id}: category {category!r} is not a verdict a rule can return")
 
     def register(fn: Check) -> VerdictRule:
         for r in RULES:
-            if rule_id == r.id or name == r.name or priority == r.priority:
+            if rule_id == r.id or name == r.name or (priority == r.priority and reads is r.reads):
                 raise ValueError(f"verdict rule {rule_id} ({name}, {priority}) clashes with {r.id} "
                                  f"({r.name}, {r.priority})")
         doc = (fn.__doc__ or "").strip()
-        spec = VerdictRule(rule_id, name, priority, category, headline, tuple(remedies), fn, doc)
+        spec = VerdictRule(rule_id, name, priority, category, headline, tuple(remedies), fn, doc, reads)
         RULES.append(spec)
         RULES.sort(key=lambda r: r.priority)
         return spec
@@ -69,9 +74,14 @@ def verdict_rule(rule_id: str, name: str, *, priority: int, category: str, headl
     return register
 
 
-def decide(ev: Evidence, otherwise: Callable[[Evidence], Verdict]) -> Verdict:
-    """The first verdict of the rules in priority order; ``otherwise(ev)`` when none fires."""
-    for r in RULES:
+def rules_for(ev) -> list[VerdictRule]:
+    """The rules that read this evidence's type, in priority order."""
+    return [r for r in RULES if isinstance(ev, r.reads)]
+
+
+def decide(ev, otherwise: Callable) -> Verdict:
+    """The first verdict of the rules that read ``ev`` in priority order; ``otherwise(ev)`` when none fires."""
+    for r in rules_for(ev):
         v = r.check(ev)
         if v is not None:
             return v

@@ -22,7 +22,10 @@ import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.diagnose.detectors.watched import gradient_underflow, recipe_difference, run_findings
+from convcheck.diagnose.detectors.watched_setup import (initial_weights_difference, lr_difference,
+                                                        optimizer_difference, settings_difference)
 from convcheck.diagnose.verdict import Verdict
+from convcheck.diagnose.watched_evidence import Parting, producer_text
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
@@ -31,9 +34,7 @@ from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOS
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.recorder import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
-from convcheck.watch.setup import (initial_weights_difference, lr_difference, optimizer_difference,
-                                   settings_difference)
-from convcheck.watch.verdict import Parting, decide, decide_single, producer_text
+from convcheck.watch.verdict import decide, decide_single
 
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from convcheck.capture import tensors_in
+from convcheck.diagnose.watched_evidence import magnitude_text  # noqa: F401 - the producer's words, one place
 from convcheck.measure.parity.checks import check_forward
 from convcheck.measure.parity.floor import FloorMeter, reference_call
 from convcheck.measure.parity.judge_pass import JudgeCall
@@ -96,21 +97,6 @@ def hookless_copy(module: nn.Module) -> nn.Module:
             if "hooks" in key and isinstance(value, dict):
                 memo[id(value)] = type(value)()
     return copy.deepcopy(module, memo)
-
-
-def magnitude_text(p: dict) -> str:
-    """``values reach 7.6e+04 > 65504 (float16's largest)``: the producing op's float64 magnitude, from a
-    producer's record (a field missing or of the wrong type says nothing: the record is untrusted)."""
-    mag, dtype = p.get("magnitude"), p.get("dtype")
-    if not isinstance(p.get("op"), str) or not isinstance(mag, (int, float)) or isinstance(mag, bool) \
-            or math.isnan(mag):
-        return ""
-    limit = _largest(dtype)
-    if math.isinf(mag):
-        return "non-finite in float64 too"
-    if limit is not None and mag > limit:
-        return f"values reach {mag:.3g} > {limit:.6g} ({dtype}'s largest)"
-    return f"its float64 values reach {mag:.3g}"
 
 
 def _largest(dtype) -> float | None:

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.watched_evidence import LOSS as LOSS_PRODUCER
 from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
 from convcheck.numerics.thresholds import (EXPLODING_LAYER_RATIO, LOSS_LIPSCHITZ, LOSS_RTOL, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
                                           UNDERFLOW_EXTRA_ZEROS)
@@ -249,3 +250,34 @@ def _snapshot_zeros(a, b, k: int) -> S.Symptom | None:
                              f"exactly 0 in {side} at step {k} against {min(za, zb):.0%} in {other}", layer=name,
                              step=k, value=abs(zb - za), extra={"compute": compute_format((a, b)["AB".index(side)])})
     return None
+
+
+SCALED_BACKWARD = "loss scale overflow"  # a fixed loss scale that overflows the backward (one run's symptom)
+
+
+def scaled_backward(run, side: str) -> S.Symptom | None:
+    """The first non-finite value is a gradient the loss's own backward hands the model while the loss itself
+    is finite, with no GradScaler recorded: the backward ran on a scaled loss (``(loss * S).backward()``) whose
+    gradients pass the model's 16-bit range (a mean loss hands each output at most about 1/batch)."""
+    p = run.manifest.get("first_nonfinite")
+    if not isinstance(p, dict) or p.get("layer") != LOSS_PRODUCER or p.get("direction") != "backward" \
+            or run.manifest.get("scaler"):
+        return None
+    k = p.get("step")
+    loss = run.steps[k]["loss"] if isinstance(k, int) and 0 <= k < len(run.steps) else None
+    if not _finite(loss):
+        return None
+    what = str(p.get("detail") or "the gradient into the model's output")
+    return S.Symptom(SCALED_BACKWARD, side, f"{what} is Inf at step {k} while the loss itself is finite ({loss:.4g})",
+                     layer=p["layer"], step=k, value=loss, extra={"what": what})
+
+
+def precision_difference(a, b, flags) -> str | None:
+    """Why two runs compute at different precisions (their layers' output dtypes at step 0, or TF32 switches
+    among the math flags that differ, ``(name, A's, B's)``), or None."""
+    da = {r["dtype"] for r in a.steps[0]["layers"].values()} if a.steps else set()
+    db = {r["dtype"] for r in b.steps[0]["layers"].values()} if b.steps else set()
+    if da != db:
+        return f"A's layers output {', '.join(sorted(da))}, B's {', '.join(sorted(db))}"
+    tf32 = [f"{k}: {x} | {y}" for k, x, y in flags if "tf32" in k.lower() or "precision" in k]
+    return "the TF32 switches differ (" + "; ".join(tf32) + ")" if tf32 else None

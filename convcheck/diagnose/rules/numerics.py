@@ -6,6 +6,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.remedies import GRAD_SCALER_UNDERFLOW, MASTER_WEIGHTS
 from convcheck.diagnose.rules.lines import symptom_evidence, where_in
 from convcheck.diagnose.verdict import Verdict
 from convcheck.numerics.formats import FLOAT32, NumberFormat, format_named
@@ -231,7 +232,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     if main.name == S.NONFINITE_WEIGHTS:
         out.extend(_weights_remedies(t, layer, main, own_factory=not _named_optimizer(ev.optimizer)))
     if main.name == S.GRADIENT_UNDERFLOW and float16:
-        out.append("use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16")
+        out.append(GRAD_SCALER_UNDERFLOW)
     elif main.name == S.GRADIENT_UNDERFLOW:  # bfloat16 has float32's range: zeros are lost digits
         out.append(f"{t.compute_format if t else 'this format'} keeps float32's range, so these zeros are lost "
                    "digits, not underflow: find the layer before it whose result cancels (the parity table's "
@@ -241,7 +242,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
                    "precisely enough at this precision)")
         out.append("remove large offsets or scales before it (normalise its input), so fewer digits are needed")
     if main.name == S.SMALL_UPDATES_LOST:
-        out.append("keep float32 master weights (autocast instead of casting the model to bf16/fp16)")
+        out.append(MASTER_WEIGHTS)
     if main.name == S.OUTCOME_APART:
         out.append("find where the runs part: record both with convcheck.watch and convcheck diff them (the step "
                    "and the layer; a value that overflows inside a module's own code and is zeroed after it shows "

@@ -1,39 +1,23 @@
-"""What the user set up differently, read from the watched runs before any numerics is blamed
+"""What the user set up differently, read from two watched runs before any numerics is blamed
 (``setup`` verdicts): the optimizer's class and its other hyperparameters (the manifest's ``optimizer``
 and ``optimizer_settings``), the learning rates each step
 used (``steps.jsonl``'s ``lr``), the initial weights (the ``param/<name>`` arrays of both runs' step-0
 snapshots, taken before any update); and, for one run, a loss that explodes.
 
-A finding is a ``Setup``: a headline naming the difference, its evidence and remedies."""
+A finding is a ``watched_evidence.Setup``: a headline naming the difference, its evidence and remedies (from
+``diagnose/remedies.py``). Runs are read as ``detectors/watched.py`` reads them (``steps``, ``manifest``,
+``snapshot(step)``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from convcheck.diagnose.remedies import DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
+from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import EXPLODE_FACTOR, LR_RTOL, PART_FACTOR, RISE_FACTOR, RISE_MIN_STEPS
-
-
-OPTIMIZER_REMEDIES = ["build the same optimizer on both sides (its class and its hyperparameters), then diff again"]
-LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimizer's lr=, the scheduler and where "
-               "its step() is called), then diff again"]
-INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
-                 "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
-                 "then diff again"]
-DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
-                    "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
-
-
-@dataclass(frozen=True)
-class Setup:
-    headline: str
-    sub_cause: str
-    evidence: list = field(default_factory=list)
-    remedies: list = field(default_factory=list)
-    step: int | None = None
 
 
 def _optimizer(run) -> str | None:

@@ -1,0 +1,55 @@
+"""Remedies as the verdicts give them, written once: the watched-run rules' (``rules/watched.py``) and the
+setup detectors' (``detectors/watched_setup.py``), and those ``compare``'s rules share with them.
+
+A remedy here is the text a user reads; ``verify/actions.py`` holds the ones convcheck can apply and re-run."""
+
+from __future__ import annotations
+
+# --- shared with compare ----------------------------------------------------------------------------------
+MASTER_WEIGHTS = "keep float32 master weights (autocast instead of casting the model to bf16/fp16)"
+GRAD_SCALER_UNDERFLOW = "use torch.amp.GradScaler to scale the loss, or bfloat16 instead of float16"
+
+# --- setup: what two runs were given differently ---------------------------------------------------------
+OPTIMIZER_REMEDIES = ["build the same optimizer on both sides (its class and its hyperparameters), then diff again"]
+LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimizer's lr=, the scheduler and where "
+               "its step() is called), then diff again"]
+INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
+                 "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
+                 "then diff again"]
+DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
+                    "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
+DATA_REMEDIES = ["give the DataLoader a seeded generator (DataLoader(..., generator=torch.Generator().manual_seed(s)))"
+                 " and its workers a worker_init_fn, or call convcheck.seed_everything(seed) before building it",
+                 "check the sampler (shuffle=, DistributedSampler.set_epoch) and num_workers are the same on both"]
+RECIPE_REMEDIES = ["make both sides compute the same loss: the loss function and its arguments (label_smoothing=, "
+                   "weight=, reduction=), what is added to it (regularisers, auxiliary terms) and how it is scaled; "
+                   "then diff again"]
+SCALE_REMEDIES = ["a gradient-accumulation loop divides each micro-batch's loss by the number of micro-batches "
+                  "(loss / accumulation_steps) before backward(); a loss multiplied by a constant (a fixed loss scale, "
+                  "the world size) on one side only: make both sides scale it alike, then diff again"]
+
+# --- numerics ---------------------------------------------------------------------------------------------
+LOSS_SCALE_REMEDIES = ["use a dynamic torch.amp.GradScaler (scaler.scale(loss).backward(); scaler.step(optimizer); "
+                       "scaler.update()): it lowers the scale when the gradients overflow and skips that step",
+                       "or a smaller fixed scale: the scale times the largest gradient must stay below 65504 in float16"]
+NONFINITE_REMEDIES = ["keep that layer's operation in float32 (autocast(enabled=False) around it), or rescale its "
+                      "operands (e.g. divide the scores by sqrt(d) before the matmul)"]
+KEEP_FLOAT32 = "keep that layer's operation in float32 (autocast(enabled=False) around it)"
+LOSS_FLOAT32 = ("compute the loss in float32: outside autocast, on the model's output cast with .float() "
+                "(loss_fn(out.float(), y))")
+LAYER_REMEDIES = ["that layer computes less accurately than its precision allows on its own input (the float64 "
+                  "judge replayed it from the snapshot): check its implementation (a one-pass variance, a sum in "
+                  "a 16-bit type, a cast inside it), or run it in float32"]
+BF16_ZEROS = ("bfloat16 keeps float32's range: these zeros are lost digits; compute the layer before it in "
+              "float32")
+PRECISION_PARTING = ["run that layer in float32 on the lower-precision side, or check it against the float64 judge "
+                     "with convcheck compare"]
+
+# --- nondeterminism, version ------------------------------------------------------------------------------
+DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
+                        "on both sides (set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA)"]
+VERSION_REMEDIES = ["run both sides with the same torch / CUDA / cuDNN build, then diff again"]
+
+# --- a run that stopped -----------------------------------------------------------------------------------
+STOPPED_REMEDIES = ["pass the loss to w.step(loss) before the loop's own NaN check (or let the step end at the "
+                    "optimizer's step), then run again and diff: the watch then names the first NaN/Inf producer"]

@@ -1,0 +1,262 @@
+"""The rules for two watched runs (``convcheck diff A B``), reading ``PairEvidence``; ``watched_ok`` when none
+fires. In priority order:
+
+==== ==== ==================== ============== =======================================================
+id   prio name                 category       fires on
+==== ==== ==================== ============== =======================================================
+W001 10   watched-setup        setup          different data, optimizer, settings, learning rates or
+                                              initial weights; a step-0 recipe difference or loss scale
+W002 20   watched-nonfinite    numerics       NaN/Inf on one side (or from different producers); a fixed
+                                              loss scale that overflows the backward
+W003 30   watched-both-diverge setup          both runs' own losses explode
+W004 40   watched-lost-updates numerics       small updates lost in a run's 16-bit weights
+W005 50   watched-layer        layer          a layer the float64 judge finds above its floor
+W006 60   watched-underflow    numerics       a gradient exactly zero in one run only, no earlier parting
+W007 70   watched-own-diverge  setup          one run's own loss explodes
+W008 80   watched-precision    numerics       a parting beyond rounding at different precisions
+W009 85   watched-stack        version        a parting beyond rounding with different stacks
+W010 88   watched-unexplained  nondeterminism a parting beyond rounding, nothing recorded explains it
+W011 90   watched-stopped      setup          no parting, but a run's block raised or was interrupted
+==== ==== ==================== ============== =======================================================
+
+A difference present at step 0, before any update, with equal weights and data is the recipe: it is
+checked before any numerics verdict. Each run's own findings travel with the pair's (``PairEvidence.own``).
+"""
+
+from __future__ import annotations
+
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.remedies import (BF16_ZEROS, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
+                                         PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
+from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
+                                                    nonfinite_cause, nonfinite_remedies, over, stopped_verdict)
+from convcheck.diagnose.verdict import Verdict
+from convcheck.diagnose.watched_evidence import (SIDES, PairEvidence, Parting, first_flagged, overflow_lines,
+                                                 parting_lines, producer_text, producer_where)
+
+_STEP0 = "at step 0, before any update, with the same weights and batch"
+
+
+def _other(side: str) -> str:
+    return "A" if side == "B" else "B"
+
+
+def _recipe(r) -> tuple:
+    """A recipe symptom (``detectors/watched.recipe_difference``) as a setup finding."""
+    if r.name == LOSS_SCALE:
+        head = (f"the runs scale the loss differently: {_STEP0}, B's gradients are {r.value:.4g}x A's for every "
+                "parameter" + (f" and its loss {r.extra['loss_ratio']:.4g}x A's" if r.extra.get("loss_ratio") else
+                               " (the losses recorded agree)"))
+        return head, [r.evidence], SCALE_REMEDIES, "loss scale"
+    return (f"the runs compute a different loss: {_STEP0}, B's loss is {r.value:.4g}x A's", [r.evidence],
+            RECIPE_REMEDIES, "loss")
+
+
+@verdict_rule("W001", "watched-setup", priority=10, category="setup", reads=PairEvidence,
+              headline="{what}: set up differently, not the numerics")
+def watched_setup(ev: PairEvidence) -> Verdict | None:
+    """The first thing the runs were set up with differently (data, optimizer, settings, lr, initial weights,
+    then a step-0 recipe difference), the others as evidence."""
+    found = []
+    if ev.data_step is not None:
+        found.append((f"the runs did not see the same data: different data from step {ev.data_step} "
+                      "(batch hashes differ)",
+                      [f"batch hashes of step {ev.data_step} differ; a loader, sampler or worker-seeding "
+                       "difference, not the numerics"], DATA_REMEDIES, "data order"))
+    found += [(f.headline, f.evidence, f.remedies, f.sub_cause) for f in ev.setup]
+    found += [_recipe(r) for r in ev.pair if r.name in (RECIPE, LOSS_SCALE)]
+    if not found:
+        return None
+    headline, evidence, _, sub_cause = found[0]
+    evidence = list(evidence) + [f"also: {h}" for h, *_ in found[1:]] + parting_lines(ev)
+    remedies = list(dict.fromkeys(r for *_, rs, _ in found for r in rs))
+    return watched_setup.verdict(evidence, headline=headline, remedies=remedies, sub_cause=sub_cause)
+
+
+def _diverged_text(x) -> str:
+    return x.headline.removeprefix("the loss explodes: ")
+
+
+@verdict_rule("W002", "watched-nonfinite", priority=20, category="numerics", reads=PairEvidence,
+              headline="{side} turns non-finite at step {step} in {where}; {other} stays finite")
+def watched_nonfinite(ev: PairEvidence) -> Verdict | None:
+    """NaN/Inf in one run first (or from different producers): named with its module, op and step; the other
+    run's own exploding loss said, never "stays finite" alone; a fixed loss scale overflowing the backward
+    named as such."""
+    pa, pb = ev.producers
+    if pa is None and pb is None:
+        return None
+    if pa is not None and pb is not None and (pa["layer"], pa["step"]) == (pb["layer"], pb["step"]):
+        return None
+    side, p = ("B", pb) if pa is None or (pb is not None and pb["step"] < pa["step"]) else ("A", pa)
+    other = _other(side)
+    exploded = ev.divergence[SIDES.index(other)]
+    if ev.producers[SIDES.index(other)] is not None:
+        state = "turns non-finite later or elsewhere"
+    elif exploded is not None:
+        state = f"stays finite, but its own loss explodes too ({_diverged_text(exploded)})"
+    else:
+        state = "stays finite"
+    before = [f"before it: {u.evidence}" for u in ev.pair
+              if u.name == S.GRADIENT_UNDERFLOW and u.step is not None and u.step <= p["step"]]
+    scaled = ev.scaled_backward[SIDES.index(side)]
+    if scaled is not None:
+        return loss_scale_verdict(watched_nonfinite, side, scaled, p, f"{other} {state}", before)
+    return watched_nonfinite.verdict(
+        [f"first non-finite in {side}: {producer_text(p)}"] + before + parting_lines(ev)
+        + overflow_lines(ev.replays) + ([f"{other} on its own: {exploded.headline}"] if exploded else []),
+        headline=f"{side} turns non-finite at step {p['step']} in {producer_where(p)}; {other} {state}",
+        remedies=nonfinite_remedies(p) + (list(exploded.remedies) if exploded else []), target=side,
+        layer=p["layer"], sub_cause=nonfinite_cause(p))
+
+
+@verdict_rule("W003", "watched-both-diverge", priority=30, category="setup", reads=PairEvidence,
+              headline="both runs diverge on their own: {a} (A); {b} (B)")
+def watched_both_diverge(ev: PairEvidence) -> Verdict | None:
+    """Both runs' own losses explode (finite): the training setup, whatever the difference between them."""
+    a, b = ev.divergence
+    if a is None or b is None:
+        return None
+    return watched_both_diverge.verdict(a.evidence + b.evidence, {"a": a.headline, "b": b.headline},
+                                        remedies=list(a.remedies), sub_cause="divergence")
+
+
+@verdict_rule("W004", "watched-lost-updates", priority=40, category="numerics", reads=PairEvidence,
+              headline="small updates lost in {side}: the weights are kept in {format} and most updates round away")
+def watched_lost_updates(ev: PairEvidence) -> Verdict | None:
+    """A run whose 16-bit weights drop most updates (its own ``small updates lost``)."""
+    lost = [s for side in ev.own for s in side if s.name == S.SMALL_UPDATES_LOST]
+    if not lost:
+        return None
+    return lost_updates_verdict(watched_lost_updates, lost, parting_lines(ev), both=len({x.arm for x in lost}) == 2)
+
+
+@verdict_rule("W005", "watched-layer", priority=50, category="layer", reads=PairEvidence,
+              headline="{side}'s {layer} computes beyond its floor at step {step}")
+def watched_layer(ev: PairEvidence) -> Verdict | None:
+    """The earliest layer call the float64 judge finds above its floor; in both runs, the run where it is worst."""
+    flagged = first_flagged(ev.replays)
+    if flagged is None:
+        return None
+    side, row = flagged
+    other = ev.replays[SIDES.index(side) ^ 1]
+    if other is None or not any(r.layer == row.layer for r in other.flagged):
+        return layer_verdict(watched_layer, side, row, f"{side}'s ")
+    worst = {s: max((r for r in rep.flagged if r.layer == row.layer), key=over)
+             for s, rep in zip(SIDES, ev.replays) if rep is not None and any(r.layer == row.layer for r in rep.flagged)}
+    side, row = max(worst.items(), key=lambda kv: over(kv[1]))
+    v = layer_verdict(watched_layer, "", row, "in both runs, ")  # the layer's code, whatever the target
+    return watched_layer.verdict([f"float64 judge on {s}: {r.text()}" for s, r in sorted(worst.items())],
+                                 headline=v.headline + f" (worst in {side})", remedies=v.remedies,
+                                 layer=row.layer, sub_cause=v.sub_cause)
+
+
+@verdict_rule("W006", "watched-underflow", priority=60, category="numerics", reads=PairEvidence,
+              headline="gradient underflow in {side}: {layer}'s gradient is exactly zero at step {step} where "
+                       "{other}'s is not")
+def watched_underflow(ev: PairEvidence) -> Verdict | None:
+    """A parameter's gradient exactly zero in one run only, with no earlier parting of the forward to explain
+    the zeros (zeros downstream of a parting are its consequence)."""
+    u = next((x for x in ev.pair if x.name == S.GRADIENT_UNDERFLOW), None)
+    if u is None or (ev.parting is not None and ev.parting.step <= u.step):
+        return None
+    remedy = GRAD_SCALER_UNDERFLOW if u.extra.get("compute") == "float16" else BF16_ZEROS
+    return watched_underflow.verdict([u.evidence] + parting_lines(ev),
+                                     {"side": u.arm, "layer": u.layer, "step": u.step, "other": _other(u.arm)},
+                                     remedies=[remedy], target=u.arm, layer=u.layer, sub_cause=u.name)
+
+
+@verdict_rule("W007", "watched-own-diverge", priority=70, category="setup", reads=PairEvidence,
+              headline="{side}'s own loss explodes: {what}; the other run's does not")
+def watched_own_diverge(ev: PairEvidence) -> Verdict | None:
+    """One run's own loss explodes while the other's does not (and nothing above explains it)."""
+    one = next(((side, x) for side, x in zip(SIDES, ev.divergence) if x is not None), None)
+    if one is None:
+        return None
+    side, x = one
+    return watched_own_diverge.verdict(x.evidence + parting_lines(ev),
+                                       {"side": side, "what": x.headline.removeprefix("the loss ")},
+                                       remedies=list(x.remedies), target=side, sub_cause="divergence")
+
+
+def _parting(ev: PairEvidence) -> Parting | None:
+    if ev.parting is not None:
+        return ev.parting
+    if ev.loss_step is not None:
+        return Parting(ev.loss_step, "the loss", f"the losses differ by more than {ev.loss_tol:.3g} (relative)")
+    return None
+
+
+def _where(part: Parting) -> str:
+    return f"the runs part at step {part.step} in {part.layer}"
+
+
+@verdict_rule("W008", "watched-precision", priority=80, category="numerics", reads=PairEvidence,
+              headline="the runs part at step {step} in {layer}: they compute at different precisions")
+def watched_precision(ev: PairEvidence) -> Verdict | None:
+    """A parting beyond rounding between runs at different precisions (layer dtypes or TF32 switches)."""
+    part = _parting(ev)
+    if part is None or ev.precision is None:
+        return None
+    return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision],
+                                     {"step": part.step, "layer": part.layer}, remedies=list(PRECISION_PARTING),
+                                     layer=part.layer, sub_cause="precision")
+
+
+@verdict_rule("W009", "watched-stack", priority=85, category="version", reads=PairEvidence,
+              headline="the runs part at step {step} in {layer}; the stacks differ")
+def watched_stack(ev: PairEvidence) -> Verdict | None:
+    """A parting beyond rounding between runs whose fingerprints differ."""
+    part = _parting(ev)
+    if part is None or not ev.env:
+        return None
+    return watched_stack.verdict([f"{_where(part)}: {part.why}"]
+                                 + [f"{x.field}: {x.left} | {x.right} ({x.why})" for x in ev.env],
+                                 {"step": part.step, "layer": part.layer}, remedies=list(VERSION_REMEDIES),
+                                 layer=part.layer)
+
+
+@verdict_rule("W010", "watched-unexplained", priority=88, category="nondeterminism", reads=PairEvidence,
+              headline="the runs part at step {step} in {layer} with the same data, precision and stack")
+def watched_unexplained(ev: PairEvidence) -> Verdict | None:
+    """A parting beyond rounding that nothing recorded explains."""
+    part = _parting(ev)
+    if part is None:
+        return None
+    return watched_unexplained.verdict([f"{_where(part)}: {part.why}"], {"step": part.step, "layer": part.layer},
+                                       remedies=list(DETERMINISM_REMEDIES), layer=part.layer)
+
+
+def _compared(ev: PairEvidence) -> list[str]:
+    extra = [f"A ran {ev.steps[0]} steps, B {ev.steps[1]}: compared the first {min(ev.steps)}"] \
+        if ev.steps[0] != ev.steps[1] else []
+    if ev.precision is not None:  # agreeing at different precisions: within the coarser one's rounding, said so
+        extra.append(f"{ev.precision}: they agree within the coarser precision's rounding")
+    return extra
+
+
+@verdict_rule("W011", "watched-stopped", priority=90, category="setup", reads=PairEvidence,
+              headline="{side} stopped at step {step} with {what}; the watch saw no NaN/Inf and no layer beyond "
+                       "its floor before it")
+def watched_stopped(ev: PairEvidence) -> Verdict | None:
+    """The runs agree up to where one stopped (its block raised or was interrupted): that stop is the finding."""
+    stops = [(side, s) for side, s in zip(SIDES, ev.stopped) if s is not None]
+    if not stops:
+        return None
+    side, s = stops[0]
+    return stopped_verdict(watched_stopped, side, s, _compared(ev) + ["the runs agree within rounding at every "
+                                                                       "aligned step before it"])
+
+
+def watched_ok(ev: PairEvidence) -> Verdict:
+    """No rule fired: the runs agree within rounding (what was let pass, and why, as evidence)."""
+    extra = _compared(ev)
+    if ev.loss_wander is not None:  # not "at every step": say what was let pass, and why
+        k, ea, eb = ev.loss_wander
+        return Verdict("ok", "the two watched runs agree within rounding: their losses wander apart from step "
+                       f"{k} (different precisions) but end alike", evidence=extra + [
+                           f"the losses differ by more than {ev.loss_tol:.3g} (relative) from step {k}, and end "
+                           f"at {ea:.4g} (A) and {eb:.4g} (B): rounding differences compounding over the steps"])
+    return Verdict("ok", "the two watched runs agree within rounding at every aligned step", evidence=extra)

@@ -1,0 +1,103 @@
+"""The rules for one watched run against the float64 judge (``convcheck diff RUN --judge SPEC``), reading
+``RunEvidence``; ``run_ok`` when none fires. The earliest of a flagged layer, an exploding loss and the
+first NaN/Inf decides (in that order on the same step):
+
+==== ==== =================== ========= ===========================================================
+id   prio name                category  fires on
+==== ==== =================== ========= ===========================================================
+W101 10   run-layer           layer     a layer above its floor, no later than the NaN/Inf or explosion
+W102 20   run-diverge         setup     the loss explodes, no later than the first NaN/Inf
+W103 30   run-loss-scale      numerics  a fixed loss scale that overflows the backward
+W104 40   run-lost-updates    numerics  small updates lost in 16-bit weights (before any NaN/Inf)
+W105 50   run-nonfinite       numerics  the first NaN/Inf producer
+W106 60   run-stopped         setup     the block raised or was interrupted, nothing seen explains it
+==== ==== =================== ========= ===========================================================
+"""
+
+from __future__ import annotations
+
+from convcheck.diagnose.detectors import training as S
+from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
+                                                    nonfinite_cause, nonfinite_remedies, stopped_verdict)
+from convcheck.diagnose.verdict import Verdict
+from convcheck.diagnose.watched_evidence import RunEvidence, first_flagged, overflow_lines, producer_text, producer_where
+
+
+def _step(p: dict | None) -> float:
+    return p["step"] if p is not None else float("inf")
+
+
+@verdict_rule("W101", "run-layer", priority=10, category="layer", reads=RunEvidence,
+              headline="{layer} computes beyond its floor at step {step}")
+def run_layer(ev: RunEvidence) -> Verdict | None:
+    """A layer the judge finds above its floor at a snapshot step, no later than the first NaN/Inf or the
+    loss's explosion."""
+    flagged = first_flagged((ev.replay,))
+    if flagged is None:
+        return None
+    row = flagged[1]
+    diverged = ev.divergence.step if ev.divergence is not None else float("inf")
+    if row.step > _step(ev.producer) or row.step > diverged:
+        return None
+    return layer_verdict(run_layer, "", row, "")
+
+
+@verdict_rule("W102", "run-diverge", priority=20, category="setup", reads=RunEvidence,
+              headline="the loss explodes: {what}")
+def run_diverge(ev: RunEvidence) -> Verdict | None:
+    """The run's own loss explodes (finite), no later than its first NaN/Inf."""
+    d = ev.divergence
+    if d is None or d.step > _step(ev.producer):
+        return None
+    extra = [f"then the first non-finite: {producer_text(ev.producer)}"] if ev.producer is not None else []
+    return run_diverge.verdict(d.evidence + extra, headline=d.headline, remedies=list(d.remedies),
+                               sub_cause=d.sub_cause)
+
+
+@verdict_rule("W103", "run-loss-scale", priority=30, category="numerics", reads=RunEvidence,
+              headline="the scaled backward overflows at step {step}")
+def run_loss_scale(ev: RunEvidence) -> Verdict | None:
+    """The first NaN/Inf is a fixed loss scale's backward passing float16's range."""
+    if ev.producer is None or ev.scaled_backward is None:
+        return None
+    return loss_scale_verdict(run_loss_scale, "the run", ev.scaled_backward, ev.producer, None, [])
+
+
+@verdict_rule("W104", "run-lost-updates", priority=40, category="numerics", reads=RunEvidence,
+              headline="small updates lost: the weights are kept in {format} and most updates round away")
+def run_lost_updates(ev: RunEvidence) -> Verdict | None:
+    """16-bit weights that drop most updates, before any NaN/Inf."""
+    lost = next((s for s in ev.own if s.name == S.SMALL_UPDATES_LOST), None)
+    if lost is None or (ev.producer is not None and lost.step is not None and lost.step >= ev.producer["step"]):
+        return None
+    return lost_updates_verdict(run_lost_updates, [lost], [])
+
+
+@verdict_rule("W105", "run-nonfinite", priority=50, category="numerics", reads=RunEvidence,
+              headline="the run turns non-finite at step {step} in {where}")
+def run_nonfinite(ev: RunEvidence) -> Verdict | None:
+    """The first NaN/Inf producer, its op and magnitude."""
+    p = ev.producer
+    if p is None:
+        return None
+    return run_nonfinite.verdict([f"first non-finite: {producer_text(p)}"] + overflow_lines((ev.replay,)),
+                                 {"step": p["step"], "where": producer_where(p)}, remedies=nonfinite_remedies(p),
+                                 layer=p["layer"], sub_cause=nonfinite_cause(p))
+
+
+@verdict_rule("W106", "run-stopped", priority=60, category="setup", reads=RunEvidence,
+              headline="the run stopped at step {step} with {what}")
+def run_stopped(ev: RunEvidence) -> Verdict | None:
+    """The block raised or was interrupted and nothing the watch saw explains it: never ``ok``."""
+    if ev.stopped is None:
+        return None
+    return stopped_verdict(run_stopped, "the run", ev.stopped, [ev.replay.summary()] if ev.replay is not None else [])
+
+
+def run_ok(ev: RunEvidence) -> Verdict:
+    if ev.replay is None or not ev.replay.rows:
+        return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
+                       evidence=[ev.replay.summary()] if ev.replay is not None else [])
+    return Verdict("ok", "every replayed layer is within its floor and the run stays finite",
+                   evidence=[ev.replay.summary()])
