@@ -13,7 +13,9 @@ from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE, SCALED_BACK
 from convcheck.diagnose.registry import RULES, decide, rules_for
 from convcheck.diagnose.rules.watched import watched_ok
 from convcheck.diagnose.rules.watched_run import run_ok
-from convcheck.diagnose.watched_evidence import PairEvidence, Parting, RunEvidence, Setup
+from convcheck.diagnose.rules.watched_ranks import ranks_otherwise
+from convcheck.diagnose.verdict import Verdict
+from convcheck.diagnose.watched_evidence import PairEvidence, Parting, RankEvidence, RankFinding, RunEvidence, Setup
 from convcheck.env.diff import Difference
 
 
@@ -88,8 +90,19 @@ RUN_CASES = {
     "W106": (replace(RUN, stopped={"exception": "KeyboardInterrupt", "message": "", "step": 2}), "setup",
              "the run stopped at step 2 with KeyboardInterrupt", None, None),
 }
-CASES = {**PAIR_CASES, **RUN_CASES}
-WATCHED = [r for r in RULES if r.reads in (PairEvidence, RunEvidence)]
+RANKS = RankEvidence(per_rank=(Verdict("ok", "agree"), Verdict("ok", "agree")))
+UNSYNCED = RankFinding("A", 1, 0, 2, "gradients", "the gradient of fc.weight at step 2 has norm 0.5, rank 0's 0.25")
+SAME_DATA = RankFinding("B", 1, 0, 0, "same data", "the same batches as rank 0 at every step")
+RANK_CASES = {
+    "W201": (replace(RANKS, findings=(SAME_DATA, UNSYNCED)), "setup",
+             "in A, rank 1 parts from rank 0 at step 2: its gradients differ where DDP makes them equal", "A", None),
+    "W202": (replace(RANKS, findings=(SAME_DATA,)), "setup",
+             "in B, ranks 0 and 1 trained on the same batches at every step", "B", None),
+}
+CASES = {**PAIR_CASES, **RUN_CASES, **RANK_CASES}
+QUIET = {PairEvidence: CLEAN, RunEvidence: RUN, RankEvidence: RANKS}
+OTHERWISE = {PairEvidence: watched_ok, RunEvidence: run_ok, RankEvidence: ranks_otherwise}
+WATCHED = [r for r in RULES if r.reads in QUIET]
 
 
 def test_every_watched_rule_has_a_case():
@@ -104,18 +117,24 @@ def test_the_rule_fires_on_its_case_and_wins_it(rule):
     assert words in v.headline, v.headline
     assert (v.target, v.layer) == (target, layer)
     assert v.remedies and v.evidence
-    ok = watched_ok if isinstance(ev, PairEvidence) else run_ok
-    assert decide(ev, ok) == v  # no rule of higher priority takes the case
+    assert decide(ev, OTHERWISE[type(ev)]) == v  # no rule of higher priority takes the case
 
 
 @pytest.mark.parametrize("rule", WATCHED, ids=lambda r: f"{r.id}-{r.name}")
 def test_the_rule_stays_quiet_on_a_clean_run(rule):
-    assert rule(CLEAN if rule.reads is PairEvidence else RUN) is None
+    assert rule(QUIET[rule.reads]) is None
 
 
 def test_a_clean_pair_and_a_clean_run_are_ok():
     assert decide(CLEAN, watched_ok).headline == "the two watched runs agree within rounding at every aligned step"
     assert decide(RUN, run_ok).category == "ok"
+    assert decide(RANKS, ranks_otherwise).headline.startswith("every rank agrees with its counterpart")
+
+
+def test_a_rank_pairs_own_verdict_is_the_ranked_verdict():
+    pair = decide(PAIR_CASES["W010"][0], watched_ok)
+    v = decide(replace(RANKS, per_rank=(Verdict("ok", "agree"), pair)), ranks_otherwise)
+    assert v.category == "nondeterminism" and v.headline == f"rank 1: {pair.headline}"
 
 
 def test_the_chooser_runs_only_the_rules_that_read_the_evidence():

@@ -45,6 +45,14 @@ BF16_ZEROS = ("bfloat16 keeps float32's range: these zeros are lost digits; comp
 PRECISION_PARTING = ["run that layer in float32 on the lower-precision side, or check it against the float64 judge "
                      "with convcheck compare"]
 
+# --- data-parallel runs: ranks DDP should keep equal ------------------------------------------------------
+UNSYNCED_REMEDIES = ["wrap the model in DistributedDataParallel on every rank and step through the wrapper; use "
+                     "no_sync() only on the micro-batches before the last of an accumulated step",
+                     "a parameter the forward does not use on some step: DistributedDataParallel(..., "
+                     "find_unused_parameters=True)"]
+UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and call sampler.set_epoch(epoch)) so "
+                      "that each rank trains on its own share of the data"]
+
 # --- nondeterminism, version ------------------------------------------------------------------------------
 DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
                         "on both sides (set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA)"]

@@ -78,6 +78,31 @@ class RunEvidence:
     scaled_backward: object | None = None  # ``Symptom`` or None
 
 
+@dataclass(frozen=True)
+class RankFinding:
+    """One rank of one DDP run against its reference rank: where DDP should have made them equal and did not."""
+
+    run: str
+    rank: int
+    reference: int
+    step: int | None
+    kind: str  # "gradients", "parameters", "lr", "steps" or "same data"
+    text: str
+
+    def line(self) -> str:
+        return f"{self.run}: rank {self.rank} against rank {self.reference}: {self.text}"
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    """Watched DDP runs (``watch/rankdiff.diff_ranked``): each run's ranks against its rank 0 (``findings``),
+    and the verdicts of the rank-by-rank pairs (``per_rank``, each chosen from its ``PairEvidence``; empty for
+    two ranks of one run)."""
+
+    findings: tuple[RankFinding, ...] = ()
+    per_rank: tuple = ()
+
+
 # --- the words every watched verdict uses for a producer ----------------------------------------------
 
 def producer_where(p: dict) -> str:

@@ -19,35 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from convcheck.diagnose.registry import decide as choose
+from convcheck.diagnose.rules.watched_ranks import ranks_otherwise
 from convcheck.diagnose.verdict import Verdict
+from convcheck.diagnose.watched_evidence import RankEvidence, RankFinding
 from convcheck.errors import UsageError
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import PART_FACTOR
 from convcheck.watch.diff import WatchDiff, diff_watched
 from convcheck.watch.ranks import RANK_DIR, rank_folders
 from convcheck.watch.reader import WatchedRun, open_watched
-
-UNSYNCED_REMEDIES = ["wrap the model in DistributedDataParallel on every rank and step through the wrapper; use "
-                     "no_sync() only on the micro-batches before the last of an accumulated step",
-                     "a parameter the forward does not use on some step: DistributedDataParallel(..., "
-                     "find_unused_parameters=True)"]
-UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and call sampler.set_epoch(epoch)) so "
-                      "that each rank trains on its own share of the data"]
-
-
-@dataclass(frozen=True)
-class RankFinding:
-    """One rank of one run against its reference rank: where DDP should have made them equal and did not."""
-
-    run: str
-    rank: int
-    reference: int
-    step: int | None
-    kind: str  # "gradients", "parameters", "lr", "steps" or "same data"
-    text: str
-
-    def line(self) -> str:
-        return f"{self.run}: rank {self.rank} against rank {self.reference}: {self.text}"
 
 
 def _distributed(run: WatchedRun) -> dict:
@@ -169,29 +150,8 @@ class RankedDiff:
 
 
 def _decide(findings: list[RankFinding], per_rank: list[WatchDiff]) -> Verdict:
-    for f in findings:  # a run whose ranks part is wrong on its own, whatever the other run did
-        if f.kind in ("gradients", "parameters", "lr"):
-            return Verdict("setup", f"in {f.run}, rank {f.rank} parts from rank {f.reference} at step {f.step}: "
-                                    f"its {f.kind} differ where DDP makes them equal",
-                           evidence=[x.line() for x in findings], remedies=list(UNSYNCED_REMEDIES),
-                           target=f.run, sub_cause="ranks not synchronised")
-    for f in findings:
-        if f.kind == "same data":
-            return Verdict("setup", f"in {f.run}, ranks {f.reference} and {f.rank} trained on the same batches at "
-                                    "every step", evidence=[x.line() for x in findings],
-                           remedies=list(UNSHARDED_REMEDIES), target=f.run, sub_cause="data not sharded")
-    for k, d in enumerate(per_rank):
-        if d.verdict.category != "ok":
-            v = d.verdict
-            return Verdict(v.category, f"rank {k}: {v.headline}", evidence=list(v.evidence),
-                           remedies=list(v.remedies), target=v.target, layer=v.layer, sub_cause=v.sub_cause)
-    evidence = [x.line() for x in findings]
-    if per_rank:
-        return Verdict("ok", "every rank agrees with its counterpart within rounding, and within each run the "
-                             "ranks agree where DDP makes them equal", evidence=evidence)
-    return Verdict("ok", "the two ranks agree where DDP makes them equal (parameters, averaged gradients, learning "
-                         "rates); their different batches are the sampler's sharding, not a data difference",
-                   evidence=evidence)
+    """The verdict, asked of ``diagnose/``: the across-ranks rules, else the first rank pair's own verdict."""
+    return choose(RankEvidence(tuple(findings), tuple(d.verdict for d in per_rank)), ranks_otherwise)
 
 
 def is_ranked_pair(path_a, path_b) -> bool:
