@@ -29,7 +29,7 @@ from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareResult:
     """The outcome of one comparison. Truthy when the verdict is ``ok``."""
 
@@ -54,6 +54,8 @@ class CompareResult:
     weight_decay: dict | None = None
     verification: object | None = None  # a convcheck.verify.Verification: the verdict's remedies re-run
     threads: object | None = None  # the plan's ThreadChoice (convcheck.plan.threads); None when rebuilt from bundles
+    # the two recorded runs a diff compared (``convcheck diff``, ``compare --against``): the reports title it so
+    diff_of: tuple[str, str] | None = None
 
     @property
     def targets(self) -> tuple[Target, Target]:

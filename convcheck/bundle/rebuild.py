@@ -163,5 +163,4 @@ def build_result(a: Bundle, b: Bundle, judge: JudgeRecord, resolved, recipe, lab
         loss_batch_ratio=judge.loss_batch_ratio)
     from convcheck.diagnose import diagnose
 
-    result.verdict = diagnose(result)
-    return result, fps
+    return dataclasses.replace(result, verdict=diagnose(result)), fps

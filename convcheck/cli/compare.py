@@ -10,6 +10,7 @@ error line says where it is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -49,8 +50,8 @@ def run_compare(args) -> int:
         _after_failure(exc, folder, stage, args, config, fingerprint)
         raise
     if getattr(args, "project_file", None):
-        result.notes.append(f"options from {args.project_file} ({', '.join(args.project_keys)}); "
-                            "the command line overrides them")
+        result = dataclasses.replace(result, notes=[*result.notes, f"options from {args.project_file} "
+                                        f"({', '.join(args.project_keys)}); the command line overrides them"])
     _show(result, args)
     if folder is not None:
         _write(result, folder, args.force)

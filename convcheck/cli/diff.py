@@ -63,7 +63,7 @@ def run_diff(args) -> int:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     with _removed_if_empty(folder):  # a bundle refused: the --out folder this run made goes too
         result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
-    _mark_diff(result, args.run_a, args.run_b)
+    result = _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
 
 
@@ -222,11 +222,14 @@ def _show_watched(result, name: str, args, folder) -> int:
     return 0 if result else 1
 
 
-def _mark_diff(result, run_a, run_b) -> None:
-    """The note that titles the reports as a diff (``report.text.is_diff``) and names the two runs."""
+def _mark_diff(result, run_a, run_b):
+    """The result as a diff of the two runs (``diff_of``: the reports title it so, ``report.text.is_diff``), with
+    the note naming them."""
+    from dataclasses import replace
+
     from convcheck.report.text import DIFF_NOTE
 
-    result.notes.insert(0, f"{DIFF_NOTE} {run_a} and {run_b}")
+    return replace(result, notes=[f"{DIFF_NOTE} {run_a} and {run_b}", *result.notes], diff_of=(str(run_a), str(run_b)))
 
 
 def _show(result, differences, args) -> None:
@@ -304,7 +307,7 @@ def run_against(args) -> int:
             result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
         except UsageError as e:  # the run made here is no folder of the user's: name it as they asked for it
             raise UsageError(str(e).replace(str(here), f"{spec} (here)")) from None
-    _mark_diff(result, args.against, f"{spec} (here)")
+    result = _mark_diff(result, args.against, f"{spec} (here)")
     return _finish(result, fps, differences, folder, args)
 
 

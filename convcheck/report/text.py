@@ -152,7 +152,7 @@ DIFF_NOTE = "a diff of the recorded runs"  # cli/diff.py's note on a diff's resu
 
 def is_diff(result) -> bool:
     """A comparison of two recorded bundles (``convcheck diff``, ``compare --against``)."""
-    return result.model.source == "bundle" or any(str(n).startswith(DIFF_NOTE) for n in result.notes)
+    return result.model.source == "bundle" or getattr(result, "diff_of", None) is not None
 
 
 def render_compare(result, console: Console | None = None) -> None:

@@ -45,7 +45,9 @@ def test_message_uses_the_verdicts_words(overflow):
 
 
 def test_without_a_verdict_training_reads_as_in_the_terminal(overflow, monkeypatch):
-    monkeypatch.setattr(overflow, "verdict", None)
+    from dataclasses import replace
+
+    overflow = replace(overflow, verdict=None)
     msg = failure_message(overflow)
     assert "cpu: trained, convergence not judged from 4 step(s) (loss " in msg
     assert "cpu:fp16: did not converge (no loss recorded, first non-finite at step 0)" in msg

@@ -44,6 +44,5 @@ def test_rows_without_a_module_show_no_empty_parentheses(sgd_run, monkeypatch):
     layers["module"] = ""  # as a data-parallel target's gradient rows have it
     from dataclasses import replace
 
-    monkeypatch.setattr(sgd_run, "parity", replace(sgd_run.parity, layers=layers))
-    page = render_html(sgd_run, {})
+    page = render_html(replace(sgd_run, parity=replace(sgd_run.parity, layers=layers)), {})
     assert "()" not in page

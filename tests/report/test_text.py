@@ -68,12 +68,11 @@ def test_text_with_brackets_is_printed_literally(culprit, monkeypatch):
     """Verdicts quote code (E[x^2]-E[x]^2) and notes quote paths: none of it is rich markup."""
     from dataclasses import replace
 
-    result = culprit
-    monkeypatch.setattr(result, "notes", ["data from /tmp/[run]/x.npz [/red] done"])
+    result = replace(culprit, notes=["data from /tmp/[run]/x.npz [/red] done"])
     if result.verdict is not None:
         v = replace(result.verdict, headline="uses E[x^2]-E[x]^2 [bold]", evidence=["a [/] b"],
                     remedies=["use torch.var, not E[x^2]-E[x]^2"])
-        monkeypatch.setattr(result, "verdict", v)
+        result = replace(result, verdict=v)
     text = _render(result)
     assert "data from /tmp/[run]/x.npz [/red] done" in text
     if result.verdict is not None:
