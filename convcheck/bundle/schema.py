@@ -31,6 +31,9 @@ READABLE = ("convcheck.bundle/1", SCHEMA)  # the recorded-run versions this conv
 # A watched run (``convcheck.watch``, issue 25): another kind of bundle, versioned on its own; its files
 # are described in ``convcheck/watch/layout.py``. ``convcheck diff`` tells the two kinds by this field.
 WATCH_SCHEMA = "convcheck.watch/1"
+# ``convcheck diff`` of watched runs, as ``--json`` prints it and ``watch_diff.json`` / ``watch_judge.json`` hold it
+# (1: the pair, the single run against the judge, the ranked DDP diff; own_findings, pair_findings)
+WATCH_DIFF_SCHEMA = "convcheck.watch-diff/1"
 SCHEMAS = {**{s: "recorded" for s in READABLE}, WATCH_SCHEMA: "watched"}
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # curves and parity rows of a large model are a few MB

@@ -21,6 +21,7 @@ import math
 import numpy as np
 from dataclasses import dataclass, field, replace
 
+from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import gradient_underflow, recipe_difference, run_findings
 from convcheck.diagnose.detectors.watched_setup import (initial_weights_difference, lr_difference,
                                                         optimizer_difference, settings_difference)
@@ -86,7 +87,8 @@ class WatchDiff:
         return out
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "steps": list(self.steps), "data_step": self.data_step,
+        return {"schema": WATCH_DIFF_SCHEMA, "a": self.a, "b": self.b, "steps": list(self.steps),
+                "data_step": self.data_step,
                 "parting": None if self.parting is None else vars(self.parting), "loss_step": self.loss_step,
                 "first_nonfinite": list(self.producers), "env_diff": [d.to_dict() for d in self.env],
                 "math_flags_diff": [list(f) for f in self.flags],
@@ -160,7 +162,7 @@ class WatchJudge:
         return out
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
+        return {"schema": WATCH_DIFF_SCHEMA, "run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
                 "judge_replay": self.replay.to_dict(), "stopped": self.stopped,
                 "own_findings": [symptom_dict(s) for s in self.own], "verdict": self.verdict.to_dict()}
 

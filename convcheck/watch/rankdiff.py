@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched_ranks import ranks_otherwise
 from convcheck.diagnose.verdict import Verdict
@@ -144,7 +145,7 @@ class RankedDiff:
         return out
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "world_size": self.world,
+        return {"schema": WATCH_DIFF_SCHEMA, "a": self.a, "b": self.b, "world_size": self.world,
                 "per_rank": [d.to_dict() for d in self.per_rank],
                 "across_ranks": [vars(f) for f in self.findings], "verdict": self.verdict.to_dict()}
 

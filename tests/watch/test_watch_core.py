@@ -46,6 +46,7 @@ def runs(tmp_path_factory):
 
 def test_accumulation_that_forgets_to_divide_is_a_loss_scale_not_nondeterminism(runs, capsys):
     code, d = diff(capsys, runs / "acc", runs / "acc_undivided")
+    assert d["schema"] == "convcheck.watch-diff/1"
     v = d["verdict"]
     assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "loss scale"
     assert v["headline"].startswith("the runs scale the loss differently: at step 0, before any update, with the "
