@@ -207,3 +207,20 @@ def test_a_schedule_factory_returning_none_is_refused(tmp_path, capsys):
                  "--no-save"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "schedule factory 'sched.cosine' returned None; return the scheduler it builds" in line
+
+
+def test_an_optimizer_factorys_own_lr_is_the_one_the_verdict_reads(tmp_path):
+    """A factory with lr 8 that makes training explode: the evidence the rules word their headlines from
+    ("learning rate X is too high") holds 8, what ran, not the command line's default 0.001 it never read
+    (issue 34)."""
+    from convcheck.diagnose import gather
+    from convcheck.diagnose.detectors import training as S
+
+    (tmp_path / "opt.py").write_text("import torch\n\n\ndef make(params):\n"
+                                     "    return torch.optim.SGD(params, lr=8.0)\n")
+    r = compare(mlp, "cpu,cpu:float64", steps=30, optimizer=f"{tmp_path / 'opt.py'}:make", **SMALL)
+    assert set(_lr(r)) == {8.0}
+    assert r.verdict.category == "setup" and "every arm fails, the float64 judge included" in r.verdict.headline
+    ev = gather(r)
+    assert ev.lr == 8.0
+    assert [s.extra["lr"] for s in ev.judge_problems if s.name == S.EXPLODING_GRADIENTS] == [8.0]

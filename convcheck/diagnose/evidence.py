@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.producers import nonfinite_producer, saturation, training_producer
-from convcheck.diagnose.detectors.recipe import recipe_problems
+from convcheck.diagnose.detectors.recipe import peak_lr, recipe_problems
 from convcheck.measure.table_schema import named
 from convcheck.plan.config import CompareConfig
 from convcheck.targets.executors import executor_for
@@ -76,7 +76,7 @@ class Evidence:
     targets: tuple[str, ...] = ()  # the two targets as asked for (the judge may be one of them)
     judge: str = "cpu:float64"
     steps: int = _CONFIG.steps
-    lr: float = _CONFIG.lr
+    lr: float = _CONFIG.lr  # the peak learning rate the judge ran (its curves), else the config's
     optimizer: str = _CONFIG.optimizer
     envelope_runs: int = 0  # envelope runs asked for (CompareConfig.envelope)
     tolerances: Tolerances = _CONFIG.tolerances
@@ -198,8 +198,10 @@ def gather(result) -> Evidence:
     names = [str(t) for t in cfg.targets]
     judge = str(cfg.judge)
     symptoms = _target_symptoms(result)
+    ran = peak_lr(training.curves, judge)  # what the judge ran: an optimizer factory's own lr, a schedule's peak
+    lr = ran if math.isfinite(ran) else cfg.lr
     return Evidence(
-        targets=tuple(names), judge=judge, steps=cfg.steps, lr=cfg.lr, optimizer=cfg.optimizer,
+        targets=tuple(names), judge=judge, steps=cfg.steps, lr=lr, optimizer=cfg.optimizer,
         envelope_runs=cfg.envelope, tolerances=cfg.tolerances,
         target_facts={str(t): _facts(t.runner) for t in cfg.targets},
         outcomes=named(training.outcomes), envelope=training.envelope, envelope_finals=_envelope_finals(training.curves),
@@ -208,7 +210,7 @@ def gather(result) -> Evidence:
         drift=_drift(result) if cfg.envelope > 0 and len(cfg.targets) == 2 else None,
         data_symptoms=tuple(S.data_problems(result.data_stats)),
         judge_problems=tuple(S.training_problems(training.curves, training.layer_grads, training.activations,
-                                                 judge, result.model.num_classes, cfg.lr))
+                                                 judge, result.model.num_classes, lr))
         + tuple(recipe_problems(result)) + _judge_producer(result),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),

@@ -96,7 +96,7 @@ def recipe_problems(result) -> list[Symptom]:
              schedule_divergence(training.curves, judge, getattr(cfg, "warmup", 0)),
              clipping_too_tight(training.curves, judge, getattr(cfg, "clip_grad_norm", None),
                                 bool(outcome and outcome.converged)),
-             decay_too_strong(getattr(result, "weight_decay", None), judge, _peak_lr(training.curves, judge)),
+             decay_too_strong(getattr(result, "weight_decay", None), judge, peak_lr(training.curves, judge)),
              decay_on_norms(norms, getattr(cfg, "weight_decay", 0.0), getattr(cfg, "optimizer", None), judge)]
     return [s for s in found if s is not None]
 
@@ -127,7 +127,7 @@ def decay_on_norms(norms: list[str], weight_decay: float, optimizer, arm: str) -
                    "and all biases included", value=weight_decay)
 
 
-def _peak_lr(curves: pd.DataFrame, arm: str) -> float:
+def peak_lr(curves: pd.DataFrame, arm: str) -> float:
     """The largest learning rate ``arm`` ran with (its group 0's, as the curves record it; NaN: not recorded)."""
     c = curves[curves["arm"] == arm] if "lr" in curves else curves.iloc[0:0]
     lrs = [float(v) for v in c["lr"] if math.isfinite(float(v))] if len(c) else []
