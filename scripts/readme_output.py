@@ -117,8 +117,31 @@ def blocks(text: str):
         yield m.group(1), m.group(2), start + 1, end
 
 
+# Lines whose figures the CPU's kernels decide, not convcheck: the one-ulp envelope's runs (Adam's first step
+# follows the sign of near-zero gradients, which the summation order of an AVX2 or AVX-512 kernel decides: an
+# envelope spread of 0.0026 on one machine is 7.9e-07 on another), the drift measured against that spread, the
+# parity table's float32 local errors (1e-8..1e-7, their last bits), and a verification's allowance (read from
+# the envelope). Their words are compared - the band a drift falls in ("rounding noise"), the flag column, the
+# layer order, the verdict - their values are not (issue 36: the README check passes on any machine).
+CHAOTIC = (re.compile(r"^\s*\d+\s+\S+\s+\S+\s+\S+\.\.\S+\s"),  # a loss-table row with its envelope columns
+           re.compile(r"x the spread of"),  # a drift against the envelope's spread
+           re.compile(r"^\s*\S+\s+(?:fwd|grad)\s"),  # a parity-table row
+           re.compile(r"with local error \S+, \S+x the rounding of its result"),
+           re.compile(r"; allowed \d+%\)"))
+
+
+def chaotic(line: str) -> bool:
+    return any(p.search(line) for p in CHAOTIC)
+
+
 def same(expected: str, got: str, rel_tol: float = REL_TOL) -> bool:
-    """The words equal, each number within ``rel_tol`` (whitespace runs ignored: a wider number moves a column)."""
+    """The words equal, each number within ``rel_tol`` (whitespace runs ignored: a wider number moves a column);
+    on a ``CHAOTIC`` line the words alone."""
+    la, lb = expected.split("\n"), got.split("\n")
+    if len(la) == len(lb) and len(la) > 1:
+        return all(same(x, y, rel_tol) for x, y in zip(la, lb))
+    if chaotic(expected) and chaotic(got):
+        return [" ".join(w.split()) for w in NUMBER.split(expected)] == [" ".join(w.split()) for w in NUMBER.split(got)]
     words_a, words_b = NUMBER.split(expected), NUMBER.split(got)
     if [" ".join(w.split()) for w in words_a] != [" ".join(w.split()) for w in words_b]:
         return False

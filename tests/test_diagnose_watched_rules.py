@@ -53,6 +53,7 @@ UNDERFLOW = S.Symptom(S.GRADIENT_UNDERFLOW, "B", "the gradient of att.q.weight i
 SCALED = S.Symptom(SCALED_BACKWARD, "B", "gradient into fc3's output is Inf at step 0", layer="the loss", step=0,
                    value=1.67, extra={"what": "gradient into fc3's output"})
 PART = Parting(3, "fc3", "max |x| differs by 0.1 (relative), 25x the roundoff of bfloat16")
+DEAD = S.Symptom(S.DEAD_RELUS, "A", "100% of the outputs of 'relu' are <= 0 over the last 3 steps", layer="relu")
 
 # rule id -> (evidence it fires on, category, words in its headline, target, layer)
 PAIR_CASES = {
@@ -63,6 +64,8 @@ PAIR_CASES = {
              "numerics", "B turns non-finite at step 4 in att (own code: matmul, forward); A stays finite, but its "
                          "own loss explodes too", "B", "att"),
     "W003": (replace(CLEAN, divergence=(EXPLODES, EXPLODES)), "setup", "both runs diverge on their own", None, None),
+    "W012": (replace(CLEAN, own=((DEAD,), (replace(DEAD, arm="B"),)), converged=(False, False)), "setup",
+             "both runs fail on their own: dead ReLUs in both", None, "relu"),
     "W004": (replace(CLEAN, own=((), (LOST,))), "numerics", "small updates lost in B", "B", None),
     "W005": (replace(CLEAN, replays=(Replay(), Replay(flagged=(Row(0, "norm", 0.3, 1e-3),)))),
              "layer", "B's norm computes beyond its floor at step 0", "B", "norm"),
@@ -87,6 +90,8 @@ RUN_CASES = {
     "W104": (replace(RUN, own=(replace(LOST, arm="the run"),)), "numerics", "small updates lost: the weights are "
                                                                               "kept in bfloat16", None, None),
     "W105": (replace(RUN, producer=PRODUCER), "numerics", "the run turns non-finite at step 4 in att", None, "att"),
+    "W107": (replace(RUN, own=(replace(DEAD, arm="the run"),), converged=False, steps=8), "setup",
+             "training setup: dead ReLUs (100% of the outputs of 'relu'", None, "relu"),
     "W106": (replace(RUN, stopped={"exception": "KeyboardInterrupt", "message": "", "step": 2}), "setup",
              "the run stopped at step 2 with KeyboardInterrupt", None, None),
 }
@@ -160,3 +165,10 @@ def test_a_loss_scale_overflow_is_named_in_a_pair():
     v = decide(ev, watched_ok)
     assert v.sub_cause == SCALED_BACKWARD and "GradScaler" in v.remedies[0]
     assert v.headline.startswith("B's scaled backward overflows at step 0")
+
+
+def test_a_slow_start_alone_is_no_training_failure_in_a_short_run():
+    swing = S.Symptom(S.OSCILLATING_LOSS, "the run", "the loss changes direction by >= 3% in 40% of the steps")
+    assert decide(replace(RUN, own=(swing,), converged=False, steps=8), run_ok).category == "ok"
+    assert decide(replace(RUN, own=(swing,), converged=False, steps=40), run_ok).category == "setup"
+    assert decide(replace(RUN, own=(replace(DEAD, arm="the run"),), converged=True, steps=8), run_ok).category == "ok"

@@ -64,6 +64,7 @@ class PairEvidence:
     pair: tuple = ()  # what only the pair shows (recipe, loss scale, gradient underflow)
     divergence: tuple = (None, None)  # each run's own exploding loss (``Setup``), or None
     scaled_backward: tuple = (None, None)  # each run's fixed-loss-scale overflow (``Symptom``), or None
+    converged: tuple = (None, None)  # each run's own convergence (compare's rule); None: too short to judge
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class RunEvidence:
     own: tuple = ()
     stopped: dict | None = None
     scaled_backward: object | None = None  # ``Symptom`` or None
+    converged: bool | None = None  # compare's rule on the run's own losses; None: too short to judge
+    steps: int = 0  # how many steps the run recorded
 
 
 @dataclass(frozen=True)

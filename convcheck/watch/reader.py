@@ -64,6 +64,9 @@ def _check_manifest(m) -> None:
         bundle_reader.shape_field(p.get("shape"), f"model.parameters[{i}].shape")
     if not all(isinstance(n, str) for n in bundle_reader.get_field(model, "layers", list, "model")):
         raise _Bad("model.layers holds a non-string")
+    types = bundle_reader.get_field(model, "layer_types", dict, "model", optional=True)  # older runs: none
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in (types or {}).items()):
+        raise _Bad("model.layer_types holds a non-string")
     bundle_reader.get_field(m, "fingerprint", dict, "manifest")
     bundle_reader.get_field(m, "math_flags", dict, "manifest")
     bundle_reader.get_field(m, "scaler", bool, "manifest")

@@ -488,7 +488,9 @@ class Watch:
                       "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],
-                      "layers": [self.names[m] for m in self.names if m in self.leaves]},
+                      "layers": [self.names[m] for m in self.names if m in self.leaves],
+                      # each leaf's class: compare's dead-unit detector reads the ReLUs' zeros (older runs: none)
+                      "layer_types": {self.names[m]: type(m).__name__ for m in self.names if m in self.leaves}},
             "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
             "optimizer_settings": getattr(self, "settings", None),
             "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,

@@ -5,7 +5,7 @@ that read them (``diagnose/rules/watched.py``, ``watched_run.py``). Nothing is d
 
 from __future__ import annotations
 
-from convcheck.diagnose.detectors.watched import precision_difference, scaled_backward
+from convcheck.diagnose.detectors.watched import converges, precision_difference, scaled_backward
 from convcheck.diagnose.detectors.watched_setup import divergence
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched import watched_ok
@@ -22,13 +22,14 @@ def pair_evidence(d, a, b) -> PairEvidence:
         loss_wander=d.loss_wander, producers=d.producers, replays=d.replays, setup=tuple(d.setup),
         stopped=d.stopped, env=tuple(d.env), precision=precision_difference(a, b, d.flags), own=d.own,
         pair=d.pair, divergence=(divergence(a), divergence(b)),
-        scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")))
+        scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)))
 
 
 def run_evidence(run, replay, own=()) -> RunEvidence:
     """What the rules read of one watched run held against the judge (``replay``)."""
     return RunEvidence(producer=run["first_nonfinite"], replay=replay, divergence=divergence(run), own=tuple(own),
-                       stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"))
+                       stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
+                       converged=converges(run), steps=len(run.steps))
 
 
 def decide(d, a, b) -> Verdict:

@@ -143,3 +143,18 @@ def sharp_attention_run(out, fp16: bool, steps: int = 4) -> None:
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+def weight_decay_run(out, weight_decay: float = 0.5, bf16: bool = False, steps: int = 30) -> None:
+    """SGD at lr 0.1 with a weight decay typed as 5e-1 where 5e-4 was meant: the weights shrink 5% a step."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=weight_decay)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

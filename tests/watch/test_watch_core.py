@@ -16,7 +16,7 @@ from convcheck.cli.main import main
 from convcheck.errors import UsageError
 
 from .recipe_loops import (MLP, accumulation_run, bf16_weights_run, loss_scale_run, sharp_attention_run,
-                           smoothing_run)
+                           smoothing_run, weight_decay_run)
 
 
 def diff(capsys, *args) -> tuple[int, dict]:
@@ -41,6 +41,9 @@ def runs(tmp_path_factory):
     loss_scale_run(tmp / "scaled16")
     sharp_attention_run(tmp / "att32", fp16=False)
     sharp_attention_run(tmp / "att16", fp16=True)
+    weight_decay_run(tmp / "decay")
+    weight_decay_run(tmp / "decay_bf16", bf16=True)
+    weight_decay_run(tmp / "decay_meant", weight_decay=5e-4)
     return tmp
 
 
@@ -117,3 +120,18 @@ def test_an_optimizer_over_none_of_the_models_parameters_is_refused(tmp_path):
     with pytest.raises(UsageError, match="not a torch.optim.Optimizer"):
         convcheck.watch(model, "sgd", out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_compares_training_detectors_run_on_a_watched_run(runs, capsys):
+    """A weight decay typed as 5e-1 where 5e-4 was meant: the run does not converge, and compare's detector
+    names why - alone against the judge, and as the pair's verdict when both runs have it."""
+    code = main(["diff", str(runs / "decay"), "--judge", "cpu:float64", "--no-save", "--json"])
+    d = json.loads(capsys.readouterr()[0])
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "weight decay too strong", v["headline"]
+    assert "lr x weight_decay = 0.05" in v["headline"] and "1e-4 or less" in v["remedies"][0]
+    assert [s["kind"] for s in d["own_findings"]].count("weight decay too strong") == 1
+    code, d = diff(capsys, runs / "decay", runs / "decay_bf16")
+    assert code == 1 and d["verdict"]["headline"].startswith("both runs fail on their own: weight decay too strong")
+    code = main(["diff", str(runs / "decay_meant"), "--judge", "cpu:float64", "--no-save", "--json"])
+    assert code == 0, json.loads(capsys.readouterr()[0])["verdict"]["headline"]

@@ -25,10 +25,12 @@ import math
 import numpy as np
 import pandas as pd
 
+from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.watched_evidence import LOSS as LOSS_PRODUCER
 from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
-from convcheck.numerics.thresholds import (EXPLODING_LAYER_RATIO, LOSS_LIPSCHITZ, LOSS_RTOL, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
+from convcheck.numerics.thresholds import (CONVERGED_LOSS_RATIO, CONVERGED_TAIL, CONVERGENCE_MIN_STEPS,
+                                          EXPLODING_LAYER_RATIO, LOSS_LIPSCHITZ, LOSS_RTOL, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
                                           UNDERFLOW_EXTRA_ZEROS)
 
 RECIPE = "recipe difference"  # the loss computed differently (pair symptom)
@@ -97,7 +99,45 @@ def curves(run, side: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(rows), pd.DataFrame(grads, columns=cols)
 
 
-_NO_ACTIVATIONS = pd.DataFrame(columns=["arm", "layer", "step", "kind", "dead_frac", "saturated_frac"])
+_ACTIVATION_COLUMNS = ["arm", "layer", "step", "kind", "dead_frac", "saturated_frac"]
+RELU_LIKE = ("ReLU", "ReLU6")  # a module whose zero outputs are dead units (DeepDiagnosis' rule)
+
+
+def activations(run, side: str) -> pd.DataFrame:
+    """compare's activation rows for one run: each ReLU module's share of zero outputs per step (its
+    ``dead_frac``; the manifest's ``layer_types`` name the modules - a run recorded before them has none)."""
+    types = run.manifest.get("model", {}).get("layer_types") or {}
+    relus = {name for name, t in types.items() if t in RELU_LIKE}
+    rows = [{"arm": side, "layer": name, "step": k, "kind": "relu", "dead_frac": float(r["zeros"]),
+             "saturated_frac": math.nan}  # a step's ``zeros`` is the share of its outputs that are exactly 0
+            for k, s in enumerate(run.steps) for name, r in s["layers"].items()
+            if name in relus and _finite(r.get("zeros"))]
+    return pd.DataFrame(rows, columns=_ACTIVATION_COLUMNS)
+
+
+DECOUPLED = ("AdamW",)  # lr x weight_decay is what the weights lose a step: SGD's coupled decay, AdamW's
+
+
+def weight_decay(run) -> dict | None:
+    """The strongest group's decay per step, as ``stages.measure_weight_decay`` reads it for compare:
+    ``{optimizer, lr (the group's peak as the run stepped it), weight_decay, momentum}``; None for an optimizer
+    whose decay is not lr x wd a step (an adaptive optimizer's coupled L2), or none recorded."""
+    opt = run.manifest.get("optimizer")
+    groups = run.manifest.get("optimizer_settings") or []
+    if not run.steps or not groups:
+        return None
+    best = None
+    for g, settings in enumerate(groups):
+        decoupled = opt in DECOUPLED or settings.get("decoupled_weight_decay") is True
+        wd = settings.get("weight_decay")
+        if not (opt in SGD_LIKE or decoupled) or not _finite(wd) or wd <= 0:
+            continue
+        lrs = [s["lr"][g] for s in run.steps if g < len(s["lr"]) and _finite(s["lr"][g])]
+        if lrs and (best is None or max(lrs) * wd > best["lr"] * best["weight_decay"]):
+            momentum = settings.get("momentum")
+            best = {"optimizer": opt, "lr": max(lrs), "weight_decay": wd,
+                    "momentum": momentum if _finite(momentum) else 0.0}
+    return best
 
 
 def weights_format(run) -> str | None:
@@ -124,8 +164,10 @@ def run_findings(run, side: str) -> list[S.Symptom]:
     grew = len(norms) >= 2 and max(norms) > EXPLODING_LAYER_RATIO * max(norms[0], TINY_NORM)
     # a per-batch loss that ends 1.5x its first is no finding alone here (the run's own divergence rule,
     # EXPLODE_FACTOR / RISE_FACTOR, reads the loss): gradients count when they grew or turned non-finite
-    found = [s for s in S.training_problems(c, g, _NO_ACTIVATIONS, side, 0, lr)
+    found = [s for s in S.training_problems(c, g, activations(run, side), side, 0, lr)
              if s.name != S.EXPLODING_GRADIENTS or s.step is not None or grew]
+    decay = R.decay_too_strong(weight_decay(run), side)
+    found += [decay] if decay is not None else []
     fmt = weights_format(run)
     if fmt is not None:
         lost = S.lost_updates(c, side, unit_roundoff_of(fmt), True)
@@ -281,3 +323,16 @@ def precision_difference(a, b, flags) -> str | None:
         return f"A's layers output {', '.join(sorted(da))}, B's {', '.join(sorted(db))}"
     tf32 = [f"{k}: {x} | {y}" for k, x, y in flags if "tf32" in k.lower() or "precision" in k]
     return "the TF32 switches differ (" + "; ".join(tf32) + ")" if tf32 else None
+
+
+def converges(run) -> bool | None:
+    """compare's convergence rule on the run's own losses: every loss finite and the mean of the last
+    ``CONVERGED_TAIL`` below ``CONVERGED_LOSS_RATIO`` x the first; None when fewer than
+    ``CONVERGENCE_MIN_STEPS`` losses were recorded (not judged)."""
+    losses = [s["loss"] for s in run.steps]
+    if len(losses) < CONVERGENCE_MIN_STEPS or any(v is None for v in losses):
+        return None
+    if not all(_finite(v) for v in losses):
+        return False
+    tail = losses[-CONVERGED_TAIL:]
+    return sum(tail) / len(tail) < CONVERGED_LOSS_RATIO * losses[0]

@@ -9,6 +9,8 @@ W001 10   watched-setup        setup          different data, optimizer, setting
 W002 20   watched-nonfinite    numerics       NaN/Inf on one side (or from different producers); a fixed
                                               loss scale that overflows the backward
 W003 30   watched-both-diverge setup          both runs' own losses explode
+W012 35   watched-both-fail    setup          neither run converges on its own, and compare's training
+                                              detectors find the same problem in both
 W004 40   watched-lost-updates numerics       small updates lost in a run's 16-bit weights
 W005 50   watched-layer        layer          a layer the float64 judge finds above its floor
 W006 60   watched-underflow    numerics       a gradient exactly zero in one run only, no earlier parting
@@ -31,7 +33,8 @@ from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.remedies import (BF16_ZEROS, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
-                                                    nonfinite_cause, nonfinite_remedies, over, stopped_verdict)
+                                                    nonfinite_cause, nonfinite_remedies, over, setup_remedies,
+                                                    stopped_verdict, training_problem)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import (SIDES, PairEvidence, Parting, first_flagged, overflow_lines,
                                                  parting_lines, producer_text, producer_where)
@@ -121,6 +124,21 @@ def watched_both_diverge(ev: PairEvidence) -> Verdict | None:
         return None
     return watched_both_diverge.verdict(a.evidence + b.evidence, {"a": a.headline, "b": b.headline},
                                         remedies=list(a.remedies), sub_cause="divergence")
+
+
+@verdict_rule("W012", "watched-both-fail", priority=35, category="setup", reads=PairEvidence,
+              headline="both runs fail on their own: {label} in both ({evidence})")
+def watched_both_fail(ev: PairEvidence) -> Verdict | None:
+    """Neither run converges on its own and compare's training detectors find the same problem first in both
+    (dead ReLUs, a weight decay too strong, vanishing gradients): the training setup, not the difference."""
+    found = [training_problem(own, conv, min(ev.steps)) for own, conv in zip(ev.own, ev.converged)]
+    if any(s is None for s in found) or found[0].name != found[1].name:
+        return None
+    a, b = found
+    return watched_both_fail.verdict([f"A on its own: {a.evidence}", f"B on its own: {b.evidence}",
+                                      "neither run converges on its own (compare's rule)"],
+                                     {"label": a.label, "evidence": a.evidence}, remedies=setup_remedies(a),
+                                     layer=a.layer if a.layer == b.layer else None, sub_cause=a.name)
 
 
 @verdict_rule("W004", "watched-lost-updates", priority=40, category="numerics", reads=PairEvidence,

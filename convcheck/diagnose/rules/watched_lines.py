@@ -8,6 +8,8 @@ from __future__ import annotations
 from convcheck.diagnose.remedies import (KEEP_FLOAT32, LAYER_REMEDIES, LOSS_FLOAT32, LOSS_SCALE_REMEDIES,
                                          MASTER_WEIGHTS, NONFINITE_REMEDIES, STOPPED_REMEDIES)
 from convcheck.diagnose.rules.numerics import op_remedies
+from convcheck.diagnose.rules.setup import SETUP_PRIORITY, SETUP_REMEDIES, SLOW_START
+from convcheck.numerics.thresholds import SETUP_MIN_STEPS
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import LOSS, producer_text
 
@@ -72,3 +74,17 @@ def stopped_verdict(rule, who: str, s: dict, evidence: list) -> Verdict:
                         headline=f"{who} stopped at step {s['step']} with {what}; the watch saw no NaN/Inf and no "
                                  "layer beyond its floor before it",
                         remedies=list(STOPPED_REMEDIES), sub_cause="stopped")
+
+
+def training_problem(own, converged: bool | None, steps: int):
+    """The run's first training problem by compare's setup order (``rules/setup.SETUP_PRIORITY``) when the run
+    did not converge on its own (judged: ``CONVERGENCE_MIN_STEPS`` losses); a slow start's symptoms (a plateau,
+    a swinging per-batch loss) count only from ``SETUP_MIN_STEPS`` steps, as for compare's judge. None else."""
+    if converged is not False:
+        return None
+    found = [s for s in own if s.name in SETUP_PRIORITY and (steps >= SETUP_MIN_STEPS or s.name not in SLOW_START)]
+    return min(found, key=lambda s: SETUP_PRIORITY.index(s.name)) if found else None
+
+
+def setup_remedies(sym) -> list[str]:
+    return list(SETUP_REMEDIES.get(sym.name, ()))

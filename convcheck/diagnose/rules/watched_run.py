@@ -10,6 +10,8 @@ W102 20   run-diverge         setup     the loss explodes, no later than the fir
 W103 30   run-loss-scale      numerics  a fixed loss scale that overflows the backward
 W104 40   run-lost-updates    numerics  small updates lost in 16-bit weights (before any NaN/Inf)
 W105 50   run-nonfinite       numerics  the first NaN/Inf producer
+W107 55   run-training        setup     the run does not converge on its own and compare's training
+                                        detectors name why (dead ReLUs, weight decay, vanishing gradients)
 W106 60   run-stopped         setup     the block raised or was interrupted, nothing seen explains it
 ==== ==== =================== ========= ===========================================================
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
-                                                    nonfinite_cause, nonfinite_remedies, stopped_verdict)
+                                                    nonfinite_cause, nonfinite_remedies, setup_remedies,
+                                                    stopped_verdict, training_problem)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import RunEvidence, first_flagged, overflow_lines, producer_text, producer_where
 
@@ -84,6 +87,21 @@ def run_nonfinite(ev: RunEvidence) -> Verdict | None:
     return run_nonfinite.verdict([f"first non-finite: {producer_text(p)}"] + overflow_lines((ev.replay,)),
                                  {"step": p["step"], "where": producer_where(p)}, remedies=nonfinite_remedies(p),
                                  layer=p["layer"], sub_cause=nonfinite_cause(p))
+
+
+@verdict_rule("W107", "run-training", priority=55, category="setup", reads=RunEvidence,
+              headline="training setup: {label} ({evidence})")
+def run_training(ev: RunEvidence) -> Verdict | None:
+    """The run does not converge on its own (compare's rule on its losses) and compare's training detectors
+    say why: the training setup, as compare's V002 says of a failing judge."""
+    steps = max((s.step for s in ev.own if s.step is not None), default=0)
+    sym = training_problem(ev.own, ev.converged, max(steps, ev.steps))
+    if sym is None:
+        return None
+    return run_training.verdict([f"{s.label}: {s.evidence}" for s in ev.own] + ["the run does not converge on its "
+                                                                                 "own (compare's rule)"],
+                                {"label": sym.label, "evidence": sym.evidence}, remedies=setup_remedies(sym),
+                                layer=sym.layer, sub_cause=sym.name)
 
 
 @verdict_rule("W106", "run-stopped", priority=60, category="setup", reads=RunEvidence,
