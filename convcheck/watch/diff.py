@@ -33,7 +33,7 @@ from convcheck.errors import UsageError
 from convcheck.numerics.formats import FLOAT32, coarsest_dtype, unit_roundoff_of
 from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL, LOSS_SPIKE, PART_FACTOR
 from convcheck.watch.reader import WatchedRun, open_watched
-from convcheck.watch.recorder import ROUNDED
+from convcheck.watch.batches import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
 from convcheck.watch.verdict import decide, decide_single
 

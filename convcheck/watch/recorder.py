@@ -8,18 +8,17 @@ detached tensors and draws no random number; all of them are removed on exit, no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
 
 import torch
 
-from convcheck.errors import UsageError
 from convcheck.watch import stats as _stats
+from convcheck.watch.batches import batch_hash, rounded_hashes
+from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.ranks import rank_out
@@ -42,66 +41,6 @@ def _floats(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _floats(o)]
     return []
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
-    return []
-
-
-def batch_hash(args, kwargs) -> str:
-    """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
-    are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
-    h = hashlib.sha256()
-    for t in _tensors(args) + _tensors(kwargs):
-        c = t.detach().to("cpu").contiguous()
-        h.update(f"{c.dtype}{tuple(c.shape)}".encode())
-        if c.numel():
-            h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-ROUNDED = ("bfloat16", "float16")  # the 16-bit formats a cast model's batch is also hashed in
-ROUNDED_SAMPLE = 1 << 18  # the most elements of one floating tensor ``rounded_hashes`` reads
-
-
-def rounded_hashes(args, kwargs) -> dict[str, str] | None:
-    """``{"bfloat16": sha, "float16": sha}``: SHA-256 of the batch with every floating tensor rounded to
-    that format (its dtype hashed as "float"; other tensors as ``batch_hash`` does), so that a model cast
-    to bfloat16 or float16, fed ``x.to(dtype)``, is seen to receive the same data as a float32 run of it.
-    A floating tensor of more than ``ROUNDED_SAMPLE`` elements is read at that many evenly spaced ones
-    (its shape hashed whole): another shuffle, seed or augmentation changes nearly every element, and
-    runs of one dtype are still compared element by element by ``batch_hash``; an ImageNet batch of 64
-    costs a copy of 0.5 MB, not 19 MB, off a GPU. None when the batch holds no floating tensor (the
-    exact hash says it all)."""
-    ts = [t.detach() for t in _tensors(args) + _tensors(kwargs)]
-    if not any(t.is_floating_point() for t in ts):
-        return None
-    read = [_sample(t) if t.is_floating_point() else t for t in ts]
-    out = {}
-    for fmt in ROUNDED:
-        dtype, h = getattr(torch, fmt), hashlib.sha256()
-        for t, r in zip(ts, read):
-            c = (r.to(dtype) if t.is_floating_point() else r).to("cpu").contiguous()
-            h.update(f"{'float' if t.is_floating_point() else c.dtype}{tuple(t.shape)}".encode())
-            if c.numel():
-                h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
-        out[fmt] = h.hexdigest()
-    return out
-
-
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or at most ``ROUNDED_SAMPLE`` evenly spaced elements of it, flattened (the same ones for
-    every tensor of its size)."""
-    n = t.numel()
-    if n <= ROUNDED_SAMPLE:
-        return t
-    return t.reshape(-1)[::-(-n // ROUNDED_SAMPLE)]
 
 
 _OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",
@@ -135,79 +74,6 @@ def _closure(args, kwargs) -> bool:
 
 def _nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
-
-
-def math_flags() -> dict:
-    """Every switch that makes two runs of the same code differ, as set when the watch starts."""
-    b = torch.backends
-    return {"cudnn.benchmark": bool(b.cudnn.benchmark), "cudnn.deterministic": bool(b.cudnn.deterministic),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "matmul.allow_tf32": bool(b.cuda.matmul.allow_tf32), "cudnn.allow_tf32": bool(b.cudnn.allow_tf32),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"), "threads": torch.get_num_threads()}
-
-
-# Entries of a param group that are no hyperparameter of the update: the parameters, the learning rate
-# (recorded every step), and the implementation switches (one kernel or another for the same update:
-# a GPU run with fused=True against a CPU run without is not a setup difference).
-NOT_SETTINGS = ("params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
-
-
-def optimizer_settings(optimizer) -> list[dict] | None:
-    """Each parameter group's hyperparameters as the block starts (momentum, weight decay, betas, eps, ...):
-    numbers, booleans and short tuples of numbers; the learning rate is recorded every step instead."""
-    if optimizer is None or not hasattr(optimizer, "param_groups"):
-        return None
-
-    def plain(v):
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, bool) or v is None:
-            return v
-        if isinstance(v, str):
-            return v[:60]  # line_search_fn="strong_wolfe" against None
-        if isinstance(v, (int, float)):
-            try:
-                return float(v) if math.isfinite(float(v)) else None
-            except OverflowError:
-                return None
-        if isinstance(v, (tuple, list)) and len(v) <= 4:
-            v = [x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in v]
-            if all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
-                return [float(x) for x in v]
-        return ...  # not a setting we compare
-
-    out = []
-    for g in optimizer.param_groups:
-        kept = {k: plain(v) for k, v in g.items() if isinstance(k, str) and k not in NOT_SETTINGS}
-        out.append({k: v for k, v in kept.items() if v is not ...})
-    return out
-
-
-def _module_of(cls: type) -> str:
-    """The module ``cls`` can be imported from: a script run with ``python -m pkg.script`` is ``__main__``
-    here but ``pkg.script`` to ``convcheck diff`` (its float64 replay imports the model's class)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None) if cls.__module__ == "__main__" else None
-    return spec.name if spec is not None and spec.name else cls.__module__
-
-
-def check_optimizer(model: torch.nn.Module, optimizer) -> None:
-    """An optimizer the watch can read: a ``torch.optim.Optimizer`` (its step hooks, its param_groups) that
-    holds at least one of the model's parameters - one built over another model's (or a copy's) would
-    train nothing the watch sees, and the runs would part for no reason a diff can name."""
-    if optimizer is None:
-        return
-    groups = getattr(optimizer, "param_groups", None)
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g for g in groups):
-        raise UsageError(f"convcheck.watch: optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer "
-                         "(pass the optimizer whose step() trains the model, or none)")
-    mine = {id(p) for p in model.parameters()}
-    held = [p for g in groups for p in g["params"]]
-    if mine and not any(id(p) in mine for p in held):
-        raise UsageError(f"convcheck.watch: the optimizer ({type(optimizer).__name__}, {len(held)} parameters) holds "
-                         "none of the model's parameters: build it over model.parameters() after the model is "
-                         "final (after .to(device), a copy or torch.compile's original module)")
 
 
 class Watch:
@@ -484,7 +350,7 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            "model": {"class": type(self.model).__name__, "module": _module_of(type(self.model)),
+            "model": {"class": type(self.model).__name__, "module": module_of(type(self.model)),
                       "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                      for n, p in self.params],

@@ -97,7 +97,7 @@ def test_an_overflowing_exp_in_the_loss_is_named_in_its_forward(tmp_path, capsys
 def test_a_large_batch_is_the_same_data_in_bf16_and_fp16_and_another_one_is_not():
     """Past ``ROUNDED_SAMPLE`` elements the rounded hashes read an evenly spaced sample: a batch cast to a
     16-bit format still matches its float32 self, and another batch of the same shape does not."""
-    from convcheck.watch.recorder import ROUNDED_SAMPLE, rounded_hashes
+    from convcheck.watch.batches import ROUNDED_SAMPLE, rounded_hashes
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 3, 200, 200, generator=g)  # 480,000 elements

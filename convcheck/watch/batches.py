@@ -1,0 +1,69 @@
+"""What the watch hashes of each batch the model receives: its exact bytes (``batch_hash``) and, for a model cast to
+a 16-bit format, the batch rounded to it (``rounded_hashes``), so that ``diff`` can tell the same data from
+different data."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    return []
+
+
+def batch_hash(args, kwargs) -> str:
+    """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
+    are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
+    h = hashlib.sha256()
+    for t in _tensors(args) + _tensors(kwargs):
+        c = t.detach().to("cpu").contiguous()
+        h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+        if c.numel():
+            h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+ROUNDED = ("bfloat16", "float16")  # the 16-bit formats a cast model's batch is also hashed in
+ROUNDED_SAMPLE = 1 << 18  # the most elements of one floating tensor ``rounded_hashes`` reads
+
+
+def rounded_hashes(args, kwargs) -> dict[str, str] | None:
+    """``{"bfloat16": sha, "float16": sha}``: SHA-256 of the batch with every floating tensor rounded to
+    that format (its dtype hashed as "float"; other tensors as ``batch_hash`` does), so that a model cast
+    to bfloat16 or float16, fed ``x.to(dtype)``, is seen to receive the same data as a float32 run of it.
+    A floating tensor of more than ``ROUNDED_SAMPLE`` elements is read at that many evenly spaced ones
+    (its shape hashed whole): another shuffle, seed or augmentation changes nearly every element, and
+    runs of one dtype are still compared element by element by ``batch_hash``; an ImageNet batch of 64
+    costs a copy of 0.5 MB, not 19 MB, off a GPU. None when the batch holds no floating tensor (the
+    exact hash says it all)."""
+    ts = [t.detach() for t in _tensors(args) + _tensors(kwargs)]
+    if not any(t.is_floating_point() for t in ts):
+        return None
+    read = [_sample(t) if t.is_floating_point() else t for t in ts]
+    out = {}
+    for fmt in ROUNDED:
+        dtype, h = getattr(torch, fmt), hashlib.sha256()
+        for t, r in zip(ts, read):
+            c = (r.to(dtype) if t.is_floating_point() else r).to("cpu").contiguous()
+            h.update(f"{'float' if t.is_floating_point() else c.dtype}{tuple(t.shape)}".encode())
+            if c.numel():
+                h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
+        out[fmt] = h.hexdigest()
+    return out
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or at most ``ROUNDED_SAMPLE`` evenly spaced elements of it, flattened (the same ones for
+    every tensor of its size)."""
+    n = t.numel()
+    if n <= ROUNDED_SAMPLE:
+        return t
+    return t.reshape(-1)[::-(-n // ROUNDED_SAMPLE)]
