@@ -184,7 +184,7 @@ def _curves(finals: dict[str, float], roles: dict[str, str], targets: dict[str, 
     (127.9, (123.7, 124.5, 125.7), True),  # every run far above the judge's 2.03: the precision fails
 ])
 def test_a_target_failing_with_its_envelope_is_no_convergence_only_when_far_from_the_judge(bf16, envelope, found):
-    from convcheck.diagnose.evidence import _outcome_symptoms
+    from convcheck.diagnose.target_symptoms import _outcome_symptoms
     from convcheck.targets.spec import Target
 
     bf, judge = Target.parse("cpu:bf16"), Target.parse(JUDGE)

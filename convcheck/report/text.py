@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from convcheck.diagnose.evidence import ends_apart
+from convcheck.diagnose.target_symptoms import ends_apart
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule

@@ -3,7 +3,8 @@ re-run, so that the verdict says ``verified`` or ``not verified``. ``actions`` (
 ``run`` (the re-runs), ``result`` (``Verification``), ``bisect`` (the smallest set of modules kept in
 float32)."""
 
-from convcheck.verify.actions import ACTIONS, Action, Context, actions_for, keep_in_float32
+from convcheck.verify.actions import ACTIONS, Action, Context, actions_for
+from convcheck.verify.float32 import keep_in_float32
 from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
 from convcheck.verify.run import verify_verdict
 

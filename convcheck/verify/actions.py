@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from convcheck.capture import tensors_in
 from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
 from convcheck.targets import executors
 from convcheck.targets.spec import Target
+from convcheck.verify.float32 import float32_loss, float32_snippet, keep_in_float32  # noqa: F401
+from convcheck.verify.magnitudes import _feeding, _until_in_range, _upto
 
 RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
 LR_FACTOR = 0.1  # "lower the learning rate (try 10x smaller)"
@@ -154,75 +154,6 @@ class Action:
         return ""
 
 
-def float32_snippet(modules) -> str:
-    """Ready to paste: the modules kept in float32 inside a lower-precision model (autocast or a cast
-    model) - what ``keep_in_float32`` does to the re-run's model."""
-    names = "(" + ", ".join(repr(m) for m in modules) + ("," if len(modules) == 1 else "") + ")"
-    return f"""import torch
-
-def keep_in_float32(model, names={names}):
-    \"\"\"Run these modules in float32 (autocast off, weights and inputs float32); the other
-    modules of a cast model get their inputs back in their own dtype.\"\"\"
-    kept = [model.get_submodule(n) for n in names]
-    for module in kept:
-        module.float()
-        forward = module.forward
-
-        def run(*args, _forward=forward, **kwargs):
-            args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-            with torch.autocast(args[0].device.type, enabled=False):
-                return _forward(*args, **kwargs)
-        module.forward = run
-    inside = {{id(m) for k in kept for m in k.modules()}}
-    for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-        if id(module) not in inside and own and own[0].dtype != torch.float32:
-            module.register_forward_pre_hook(
-                lambda m, args, _d=own[0].dtype: tuple(a.to(_d) if torch.is_tensor(a)
-                                                       and a.dtype == torch.float32 else a for a in args))
-    return model
-
-# model = keep_in_float32(model)  # after model.half() (or under autocast), before building the optimizer
-"""
-
-
-def keep_in_float32(model: nn.Module, names, target: Target) -> nn.Module:
-    """``model`` with the modules ``names`` in float32: their parameters, their inputs (cast), their
-    arithmetic (autocast off around them); their float32 outputs flow on, and every other module holding
-    lower-precision parameters of its own gets its float32 inputs cast back to its dtype (a pre-hook). So
-    two kept modules in a row pass float32 between them (an overflow between them stays in range)."""
-    kept = [model.get_submodule(n) for n in names]
-    device = target.device
-    for module in kept:
-        module.float()
-        forward = module.forward
-
-        def run(*args, _forward=forward, **kwargs):
-            args = tuple(_to32(a) for a in args)
-            kwargs = {k: _to32(v) for k, v in kwargs.items()}
-            with torch.autocast(device, enabled=False):
-                return _forward(*args, **kwargs)
-        module.forward = run
-    inside = {id(m) for k in kept for m in k.modules()}
-    for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-        if id(module) not in inside and own and own[0].dtype in (torch.float16, torch.bfloat16):
-            module.register_forward_pre_hook(_back_to(own[0].dtype))
-    return model
-
-
-def _back_to(dtype: torch.dtype):
-    def hook(module, args):
-        return tuple(a.to(dtype) if torch.is_tensor(a) and a.dtype == torch.float32 else a for a in args)
-    return hook
-
-
-def _to32(v):
-    return v.float() if torch.is_tensor(v) and v.is_floating_point() and v.dtype != torch.float64 else v
-
-
-# --- which actions fit a verdict ------------------------------------------------------------------
-
 Deriver = Callable[["Context"], "Action | None"]
 ACTIONS: dict[str, Deriver] = {}
 
@@ -299,9 +230,6 @@ def _float32_module(ctx: Context) -> Action | None:
 
 # --- how far a kept module's neighbours must stay in float32 (the judge's magnitudes, from parity) ---
 
-FEEDING_RATIO = 8.0  # a producer whose values are 8x the layer's result carries what the layer cancels
-
-
 def _quoted(names) -> str:
     return ", ".join(f"'{n}'" for n in names)
 
@@ -311,82 +239,6 @@ def _calls(ctx: Context) -> list[tuple[str, float, bool]]:
     False). ``ctx.layers`` holds them (``judge_magnitudes``: one float64 forward of the judge on the first
     batch); empty when unknown."""
     return list(ctx.layers or [])
-
-
-def judge_magnitudes(build, judge: Target, data, loss) -> list[tuple[str, float, bool]]:
-    """One forward of the judge's float64 model on the first batch, no gradients: every module's largest
-    output magnitude, in the order the calls finish (containers and the root left out: their output is
-    their last child's). ``[]`` when it cannot be measured (the plan's model is run as training runs it)."""
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    out: list[tuple[str, float, bool]] = []
-    try:
-        model = build(judge)
-        x, y = data.first()
-        handles = []
-        for name, module in model.named_modules():
-            if not name or isinstance(module, containers):
-                continue
-
-            def hook(m, args, output, _name=name):
-                values = [t.detach().abs().max().item() for t in tensors_in(output)
-                          if t.is_floating_point() and t.numel()]
-                out.append((_name, max(values) if values else math.nan, False))
-            handles.append(module.register_forward_hook(hook))
-        try:
-            with torch.no_grad():
-                judge.runner.forward_loss(model, x, y, loss)
-        finally:
-            for h in handles:
-                h.remove()
-    except Exception:  # noqa: BLE001 - no magnitudes: the named module alone
-        return []
-    return out
-
-
-def _inside(name: str, outer: str) -> bool:
-    return name == outer or name.startswith(outer + ".")
-
-
-def _until_in_range(calls, layer: str, largest: float) -> tuple[str, ...]:
-    """The modules after ``layer`` that must stay in float32 with it: its output (the judge's magnitude)
-    is beyond ``largest``, so every call until one whose output fits again (that one included: its input
-    is still beyond), or up to the model's end. Empty when its output fits (an op inside its own code
-    overflowed, or nothing is known)."""
-    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
-    if at is None or calls[at][2] or not calls[at][1] > largest:
-        return ()
-    out: list[str] = []
-    for name, absmax, _ in calls[at + 1:]:
-        if _inside(name, layer) or any(_inside(name, n) for n in out):
-            continue
-        out.append(name)
-        if not absmax > largest:  # its output fits again (NaN: not measured, stop too)
-            break
-    return tuple(out)
-
-
-def _upto(after, calls, largest: float) -> str:
-    last = after[-1]
-    fits = next((c[1] for c in calls if c[0] == last), math.nan)
-    return f"until '{last}'" if fits <= largest else "to the model's end"
-
-
-def _feeding(calls, layer: str) -> tuple[str, ...]:
-    """The modules making an ill-conditioned ``layer``'s input, in call order: the call just before it,
-    and the ones before that while their values (the judge's) stay ``FEEDING_RATIO`` times above the layer's
-    result - they carry the large values (an offset) the layer cancels, which the format cannot hold."""
-    at = next((i for i, c in enumerate(calls) if c[0] == layer), None)
-    if at is None:
-        return ()
-    own = calls[at][1]
-    out: list[str] = []
-    for name, absmax, _ in reversed(calls[:at]):
-        if _inside(name, layer) or any(_inside(name, n) or _inside(n, name) for n in out):
-            continue
-        if out and not (absmax > FEEDING_RATIO * own):
-            break
-        out.insert(0, name)
-    return tuple(out)
 
 
 def _optimizer_has(recipe, key: str) -> bool:
@@ -404,24 +256,6 @@ def _optimizer_eps(ctx: Context) -> Action | None:
     if ctx.target is None or ctx.sub_cause != S.NONFINITE_WEIGHTS or not _optimizer_has(ctx.recipe, "eps"):
         return None
     return Action("optimizer-eps", f"with the optimizer's eps raised to {RAISED_EPS:g}", eps=RAISED_EPS)
-
-
-def float32_loss(loss):
-    """``loss`` on the model's output and the targets with every 16-bit floating tensor cast to float32 (a tuple or
-    dict output too; a float16 target beside a float32 output would fail in the backward), autocast off inside it.
-    A float32 or float64 tensor is passed as it is: the judge's loss and a float32 target's are unchanged."""
-    from convcheck.batch import map_tensors
-
-    def up(t):
-        return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-    def loss_in_float32(out, y):
-        first = next(iter(tensors_in(out)), None)
-        device = first.device.type if first is not None else "cpu"
-        with torch.autocast(device_type=device, enabled=False):
-            return loss(map_tensors(out, up), map_tensors(y, up))
-    loss_in_float32.__name__ = getattr(loss, "__name__", "loss")
-    return loss_in_float32
 
 
 @action("loss-float32")

@@ -2,7 +2,7 @@
 lower-precision arm to track the judge (delta debugging, Zeller's ddmin, over the model's modules).
 
 ``passes(names)`` is one probe: a short re-run of the arm with ``names`` kept in float32
-(``actions.keep_in_float32``). ``ddmin`` returns a 1-minimal set (dropping any one module of it fails),
+(``float32.keep_in_float32``). ``ddmin`` returns a 1-minimal set (dropping any one module of it fails),
 or None when even every module in float32 does not pass (the cause is not one of precision per module).
 """
 

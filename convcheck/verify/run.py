@@ -18,7 +18,7 @@ import time
 from typing import Sequence
 
 from convcheck.diagnose.detectors import training as S
-from convcheck.diagnose.evidence import _loss_scale
+from convcheck.diagnose.target_symptoms import _loss_scale
 from convcheck.diagnose.verdict import Verdict
 from convcheck.measure.train import TrainConfig, TrainResult, converged, run_training
 from convcheck.measure.train.arms import Arm
@@ -26,7 +26,8 @@ from convcheck.numerics.thresholds import APART_FACTOR, FRAGILE_MARGIN, OUTCOME_
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
 from convcheck.plan.user_code import one_line
 from convcheck.targets.spec import Target
-from convcheck.verify.actions import RAISED_EPS, Action, Context, actions_for, judge_magnitudes
+from convcheck.verify.actions import RAISED_EPS, Action, Context, actions_for
+from convcheck.verify.magnitudes import judge_magnitudes
 from convcheck.verify.bisect import candidates, ddmin
 from convcheck.verify.result import NO_ACTION, NOT_VERIFIED, SKIPPED, VERIFIED, Attempt, Verification
 
@@ -40,7 +41,7 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
     """``mode``: False runs nothing; None (the default) tries the first fitting action when that costs one
     training run of one in-process arm; True tries every fitting action. ``actions`` replaces the derived
     ones (a test plants a wrong diagnosis this way). ``layers``: the judge's output magnitude per module call
-    (``actions.judge_magnitudes``, measured here when None: which neighbours of a module kept in float32
+    (``magnitudes.judge_magnitudes``, measured here when None: which neighbours of a module kept in float32
     must stay with it)."""
     if mode is False:
         return Verification(SKIPPED, "", reason="--no-verify")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from convcheck.diagnose.evidence import Evidence, ends_apart
+from convcheck.diagnose.evidence import Evidence
+from convcheck.diagnose.target_symptoms import ends_apart
 
 
 def training_lines(ev: Evidence) -> list[str]:
