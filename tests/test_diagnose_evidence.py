@@ -163,8 +163,14 @@ def test_symptom_names_are_written_once():
         assert not strings & set(names.values()), f"{path}: symptom name written as a literal"
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "diagnose").rglob("*.py")),
-                         ids=lambda p: str(p.relative_to(PACKAGE)))
+# every module that decides: diagnose/, and what watch/ and ddp/ measure a verdict with (their other modules hold
+# process timeouts and byte sizes, not thresholds)
+DECIDING = sorted((PACKAGE / "diagnose").rglob("*.py")) + [
+    PACKAGE / "watch" / name for name in ("diff.py", "rankdiff.py", "verdict.py")] + [
+    PACKAGE / "ddp" / name for name in ("diagnostics.py", "parity.py", "probes.py", "rules.py")]
+
+
+@pytest.mark.parametrize("path", DECIDING, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_threshold_literal_outside_thresholds(path):
     floats = [n.value for n in ast.walk(ast.parse(path.read_text()))
               if isinstance(n, ast.Constant) and isinstance(n.value, float) and n.value not in (0.0, 1.0)]

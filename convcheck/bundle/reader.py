@@ -17,167 +17,27 @@ import io
 import json
 import math
 import os
-import stat
 import tokenize
 import zipfile
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 
 from convcheck.bundle.schema import (
-    ARRAY_GROUPS, CALLABLES, DETAIL_KINDS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MEMBERS, MAX_TOTAL_BYTES, NPZ_SLACK,
+    ARRAY_GROUPS, CALLABLES, DETAIL_KINDS, MANIFEST, MAX_MANIFEST_BYTES, MAX_TOTAL_BYTES, NPZ_SLACK,
     READABLE, SCHEMA, STORAGE, WATCH_SCHEMA,
 )
+from convcheck.bundle.fields import (BadField, _check_rows, dtype_field, get_field, kinds_of,  # noqa: F401
+                                     nbytes_of, sha_field, shape_field)
+from convcheck.bundle.members import BundleFiles, safe_member  # noqa: F401
 from convcheck.errors import UsageError
 from convcheck.files import array_load_error
 from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
 from convcheck.plan.stream import HASHES_LISTED
 
 _NUM = (int, float)
-
-
-class BadField(Exception):
-    """A field of the manifest is wrong: the message says which (caught and prefixed with the bundle)."""
-
-
-def safe_member(name: str) -> str:
-    p = PurePosixPath(name)
-    if not name or name.startswith(("/", "\\")) or p.is_absolute() or ".." in p.parts or "\\" in name \
-            or (len(name) > 1 and name[1] == ":"):
-        raise BadField(f"member {name!r} is not a plain relative path")
-    return name
-
-
-class BundleFiles:
-    """The bundle's files, from a folder or a zip; ``read(name, limit)`` returns bytes."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        st = _lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise BadField("is a symbolic link; pass the bundle itself")
-        if stat.S_ISDIR(st.st_mode):
-            self.zip = None
-        elif stat.S_ISREG(st.st_mode):
-            try:
-                self.zip = zipfile.ZipFile(path)
-                infos = self.zip.infolist()
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-                raise BadField(f"not a readable bundle zip ({exc})") from None
-            if len(infos) > MAX_MEMBERS:
-                raise BadField(f"holds {len(infos)} members, more than a bundle ever has")
-            self.members = {}
-            for info in infos:
-                name = safe_member(info.filename)
-                if info.is_dir():
-                    continue
-                if stat.S_ISLNK(info.external_attr >> 16):
-                    raise BadField(f"member {name!r} is a symbolic link")
-                self.members[name] = info
-        else:
-            raise BadField("is neither a folder nor a .zip file")
-
-    def read(self, name: str, limit: int) -> bytes:
-        safe_member(name)
-        if self.zip is not None:
-            info = self.members.get(name)
-            if info is None:
-                raise BadField(f"{name} is missing")
-            if info.file_size > limit:
-                raise BadField(f"{name} claims {info.file_size} bytes, more than the {limit} it may hold")
-            try:
-                with self.zip.open(info) as f:
-                    data = f.read(limit + 1)
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, zlib.error) as exc:
-                raise BadField(f"{name} cannot be read ({exc})") from None
-        else:
-            full = self.path
-            for part in PurePosixPath(name).parts:  # no link anywhere on the way
-                full = full / part
-                st = _lstat(full, name)
-                if stat.S_ISLNK(st.st_mode):
-                    raise BadField(f"{name} is (or passes through) a symbolic link")
-            if not stat.S_ISREG(st.st_mode):
-                raise BadField(f"{name} is not a regular file")
-            if st.st_size > limit:
-                raise BadField(f"{name} is {st.st_size} bytes, more than the {limit} it may hold")
-            try:
-                with open(full, "rb") as f:
-                    data = f.read(limit + 1)
-            except OSError as exc:
-                raise BadField(f"{name} cannot be read ({exc.strerror or exc})") from None
-        if len(data) > limit:
-            raise BadField(f"{name} is larger than the {limit} bytes it may hold")
-        return data
-
-
-def _lstat(path: Path, name: str | None = None):
-    try:
-        return os.lstat(path)
-    except OSError as exc:
-        raise BadField(f"{name + ' ' if name else ''}cannot be opened ({exc.strerror or exc})") from None
-
-
-# --- field checks -------------------------------------------------------------
-
-def get_field(d: dict, key: str, kind, where: str, *, optional: bool = False):
-    if key not in d:
-        if optional:
-            return None
-        raise BadField(f"{where}.{key} is missing")
-    v = d[key]
-    if v is None and optional:
-        return None
-    ok = isinstance(v, kind) and not (isinstance(v, bool) and kind is not bool and bool not in kinds_of(kind))
-    if not ok:
-        raise BadField(f"{where}.{key} is {type(v).__name__}, expected {_kind_name(kind)}")
-    return v
-
-
-def kinds_of(kind):
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _kind_name(kind) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
-             bool: "true/false"}
-    return " or ".join(names.get(k, k.__name__) for k in kinds_of(kind))
-
-
-def shape_field(v, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > 8 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n
-                                                        for n in v):
-        raise BadField(f"{where} is not a shape (a list of at most 8 non-negative integers)")
-    return tuple(v)
-
-
-def dtype_field(v, where: str) -> str:
-    if not isinstance(v, str) or v not in STORAGE:
-        raise BadField(f"{where} is {v!r:.40}, not one of {', '.join(STORAGE)}")
-    return v
-
-
-def sha_field(v, where: str) -> str:
-    if not isinstance(v, str) or len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-        raise BadField(f"{where} is not a SHA-256 hex digest")
-    return v
-
-
-def nbytes_of(shape: tuple[int, ...], dtype: str) -> int:
-    return math.prod(shape) * np.dtype(STORAGE[dtype]).itemsize
-
-
-def _check_rows(rows, where: str, columns: dict) -> list[dict]:
-    if not isinstance(rows, list):
-        raise BadField(f"{where} is {type(rows).__name__}, expected a list")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise BadField(f"{where}[{i}] is {type(row).__name__}, expected an object")
-        for col, kind in columns.items():
-            get_field(row, col, kind, f"{where}[{i}]", optional=type(None) in kinds_of(kind))
-    return rows
 
 
 PARITY_COLUMNS = json_kinds(ParityRow)

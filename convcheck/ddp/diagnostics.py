@@ -34,21 +34,14 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from convcheck.numerics.thresholds import (BN_GRAD_TOLERATED, BN_MEAN_SHIFT, BN_STD_CHANGE, GRAD_FAR,
+                                          LOSS_SCALE_TOLERANCE)
 from convcheck.ddp.evidence import RankEvidence
 from convcheck.diagnose.detectors.training import STOCHASTIC_LAYER
 
 SETUP = "setup"
 SUB_CAUSE = "ddp"
 
-# A rank's BatchNorm statistics differ from the global batch's when some channel's mean is more than
-# BN_MEAN_SHIFT global standard deviations away, or its standard deviation off by more than BN_STD_CHANGE
-# (relative). Batch statistics of n samples scatter by ~1/sqrt(n) std: per-rank batch 2 gives ~0.7, a
-# per-rank batch of 256 ~0.06; float32 reduction order changes them by ~1e-7. 0.05 separates a per-rank
-# normalisation from reduction-order noise by five orders of magnitude.
-BN_MEAN_SHIFT = 0.05
-BN_STD_CHANGE = 0.05
-# The DDP/single-device ratio of the first step's gradient norm within this (relative) of world or 1/world.
-LOSS_SCALE_TOLERANCE = 0.05
 # Findings that need no drift to be a setup difference.
 EXACT = ("loss_scale", "same_data", "buffers_not_broadcast", "dropout_per_rank", "gradient_apart")
 
@@ -278,16 +271,6 @@ def dropout_per_rank(training, arm: str) -> DDPFinding | None:
     )
 
 
-# A DDP parity row (the averaged gradient after the all-reduce, against the judge's) this many times beyond
-# its bound (itself DDP_GRAD_FACTOR times the single-device error: reduction order only) is a data-parallel
-# setup that computes another gradient than one device at step 0, before any drift. Measured on the trial
-# models: healthy setups (an MLP, SyncBatchNorm at 2 per rank) stay below 0.2x their bound; a per-rank
-# BatchNorm at 2 per rank reaches 1.5e4x, a user's running mean of the rank's slice 6.5e3x.
-GRAD_FAR = 100.0
-# ... unless only a per-rank BatchNorm explains it and the gradient's relative error stays within this: the
-# approximation plain BatchNorm under DDP makes at a larger per-rank batch (a user's BatchNorm CNN at 16 per
-# rank: 0.107, ending alike, a note by the outcome rule); at 2 per rank it was 0.47-0.87, at 1 per rank more.
-BN_GRAD_TOLERATED = 0.2
 
 
 def gradient_apart(training, arm: str, parity) -> DDPFinding | None:

@@ -20,13 +20,10 @@ from convcheck.capture import SharedDropoutMasks
 from convcheck.ddp.rank_pool import collective_timeout, threads_per_rank
 from convcheck.ddp.pool_choice import open_pool
 from convcheck.ddp.worker import RankJob
+from convcheck.numerics.thresholds import DDP_GRAD_FACTOR, DDP_GRAD_MIN_U
 from convcheck.numerics.metrics import rel_l2
 from convcheck.measure.train.arms import Arm
 
-# A DDP gradient may differ from the judge's by this many times the single-device error (reduction
-# order only) before the row is flagged; and by at least DDP_GRAD_MIN_U units of roundoff.
-DDP_GRAD_FACTOR = 10.0
-DDP_GRAD_MIN_U = 100.0
 
 
 def _frozen_sgd(params):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from convcheck.numerics.thresholds import TINY_NORM
 from convcheck.capture import SHARED_DROPOUT, leaf_modules
 from convcheck.ddp.syncbn import GlooSyncBatchNorm
 
@@ -118,7 +119,7 @@ class BufferProbe:
             s, m = spread[start:start + n], size[start:start + n]
             start += n
             if n and float(s.max()) > 0:
-                out[name] = float(s.max()) / max(float(m.max()), 1e-30)
+                out[name] = float(s.max()) / max(float(m.max()), TINY_NORM)
         return out
 
 
