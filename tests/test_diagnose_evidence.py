@@ -205,3 +205,16 @@ def test_a_target_failing_with_its_envelope_is_no_convergence_only_when_far_from
     assert bool(got) == found, got
     if found:
         assert "one-ulp envelope runs fail alike" in got[0].evidence
+
+
+def test_a_drift_to_nan_weights_is_said_in_words_not_as_infx():
+    """A target whose weights went NaN/Inf has an infinite distance: the evidence says so, never "infx the spread"."""
+    rows = [dict(arm="cpu:fp16", role="target", step=k, dist_other=math.inf if k else 1e-6, dist_ref=math.nan)
+            for k in range(6)]
+    rows += [dict(arm="cpu:fp16~1", role="envelope", step=k, dist_other=math.nan, dist_ref=1e-7) for k in range(6)]
+    sym = S.envelope_drift(pd.DataFrame(rows), ["cpu:fp16", "cpu"], "cpu:fp16")
+    assert "infx" not in sym.evidence and "stays within" not in sym.evidence
+    assert "is not finite from step 1 (a run's weights hold NaN/Inf)" in sym.evidence
+    rows = [dict(r, dist_other=math.inf) if r["role"] == "target" else r for r in rows]  # from step 0 on: beyond
+    sym = S.envelope_drift(pd.DataFrame(rows), ["cpu:fp16", "cpu"], "cpu:fp16")
+    assert sym.name == S.DRIFT and "infx" not in sym.evidence and "is not finite (a run's weights hold NaN/Inf)" in sym.evidence

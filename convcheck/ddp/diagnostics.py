@@ -379,6 +379,8 @@ def drift_line(training, arm: str) -> str | None:
     dist = float(last["dist_other"]) if math.isfinite(float(last["dist_other"])) else float(last["dist_judge"])
     env = c[c["role"] == "envelope"]
     spread = float(env[env["step"] == last["step"]]["dist_ref"].max()) if not env.empty else math.nan
+    if not math.isfinite(dist):
+        return f"parameter distance between {arm} and {other} ends non-finite (a run's weights hold NaN/Inf)"
     if math.isfinite(spread) and spread > 0:
         envelope = training.envelope.null_model if getattr(training, "envelope", None) else "one-ulp envelope"
         return f"parameter distance between {arm} and {other} ends at {dist:.3g}, {dist / spread:.3g}x the spread " \

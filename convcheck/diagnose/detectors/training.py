@@ -359,12 +359,20 @@ def envelope_drift(curves: pd.DataFrame, targets: list[str], reference: str,
         if run == 1:
             start = s
         if run >= min(ENVELOPE_RUN, len(window)):
+            how = (f"is {ratio[s]:.3g}x the spread of {reference}'s {envelope}" if math.isfinite(ratio[s]) else
+                   f"is not finite (a run's weights hold NaN/Inf), beyond any spread of {reference}'s {envelope}")
             return Symptom(DRIFT, reference,
-                           f"parameter distance between {targets[0]} and {targets[1]} is {ratio[s]:.3g}x the spread "
-                           f"of {reference}'s {envelope} from step {start} (> {ENVELOPE_FAR:g}x for "
+                           f"parameter distance between {targets[0]} and {targets[1]} {how} from step {start} (> "
+                           f"{ENVELOPE_FAR:g}x for "
                            f"{ENVELOPE_RUN} steps in the first half)", step=start, value=ratio[s],
                            extra={"envelope": envelope, "largest": max(ratio.values())})
     worst = max(ratio.values())
+    if not math.isfinite(worst):  # a run's weights went NaN/Inf after the window: said in words, never "infx"
+        k = next(s for s in steps if not math.isfinite(ratio[s]))
+        return Symptom(DRIFT_WITHIN, reference,
+                       f"the parameter distance between {targets[0]} and {targets[1]} is not finite from step {k} "
+                       "(a run's weights hold NaN/Inf); no drift beyond the envelope before it", value=worst,
+                       extra={"envelope": envelope})
     size = ("rounding noise" if worst <= ENVELOPE_BENIGN
             else f"above {ENVELOPE_BENIGN:g}x at times but not {ENVELOPE_FAR:g}x early and for long")
     return Symptom(DRIFT_WITHIN, reference,
