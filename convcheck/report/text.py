@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from convcheck.diagnose.target_symptoms import ends_apart
+from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
@@ -369,10 +370,10 @@ def _verdict(c: Console, result) -> None:
     c.print()
     # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally.
     # One line each, never hard-wrapped, so the verdict survives grep and copy-paste.
-    c.print(f"[bold {colour}]Verdict: {v.category}[/bold {colour}] - {escape(str(v.headline))}", soft_wrap=True)
-    for e in v.evidence:
-        c.print(f"  evidence: {escape(str(e))}", soft_wrap=True)
-    for r in v.remedies:
-        c.print(f"  remedy:   {escape(str(r))}", soft_wrap=True)
+    head, *rest = verdict_lines(v, "compare")
+    word = f"Verdict: {v.category}"
+    c.print(f"[bold {colour}]{word}[/bold {colour}]{escape(head[len(word):])}", soft_wrap=True)
+    for line in rest:
+        c.print(escape(line), soft_wrap=True)
     for line in verification_lines(result):
         c.print(f"  {escape(line)}", soft_wrap=True)

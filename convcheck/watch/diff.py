@@ -30,6 +30,7 @@ from convcheck.diagnose.watched_evidence import Parting, producer_text
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
+from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.formats import FLOAT32, coarsest_dtype, unit_roundoff_of
 from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL, LOSS_SPIKE, PART_FACTOR
 from convcheck.watch.reader import WatchedRun, open_watched
@@ -81,9 +82,7 @@ class WatchDiff:
         out += [f"version: {d.field}: {d.left} | {d.right}" for d in self.env]
         out += [f"math flag: {k}: {va} | {vb}" for k, va, vb in self.flags]
         v = self.verdict
-        out.append(f"verdict: {v.category}: {v.headline}")
-        out += [f"  - {e}" for e in v.evidence]
-        out += [f"  remedy: {r}" for r in v.remedies]
+        out += verdict_lines(v, "diff")
         return out
 
     def to_dict(self) -> dict:
@@ -156,9 +155,7 @@ class WatchJudge:
         out += judge_lines((self.replay,), sides="-")
         out += [f"on its own: {s.label}: {s.evidence}" for s in self.own]
         v = self.verdict
-        out.append(f"verdict: {v.category}: {v.headline}")
-        out += [f"  - {e}" for e in v.evidence]
-        out += [f"  remedy: {r}" for r in v.remedies]
+        out += verdict_lines(v, "diff")
         return out
 
     def to_dict(self) -> dict:

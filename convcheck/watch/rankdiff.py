@@ -25,6 +25,7 @@ from convcheck.diagnose.rules.watched_ranks import ranks_otherwise
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import RankEvidence, RankFinding
 from convcheck.errors import UsageError
+from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import PART_FACTOR
 from convcheck.watch.diff import WatchDiff, diff_watched
@@ -139,9 +140,7 @@ class RankedDiff:
                                                             f"{len(mine)} finding(s) against rank 0"))
         v = self.verdict
         out += [f"  - {f.line()}" for f in self.findings if f.line() not in v.evidence]
-        out.append(f"verdict: {v.category}: {v.headline}")
-        out += [f"  - {e}" for e in v.evidence]
-        out += [f"  remedy: {r}" for r in v.remedies]
+        out += verdict_lines(v, "diff")
         return out
 
     def to_dict(self) -> dict:
