@@ -23,7 +23,7 @@ def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: 
     """``nodeid``: the test's module stem and name (not pytest's node id, which moves with the rootdir).
     Record (then ``skip`` saying where) or diff against the recorded baseline (returns the
     ``CompareResult``); ``fail`` when neither option is given or the baseline is missing."""
-    from convcheck.bundle.diff import config_of, diff_bundles
+    from convcheck.bundle.diff import DifferentInputs, config_of, diff_bundles
     from convcheck.bundle.reader import open_bundle
     from convcheck.bundle.record import record_run
     from convcheck.bundle.writer import prepare_folder
@@ -53,7 +53,12 @@ def run_baseline(model: str, target: str, config: CompareConfig, *, record_dir: 
         record_run(m["spec"], target, config_of(recorded, None, config.judge), here,
                    input_shape=tuple(m["input_shape"]) if m.get("input_shape") else input_shape,
                    num_classes=m.get("num_classes") or num_classes)
-        result, _, _ = diff_bundles(path, here, labels=("baseline", "here"))
+        try:
+            result, _, _ = diff_bundles(path, here, labels=("baseline", "here"))
+        except DifferentInputs as found:  # the baseline saw other data or weights: the test fails, saying so
+            v = found.verdict
+            fail(f"convcheck: {v.category}: {v.headline.replace(str(here), 'here')} (baseline {path}); "
+                 f"remedy: {v.remedies[0]}")
     return result
 
 

@@ -21,12 +21,47 @@ from convcheck.errors import UsageError
 _SAME = ("init_sha256", "batches_sha256", "data_source")
 
 
+class DifferentInputs(Exception):
+    """Two recordings of one command that did not see the same data or start from the same weights: a finding
+    (``verdict``, ``setup``, exit 1), as for two watched runs - not a usage error."""
+
+    def __init__(self, verdict):
+        super().__init__(verdict.headline)
+        self.verdict = verdict
+
+
+def input_difference(a: Bundle, b: Bundle):
+    """The ``setup`` verdict naming what two bundles of the same command saw differently (their data, then their
+    initial weights), chosen by the watched runs' rule W001 (one policy for both); None when they saw the same."""
+    from convcheck.diagnose.registry import decide
+    from convcheck.diagnose.remedies import BUNDLE_DATA_REMEDIES, BUNDLE_INIT_REMEDIES
+    from convcheck.diagnose.rules.watched import watched_ok
+    from convcheck.diagnose.watched_evidence import PairEvidence, Setup
+
+    na, nb = str(a.path), str(b.path)
+    found = []
+    if a["data_source"] != b["data_source"] or a["batches_sha256"] != b["batches_sha256"]:
+        what = (f"{na} read {a['data_source']}, {nb} {b['data_source']}" if a["data_source"] != b["data_source"]
+                else f"the same source ({a['data_source']}), other batches")
+        found.append(Setup(f"the runs did not see the same data: {what}", "data",
+                           [f"batches (SHA-256 over all): {a['batches_sha256'][:16]} | {b['batches_sha256'][:16]}"],
+                           list(BUNDLE_DATA_REMEDIES), step=0))
+    if a["init_sha256"] != b["init_sha256"]:
+        found.append(Setup("different initial weights: the recorded initial state differs, before any update",
+                           "initial weights", [f"initial weights (SHA-256): {a['init_sha256'][:16]} | "
+                                               f"{b['init_sha256'][:16]}"], list(BUNDLE_INIT_REMEDIES), step=0))
+    if not found:
+        return None
+    return decide(PairEvidence(setup=tuple(found)), watched_ok)
+
+
 def _differs(what: str, a, b, na: str, nb: str) -> UsageError:
     return UsageError(f"the bundles did not run the same {what}: {na} has {a!r}, {nb} has {b!r}")
 
 
 def check_same_run(a: Bundle, b: Bundle) -> None:
-    """Same model, weights, batches and options, or a one-line error naming the first difference."""
+    """Same model, options, code and tolerances, or a one-line error naming the first difference (two different
+    commands: nothing to diagnose); then the same data and initial weights, or ``DifferentInputs`` (a finding)."""
     na, nb = str(a.path), str(b.path)
     ma, mb = a["model"], b["model"]
     if ma["spec"] != mb["spec"]:
@@ -34,12 +69,6 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
     if ma.get("source_sha256") and mb.get("source_sha256") and ma["source_sha256"] != mb["source_sha256"]:
         raise _differs("model source (SHA-256 of the file)", ma["source_sha256"][:12], mb["source_sha256"][:12],
                        na, nb)
-    for key in _SAME:
-        if a[key] != b[key]:
-            what = {"init_sha256": "initial weights (SHA-256)", "batches_sha256": "batches (SHA-256 over all)",
-                    "data_source": "data"}[key]
-            raise _differs(what, a[key][:16] if key != "data_source" else a[key],
-                           b[key][:16] if key != "data_source" else b[key], na, nb)
     for key in sorted(set(a["config"]) | set(b["config"])):
         if a["config"].get(key) != b["config"].get(key):
             raise _differs(f"options ({key})", a["config"].get(key), b["config"].get(key), na, nb)
@@ -49,6 +78,9 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
             raise _differs(f"{option} code (SHA-256 of the file)", (ha or "none")[:12], (hb or "none")[:12], na, nb)
     if a["tolerances"] != b["tolerances"]:
         raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
+    verdict = input_difference(a, b)
+    if verdict is not None:
+        raise DifferentInputs(verdict)
 
 
 def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=None) -> JudgeRecord:

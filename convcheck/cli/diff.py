@@ -55,14 +55,17 @@ def run_diff(args) -> int:
         why = not_a_run(path, strict=False)
         if why:
             raise UsageError(why)
-    from convcheck.bundle.diff import diff_bundles
+    from convcheck.bundle.diff import DifferentInputs, diff_bundles
     from convcheck.report.folder import RunFolder
 
     folder = None
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
-    with _removed_if_empty(folder):  # a bundle refused: the --out folder this run made goes too
-        result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    try:
+        with _removed_if_empty(folder):  # a bundle refused (or not paired): the --out folder this run made goes too
+            result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
+    except DifferentInputs as found:  # a finding, as for watched runs: the verdict, exit 1, nothing paired
+        return _show_inputs(found.verdict, args.run_a, args.run_b, args.json)
     result = _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
 
@@ -222,6 +225,20 @@ def _show_watched(result, name: str, args, folder) -> int:
     return 0 if result else 1
 
 
+def _show_inputs(verdict, run_a, run_b, as_json: bool) -> int:
+    """Two bundles that saw different data or weights: the ``setup`` verdict alone (nothing to pair, no report)."""
+    from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
+    from convcheck.report.verdict_lines import verdict_lines
+
+    if as_json:
+        print(json.dumps({"schema": WATCH_DIFF_SCHEMA, "a": str(run_a), "b": str(run_b),
+                          "verdict": verdict.to_dict()}, indent=2))
+    else:
+        print("\n".join([f"recorded runs: A = {run_a}, B = {run_b}", *verdict_lines(verdict, "diff"),
+                          "no report written: runs that saw different inputs are not compared step by step"]))
+    return 1
+
+
 def _mark_diff(result, run_a, run_b):
     """The result as a diff of the two runs (``diff_of``: the reports title it so, ``report.text.is_diff``), with
     the note naming them."""
@@ -272,12 +289,8 @@ def _write(result, fps, differences, folder, force: bool) -> None:
 def run_against(args) -> int:
     """``compare --against RUN --targets SPEC``: record SPEC here with RUN's model and options (in a
     temporary folder), then diff the two like ``convcheck diff RUN HERE``."""
-    import tempfile
-    from pathlib import Path
-
-    from convcheck.bundle.diff import config_of, diff_bundles
+    from convcheck.bundle.diff import DifferentInputs, config_of
     from convcheck.bundle.reader import open_bundle
-    from convcheck.bundle.record import record_run
     from convcheck.errors import UsageError
     from convcheck.report.folder import RunFolder
 
@@ -298,6 +311,22 @@ def run_against(args) -> int:
     shape, classes = _recorded_io(recorded["model"], args)
     _same_source_here(recorded["model"], (recorded["code_sha256"] or {}).get("model"), args.against)
     cfg = config_of(recorded, None, args.judge)
+    try:
+        return _against(args, spec, recorded, cfg, shape, classes, folder)
+    except DifferentInputs as found:
+        return _show_inputs(found.verdict, args.against, f"{spec} (here)", args.json)
+
+
+def _against(args, spec, recorded, cfg, shape, classes, folder) -> int:
+    """``compare --against``'s run here and its diff against the recorded bundle (``DifferentInputs`` raised)."""
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+
+    from convcheck.bundle.diff import DifferentInputs, diff_bundles
+    from convcheck.bundle.record import record_run
+    from convcheck.errors import UsageError
+
     with _removed_if_empty(folder), tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
         here = Path(tmp) / "here"
         here.mkdir()
@@ -307,6 +336,10 @@ def run_against(args) -> int:
             result, fps, differences = diff_bundles(args.against, here, judge=args.judge)
         except UsageError as e:  # the run made here is no folder of the user's: name it as they asked for it
             raise UsageError(str(e).replace(str(here), f"{spec} (here)")) from None
+        except DifferentInputs as found:  # a finding (shown below, exit 1), the run made here named as asked for
+            v = found.verdict
+            named = lambda t: t.replace(str(here), f"{spec} (here)")  # noqa: E731
+            raise DifferentInputs(replace(v, headline=named(v.headline), evidence=[named(e) for e in v.evidence]))
     result = _mark_diff(result, args.against, f"{spec} (here)")
     return _finish(result, fps, differences, folder, args)
 

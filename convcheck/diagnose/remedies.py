@@ -18,6 +18,11 @@ INIT_REMEDIES = ["seed the model's construction identically on both sides (torch
                  "then diff again"]
 DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
                     "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
+# two recordings of one command (bundles) that did not read the same data or build the same weights
+BUNDLE_DATA_REMEDIES = ["give both machines the same data file (compare its SHA-256) and the same --data, --batch-size "
+                        "and --seed, then record again"]
+BUNDLE_INIT_REMEDIES = ["record both with the same --seed and the same model file: the initial weights are built from "
+                        "them in float64 on the CPU, so they match on any machine that builds the same model"]
 DATA_REMEDIES = ["give the DataLoader a seeded generator (DataLoader(..., generator=torch.Generator().manual_seed(s)))"
                  " and its workers a worker_init_fn, or call convcheck.seed_everything(seed) before building it",
                  "check the sampler (shuffle=, DistributedSampler.set_epoch) and num_workers are the same on both"]

@@ -58,7 +58,8 @@ def test_cli_record_zip_and_diff_json(tmp_path, bundles, capsys, monkeypatch):
         {p.name for p in (tmp_path / "R").iterdir()}
 
 
-def test_other_seed_is_one_line_naming_the_weights(tmp_path, bundles, capsys):
+def test_other_seed_is_one_line_naming_the_option(tmp_path, bundles, capsys):
+    """Another --seed is another command: nothing to diagnose, a usage error naming the option."""
     from convcheck.bundle.record import record_run
     from convcheck.plan.config import CompareConfig
 
@@ -67,7 +68,34 @@ def test_other_seed_is_one_line_naming_the_weights(tmp_path, bundles, capsys):
     record_run("lenet", "cpu:bf16", CompareConfig(**{**CFG, "seed": 1}), out)
     rc = main(["diff", str(bundles[0]), str(out), "--no-save"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "initial weights" in err[0], err
+    assert rc == 2 and len(err) == 1 and "options (seed)" in err[0], err
+
+
+def test_the_same_command_on_other_data_is_a_setup_verdict(tmp_path, capsys):
+    """One policy with watched runs (issue 34): two recordings of one command whose data file differs (the same
+    path, other contents on the two machines) saw other batches - a finding, ``setup``, exit 1, chosen by the same
+    rule (W001) - never a usage error; nothing is paired step by step and no report is written."""
+    from convcheck.bundle.record import record_run
+    from convcheck.plan.config import CompareConfig
+
+    data = tmp_path / "digits.npz"
+    runs = []
+    for k, seed in enumerate((0, 1)):  # the "same" file, regenerated differently on the second machine
+        g = np.random.default_rng(seed)
+        np.savez(data, x=g.standard_normal((16, 1, 28, 28)).astype(np.float32), y=g.integers(0, 10, 16))
+        out = tmp_path / f"run{k}"
+        out.mkdir()
+        record_run("lenet", "cpu", CompareConfig(**{**CFG, "data": f"npz:{data}"}), out)
+        runs.append(out)
+    rc = main(["diff", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "R")])
+    text = capsys.readouterr().out
+    assert rc == 1, text
+    assert f"verdict: setup: the runs did not see the same data: the same source (npz:{data}), other batches" in text
+    assert "remedy: give both machines the same data file" in text
+    assert "no report written" in text and not (tmp_path / "R").exists()
+    rc = main(["diff", str(runs[0]), str(runs[1]), "--no-save", "--json"])
+    v = json.loads(capsys.readouterr().out)["verdict"]
+    assert rc == 1 and v["category"] == "setup" and v["sub_cause"] == "data"
 
 
 def _copy(src: Path, dst: Path, edit) -> Path:
