@@ -8,6 +8,8 @@ nondeterministic ones are CUDA's), so the deterministic action has no scenario h
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from convcheck.assertions import failure_message
@@ -198,3 +200,32 @@ def test_the_float32_loss_casts_every_16_bit_tensor_of_output_and_target_and_lea
     assert pair.dtype == torch.float32
     judge = torch.randn(4, 3, dtype=torch.float64)
     assert float32_loss(lambda o, t: o.sum())(judge, None).dtype == torch.float64  # the judge's stays float64
+
+
+def test_a_loss_in_float32_that_then_fails_in_adams_float16_step_is_followed_by_the_eps():
+    """Issue 34: the loss computed in float32 fixed the loss, and the re-run then failed in the optimizer step
+    (Adam's eps 1e-8 is 0 in float16): the same action with the eps raised is the next remedy, never "no other
+    remedy convcheck can apply". A format that holds the eps (bfloat16) gets none."""
+    import dataclasses
+
+    import torch
+
+    from convcheck.plan.config import CompareConfig
+    from convcheck.plan.recipe import build_recipe
+    from convcheck.targets.spec import Target
+    from convcheck.verify.actions import Action
+    from convcheck.verify.result import Attempt
+    from convcheck.verify.run import _second_cause
+
+    recipe = build_recipe(CompareConfig(optimizer="adam"), "classification")
+    first = Action("loss-float32", "with the loss computed in float32", loss_float32=True)
+    failed = Attempt("loss-float32", first.text, "", "cpu:fp16", False, "", (), False, math.nan, 0.1, 1.0,
+                     cause="the optimizer step (Adam, eps 1e-08) makes the weights of 'fc' NaN/Inf", by_optimizer=True)
+    follow = _second_cause(first, failed, recipe, Target.parse("cpu:fp16"))
+    assert follow is not None and follow.eps == 1e-4 and follow.loss_float32
+    assert follow.text == ("with the loss computed in float32 and the optimizer's eps raised to 0.0001 (its 1e-08 "
+                           "is 0 in float16)")
+    assert _second_cause(first, failed, recipe, Target.parse("cpu:bf16")) is None
+    assert _second_cause(first, dataclasses.replace(failed, by_optimizer=False), recipe,
+                         Target.parse("cpu:fp16")) is None
+    assert torch.finfo(torch.float16).tiny > 1e-8  # the reason: below float16's smallest normal number

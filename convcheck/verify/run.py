@@ -159,15 +159,16 @@ def _bisect(target: Target, judge: Target, build, data, recipe, steps: int, seed
 
 
 def _second_cause(action: Action, attempt: Attempt, recipe, target: Target) -> Action | None:
-    """After a module kept in float32 that did not verify because the optimizer step then made weights
-    NaN/Inf with an eps the target's format cannot hold (Adam's 1e-8 is 0 in float16): the same modules
-    with the eps raised (None when that is not what the re-run showed)."""
-    if not action.modules or action.eps is not None or not attempt.by_optimizer:
+    """After an action (a module kept in float32, the loss in float32...) that did not verify because the
+    optimizer step then made weights NaN/Inf with an eps the target's format cannot hold (Adam's 1e-8 is 0 in
+    float16: below its smallest normal number): the same action with the eps raised (None when that is not
+    what the re-run showed, or the format holds the eps - bfloat16, float32)."""
+    if action.eps is not None or not attempt.by_optimizer:
         return None
     eps = _optimizer_eps(recipe)
-    if eps is None or eps >= RAISED_EPS:
-        return None
     fmt = target.runner.precision.narrowest
+    if eps is None or eps >= RAISED_EPS or eps >= fmt.smallest_normal:
+        return None
     held = "0" if eps < fmt.smallest_subnormal / 2 else "below its precision"
     return action.with_eps(RAISED_EPS, f"its {eps:g} is {held} in {fmt}")
 
