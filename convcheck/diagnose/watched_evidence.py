@@ -65,6 +65,7 @@ class PairEvidence:
     divergence: tuple = (None, None)  # each run's own exploding loss (``Setup``), or None
     scaled_backward: tuple = (None, None)  # each run's fixed-loss-scale overflow (``Symptom``), or None
     converged: tuple = (None, None)  # each run's own convergence (compare's rule); None: too short to judge
+    truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (``max_bytes``), or None
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class RunEvidence:
     scaled_backward: object | None = None  # ``Symptom`` or None
     converged: bool | None = None  # compare's rule on the run's own losses; None: too short to judge
     steps: int = 0  # how many steps the run recorded
+    truncated: str | None = None  # its size-cap note when the record was cut (``max_bytes``)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOS
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.batches import ROUNDED
 from convcheck.watch.replay import Replay, replay_run
-from convcheck.watch.verdict import decide, decide_single
+from convcheck.watch.verdict import decide, decide_single, size_cap
 
 
 
@@ -61,6 +61,7 @@ class WatchDiff:
     loss_wander: tuple | None = None
     own: tuple = ((), ())  # each run's own findings (``diagnose.detectors.watched.run_findings``): Symptoms
     pair: tuple = ()  # what only the pair shows: a recipe difference at step 0, a gradient underflow (Symptoms)
+    truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (max_bytes), or None
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -68,6 +69,7 @@ class WatchDiff:
     def lines(self) -> list[str]:
         out = [f"watched runs: A = {self.a} ({self.steps[0]} steps), B = {self.b} ({self.steps[1]} steps)"]
         out += [stopped_line(side, s) for side, s in zip("AB", self.stopped) if s is not None]
+        out += [f"truncated: {side}'s {note}" for side, note in zip("AB", self.truncated) if note]
         out.append("data: " + ("the same batches at every aligned step" if self.data_step is None else
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
@@ -93,7 +95,7 @@ class WatchDiff:
                 "math_flags_diff": [list(f) for f in self.flags],
                 "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
                 "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
-                "stopped": list(self.stopped),
+                "stopped": list(self.stopped), "truncated": list(self.truncated),
                 "own_findings": [[symptom_dict(s) for s in side] for side in self.own],
                 "pair_findings": [symptom_dict(s) for s in self.pair], "verdict": self.verdict.to_dict()}
 
@@ -164,9 +166,25 @@ class WatchJudge:
                 "own_findings": [symptom_dict(s) for s in self.own], "verdict": self.verdict.to_dict()}
 
 
+def refuse_empty(run: WatchedRun) -> None:
+    """A run that recorded no step has nothing to diagnose: one line saying why it may be empty (exit 2),
+    never an ``ok`` beside a real run."""
+    if run.steps:
+        return
+    stopped = run.manifest.get("stopped")
+    if run.manifest.get("truncated"):
+        why = "its size cap (max_bytes) was reached before the first step ended"
+    elif stopped:
+        why = f"the block stopped with {stopped['exception']} before its first step ended"
+    else:
+        why = "the loop never ended a step: no optimizer.step() inside the block (or w.step() never called)"
+    raise UsageError(f"watched run {run.path} recorded no step: {why}")
+
+
 def judge_watched(path, judge: str) -> WatchJudge:
     """One watched run against the float64 judge ``judge`` (a float64 target of this machine)."""
     run = open_watched(path)
+    refuse_empty(run)
     replay = replay_run(run, judge)
     own = tuple(run_findings(run, "the run"))
     return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay, own),
@@ -329,6 +347,8 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model.
     ``judge``: the float64 target that replays the snapshot steps (default: this machine's judge)."""
     a, b = open_watched(path_a), open_watched(path_b)
+    for run in (a, b):
+        refuse_empty(run)
     pa = [(p["name"], p["shape"]) for p in a["model"]["parameters"]]
     pb = [(p["name"], p["shape"]) for p in b["model"]["parameters"]]
     if pa != pb:
@@ -355,6 +375,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                        stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")),
                        loss_tol=loss_tolerance(a, b), loss_wander=wander,
                        own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),
+                       truncated=(size_cap(a), size_cap(b)),
                        pair=tuple(x for x in pair if x is not None))
     if judge is None:
         from convcheck.targets.spec import default_judge

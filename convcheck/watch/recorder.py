@@ -18,7 +18,7 @@ import torch
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
-from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings
+from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings, step_loss
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.ranks import rank_out
@@ -283,7 +283,7 @@ class Watch:
     def step(self, loss=None) -> None:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else (None if loss is None else float(loss))
+        value = step_loss(loss)
         p = self.producer
         if value is not None and not math.isfinite(value) and (p is None or (
                 p["step"] == self.step_index and p["direction"] == "backward")):

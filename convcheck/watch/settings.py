@@ -68,6 +68,22 @@ def module_of(cls: type) -> str:
     return spec.name if spec is not None and spec.name else cls.__module__
 
 
+def step_loss(loss) -> float | None:
+    """``w.step(loss)``'s loss as a number: a one-element tensor, a Python number, or None; anything else is a
+    ``UsageError`` naming ``w.step`` (never numpy's or torch's words)."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or loss.is_complex():
+            raise UsageError(f"convcheck.watch: w.step(loss) takes the step's scalar loss; got a tensor of shape "
+                             f"{list(loss.shape)} (reduce it first, e.g. loss.mean())")
+        return float(loss.detach())
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise UsageError(f"convcheck.watch: w.step(loss) takes the step's loss as a number or a one-element tensor; "
+                         f"got {type(loss).__name__} {str(loss)[:40]!r}")
+    return float(loss)
+
+
 def check_optimizer(model: torch.nn.Module, optimizer) -> None:
     """An optimizer the watch can read: a ``torch.optim.Optimizer`` (its step hooks, its param_groups) that
     holds at least one of the model's parameters - one built over another model's (or a copy's) would

@@ -22,14 +22,23 @@ def pair_evidence(d, a, b) -> PairEvidence:
         loss_wander=d.loss_wander, producers=d.producers, replays=d.replays, setup=tuple(d.setup),
         stopped=d.stopped, env=tuple(d.env), precision=precision_difference(a, b, d.flags), own=d.own,
         pair=d.pair, divergence=(divergence(a), divergence(b)),
-        scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)))
+        scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
+        truncated=(size_cap(a), size_cap(b)))
+
+
+def size_cap(run) -> str | None:
+    """The note the watch left when its size cap cut the record (``max_bytes``), or None."""
+    if not run.manifest.get("truncated"):
+        return None
+    return next((n for n in run.manifest.get("notes", []) if n.startswith("recording stopped at step")),
+                "recording stopped at its size cap (max_bytes)")
 
 
 def run_evidence(run, replay, own=()) -> RunEvidence:
     """What the rules read of one watched run held against the judge (``replay``)."""
     return RunEvidence(producer=run["first_nonfinite"], replay=replay, divergence=divergence(run), own=tuple(own),
                        stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
-                       converged=converges(run), steps=len(run.steps))
+                       converged=converges(run), steps=len(run.steps), truncated=size_cap(run))
 
 
 def decide(d, a, b) -> Verdict:

@@ -128,6 +128,14 @@ def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
     run = open_watched(tmp_path / "run")
     assert run["truncated"] and 0 < run["steps"] < 20
     assert any("max_bytes=3000" in n for n in run["notes"])
+    # the diff says it was cut, never "compared the first N" as if nothing were missing (issue 35)
+    from convcheck.watch.diff import diff_watched, judge_watched
+
+    d = diff_watched(tmp_path / "run", tmp_path / "run", judge="cpu:float64")
+    assert any(line.startswith("truncated: A's recording stopped at step") for line in d.lines())
+    assert any("record was cut by its size cap" in e and "max_bytes=3000" in e for e in d.verdict.evidence)
+    j = judge_watched(tmp_path / "run", "cpu:float64")
+    assert any("the record was cut by its size cap" in e for e in j.verdict.evidence)
 
 
 def _stopping_loop(out, stop_at=None):

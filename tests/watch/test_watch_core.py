@@ -135,3 +135,27 @@ def test_compares_training_detectors_run_on_a_watched_run(runs, capsys):
     assert code == 1 and d["verdict"]["headline"].startswith("both runs fail on their own: weight decay too strong")
     code = main(["diff", str(runs / "decay_meant"), "--judge", "cpu:float64", "--no-save", "--json"])
     assert code == 0, json.loads(capsys.readouterr()[0])["verdict"]["headline"]
+
+
+def test_a_run_that_recorded_no_step_is_refused_not_ok(runs, tmp_path, capsys):
+    """Issue 35: a loop that never called optimizer.step() recorded 0 steps; diffing it was 'ok'."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "empty"):
+        for _ in range(3):
+            model(torch.randn(4, 20)).sum().backward()  # the user forgot opt.step()
+    for args in (["diff", str(tmp_path / "empty"), str(runs / "acc")], ["diff", str(tmp_path / "empty"), "--judge",
+                                                                         "cpu:float64"]):
+        code = main([*args, "--no-save"])
+        err = capsys.readouterr().err
+        assert code == 2 and "recorded no step: the loop never ended a step: no optimizer.step()" in err, err
+
+
+@pytest.mark.parametrize("loss, words", [("abc", "got str 'abc'"), (torch.ones(3), "a tensor of shape [3]"),
+                                         (object(), "got object")])
+def test_w_step_refuses_a_loss_it_cannot_read_naming_w_step(tmp_path, loss, words):
+    model = MLP()
+    with convcheck.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), out=tmp_path / "run") as w:
+        with pytest.raises(UsageError, match=r"w\.step\(loss\) takes") as err:
+            w.step(loss)
+    assert words in str(err.value)

@@ -114,8 +114,10 @@ def run_stopped(ev: RunEvidence) -> Verdict | None:
 
 
 def run_ok(ev: RunEvidence) -> Verdict:
+    cut = [f"the record was cut by its size cap: {ev.truncated}; the steps after it were not seen"] \
+        if ev.truncated else []
     if ev.replay is None or not ev.replay.rows:
         return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
-                       evidence=[ev.replay.summary()] if ev.replay is not None else [])
+                       evidence=([ev.replay.summary()] if ev.replay is not None else []) + cut)
     return Verdict("ok", "every replayed layer is within its floor and the run stays finite",
-                   evidence=[ev.replay.summary()])
+                   evidence=[ev.replay.summary()] + cut)
