@@ -30,7 +30,7 @@ ENV_MAX_BYTES = "CONVCHECK_WATCH_MAX_BYTES"
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 __all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "WATCH_SCHEMA",
-           "prepare_out"]
+           "prepare_out", "claim"]
 
 
 def prepare_out(out: Path, force: bool) -> Path:
@@ -68,6 +68,19 @@ def prepare_out(out: Path, force: bool) -> Path:
             raise UsageError(f"convcheck.watch: {p} is not a regular file; refusing to replace it")
     (out / SNAPSHOTS).mkdir(exist_ok=True)
     return out
+
+
+def claim(out: Path) -> int:
+    """The run folder claimed for this watch: ``steps.jsonl`` created exclusively (``O_EXCL``), its descriptor
+    returned for the steps to stream into. Two watches started at once on the same empty folder both pass
+    ``prepare_out``; only one creates the file, the other is refused in one line and writes nothing."""
+    try:
+        return os.open(out / STEPS, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except FileExistsError:
+        raise UsageError(f"convcheck.watch: out={out} was claimed by another watched run starting at the same "
+                         "time; give each run its own folder") from None
+    except OSError as exc:
+        raise UsageError(f"convcheck.watch: out={out}: cannot create {STEPS} ({exc.strerror or exc})") from None
 
 
 def from_env(environ=None) -> dict:

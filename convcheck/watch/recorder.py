@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
 from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings, step_loss
-from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, STEPS, WATCH_SCHEMA, from_env, prepare_out
+from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, WATCH_SCHEMA, claim, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.ranks import rank_out
 
@@ -136,7 +137,8 @@ class Watch:
         self.fingerprint = collect().to_dict()
         self.flags = math_flags()
         self.settings = optimizer_settings(self.optimizer)
-        self.steps_file = open(self.out / STEPS, "w", encoding="utf-8")
+        # the folder claimed before anything is written: a second watch started on it at once stops here
+        self.steps_file = os.fdopen(claim(self.out), "w", encoding="utf-8")
         self._write_manifest(complete=False)
         self._install()
         return self

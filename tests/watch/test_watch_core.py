@@ -159,3 +159,27 @@ def test_w_step_refuses_a_loss_it_cannot_read_naming_w_step(tmp_path, loss, word
         with pytest.raises(UsageError, match=r"w\.step\(loss\) takes") as err:
             w.step(loss)
     assert words in str(err.value)
+
+
+def test_two_watches_started_at_once_on_one_folder_the_second_is_refused(tmp_path, monkeypatch):
+    """Issue 35: two processes on the same empty folder both wrote into it (steps mixed). The folder is claimed
+    before anything is written; the second is refused in one line and the first's record is whole."""
+    import convcheck.watch.recorder as recorder
+    from convcheck.watch.reader import open_watched
+
+    out = tmp_path / "run"
+    out.mkdir()
+    first, second = MLP(), MLP()
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    with convcheck.watch(first, opt, out=out) as w:
+        # the second found the folder empty too (its check ran before the first claimed it) ...
+        monkeypatch.setattr(recorder, "prepare_out", lambda folder, force: folder)
+        late = convcheck.watch(second, torch.optim.SGD(second.parameters(), lr=0.1), out=out)
+        with pytest.raises(UsageError, match="was claimed by another watched run starting at the same time"):
+            late.__enter__()  # ... and is refused when it claims it
+        monkeypatch.undo()
+        loss = torch.nn.functional.cross_entropy(first(torch.randn(4, 20)), torch.randint(0, 5, (4,)))
+        loss.backward()
+        opt.step()
+        w.step(loss)
+    assert len(open_watched(out).steps) == 1
