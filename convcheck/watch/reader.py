@@ -11,6 +11,7 @@ is a one-line ``UsageError`` naming the run and the field.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -115,6 +116,8 @@ def _check_snapshots(snaps: list) -> None:
             raise _Bad(f"{where}.file {f!r:.60} is not a fresh snapshots/*.npz name")
         files.add(f)
         bundle_reader.get_field(e, "step", int, where)
+        if e.get("sha256") is not None:  # older runs: none
+            bundle_reader.sha_field(e["sha256"], f"{where}.sha256")
         stored: dict[str, tuple] = {}
         keys = set()
         for j, a in enumerate(bundle_reader.get_field(e, "arrays", list, where)):
@@ -190,6 +193,9 @@ class WatchedRun:
         limit = sum(bundle_reader.nbytes_of(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
         try:
             data = self.source.read(e["file"], limit)
+            if e.get("sha256") is not None and hashlib.sha256(data).hexdigest() != e["sha256"]:
+                raise _Bad(f"{e['file']} is not the file the watch wrote (its SHA-256 differs from the manifest's): "
+                           "it was changed after the run")
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 if set(z.files) != set(expected):
                     raise _Bad(f"{e['file']} holds other arrays than its index lists")
@@ -220,7 +226,12 @@ def open_watched(path: str | os.PathLike) -> WatchedRun:
         manifest = _json(source.read(MANIFEST, MAX_MANIFEST_BYTES), MANIFEST)
         _check_manifest(manifest)
         bundle_reader.check_fingerprint(manifest["fingerprint"])
-        lines = source.read(STEPS, MAX_STEPS_BYTES).decode("utf-8", errors="strict").splitlines()
+        raw = source.read(STEPS, MAX_STEPS_BYTES)
+        recorded = manifest.get("steps_sha256")  # older runs: none
+        if recorded is not None and hashlib.sha256(raw).hexdigest() != bundle_reader.sha_field(recorded, "steps_sha256"):
+            raise _Bad(f"{STEPS} is not the file the watch wrote (its SHA-256 differs from the manifest's): "
+                       "it was changed after the run")
+        lines = raw.decode("utf-8", errors="strict").splitlines()
         if len(lines) != manifest["steps"]:
             raise _Bad(f"{STEPS} holds {len(lines)} steps, the manifest says {manifest['steps']}")
         steps = []

@@ -9,6 +9,7 @@ detached tensors and draws no random number; all of them are removed on exit, no
 from __future__ import annotations
 
 import json
+import hashlib
 import math
 import os
 import random
@@ -106,6 +107,7 @@ class Watch:
         self.truncated = False
         self.snapshot_index: list[dict] = []
         self.skipped: list[dict] = []
+        self.steps_sha = hashlib.sha256()
         self._reset()
 
     # --- per-step state -------------------------------------------------------
@@ -315,6 +317,7 @@ class Watch:
             else:
                 self.steps_file.write(line)
                 self.steps_file.flush()
+                self.steps_sha.update(line.encode("utf-8"))
                 self.written += len(line)
                 self.recorded = self.step_index + 1
         self.step_index += 1
@@ -352,6 +355,8 @@ class Watch:
 
         manifest = {
             "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
+            # the SHA-256 of steps.jsonl as written (diff checks it, as each snapshot file's in its entry)
+            "steps_sha256": self.steps_sha.hexdigest(),
             "model": {"class": type(self.model).__name__, "module": module_of(type(self.model)),
                       "qualname": type(self.model).__qualname__, "device": self.device,
                       "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}

@@ -11,6 +11,7 @@ the step is skipped with its size (``over``), never half-written and never held 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import weakref
@@ -43,6 +44,16 @@ def _identity(t: torch.Tensor) -> tuple:
 def file_bound(nbytes: int, members: int) -> int:
     """The most an ``.npz`` of ``members`` arrays holding ``nbytes`` in all can take on disk."""
     return nbytes + MEMBER_SLACK * members + FILE_SLACK
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of a written file, read back in 1 MiB pieces (``diff`` checks it: a changed snapshot is
+    refused, never diagnosed)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 class SnapshotTaker:
@@ -135,7 +146,7 @@ class SnapshotTaker:
             if first in self.arrays:
                 arrays.append({"key": k, "shape": list(self.arrays[first][0].shape),
                                "dtype": self.arrays[first][1], "same_as": first})
-        entry = {"step": step, "file": rel, "bytes": path.stat().st_size, "partial": self.partial,
-                 "arrays": arrays}
+        entry = {"step": step, "file": rel, "bytes": path.stat().st_size, "sha256": file_sha256(path),
+                 "partial": self.partial, "arrays": arrays}
         self.drop()
         return entry

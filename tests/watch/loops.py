@@ -90,3 +90,17 @@ def offset_run(out, bf16: bool = False, shuffle: bool = False, steps: int = 4) -
             w.step(loss)
             losses.append(loss.item())
     return losses
+
+
+def unhashed(run) -> None:
+    """The watched run at ``run`` as one recorded before the watch kept its files' SHA-256 (no ``steps_sha256``,
+    no snapshot ``sha256``): a test that edits a file to check what the reader says of its fields."""
+    import json
+    from pathlib import Path
+
+    path = Path(run) / "manifest.json"
+    m = json.loads(path.read_text())
+    m.pop("steps_sha256", None)
+    for e in m.get("snapshots", []):
+        e.pop("sha256", None)
+    path.write_text(json.dumps(m))

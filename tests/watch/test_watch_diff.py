@@ -10,7 +10,7 @@ import pytest
 
 from convcheck.cli.main import main
 
-from .loops import attention_run, offset_run
+from .loops import attention_run, offset_run, unhashed
 
 
 def diff(capsys, *args) -> tuple[int, str, str]:
@@ -122,6 +122,8 @@ def test_tampered_steps_give_one_line_errors(runs, tmp_path, capsys, edit, match
     run = _copy(runs, tmp_path)
     lines = (run / "steps.jsonl").read_text().splitlines()
     (run / "steps.jsonl").write_text("\n".join(edit(lines)) + "\n")
+    _one_line_refusal(capsys, runs / "fp32", run, "steps.jsonl is not the file the watch wrote (its SHA-256 differs")
+    unhashed(run)  # a run recorded before the hashes: each field is still checked
     _one_line_refusal(capsys, runs / "fp32", run, match)
 
 
@@ -139,6 +141,18 @@ def test_a_symlinked_member_and_a_tampered_snapshot_are_refused(runs, tmp_path, 
     (run / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UsageError, match="the index says"):
         open_watched(run).snapshot(0)
+    # a snapshot's bytes changed after the run (its values edited, the file rewritten): refused by its SHA-256,
+    # never diagnosed (issue 35)
+    import numpy as np
+
+    run = _copy(runs, tmp_path, "values")
+    snap = run / json.loads((run / "manifest.json").read_text())["snapshots"][0]["file"]
+    with np.load(snap) as z:
+        arrays = {k: z[k] * 2 for k in z.files}
+    np.savez(snap, **arrays)
+    with pytest.raises(UsageError, match="is not the file the watch wrote \\(its SHA-256 differs"):
+        open_watched(run).snapshot(0)
+    _one_line_refusal(capsys, runs / "fp32", run, "is not the file the watch wrote")
 
 
 def test_a_zipped_run_reads_and_a_mixed_pair_is_refused(runs, tmp_path, capsys):

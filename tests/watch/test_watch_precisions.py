@@ -10,6 +10,7 @@ import torch
 
 from convcheck.cli.main import main
 
+from .loops import unhashed
 from .precision_loops import lse_run, sensor_run
 
 
@@ -71,6 +72,7 @@ def test_a_run_recorded_without_rounded_hashes_is_compared_by_its_bytes(runs, tm
     assert all("batch_rounded" in rec for rec in lines)
     (old / "steps.jsonl").write_text("".join(json.dumps({k: v for k, v in rec.items() if k != "batch_rounded"})
                                              + "\n" for rec in lines))
+    unhashed(old)  # recorded before batch_rounded, so before the files' SHA-256 too
     code, out = diff(capsys, runs / "fp32", old)
     assert verdict(out).startswith("verdict: setup: the runs did not see the same data")
     assert code == 1
