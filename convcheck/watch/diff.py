@@ -22,7 +22,7 @@ import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
-from convcheck.diagnose.detectors.watched import gradient_underflow, recipe_difference, run_findings
+from convcheck.diagnose.detectors.watched import first_nonfinite, gradient_underflow, recipe_difference, run_findings
 from convcheck.diagnose.detectors.watched_setup import (initial_weights_difference, lr_difference,
                                                         optimizer_difference, settings_difference)
 from convcheck.diagnose.verdict import Verdict
@@ -187,7 +187,7 @@ def judge_watched(path, judge: str) -> WatchJudge:
     refuse_empty(run)
     replay = replay_run(run, judge)
     own = tuple(run_findings(run, "the run"))
-    return WatchJudge(str(run.path), len(run.steps), run["first_nonfinite"], replay, decide_single(run, replay, own),
+    return WatchJudge(str(run.path), len(run.steps), first_nonfinite(run), replay, decide_single(run, replay, own),
                       stopped=run.manifest.get("stopped"), own=own)
 
 
@@ -371,7 +371,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     pair.append(gradient_underflow(a, b))
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), data_step,
                        parting, loss_step,
-                       (a["first_nonfinite"], b["first_nonfinite"]), env, flags, setup=setup,
+                       (first_nonfinite(a), first_nonfinite(b)), env, flags, setup=setup,
                        stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")),
                        loss_tol=loss_tolerance(a, b), loss_wander=wander,
                        own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),

@@ -48,9 +48,10 @@ def prepare_out(out: Path, force: bool) -> Path:
         entries = sorted(os.listdir(out))
     except OSError as exc:
         raise UsageError(f"convcheck.watch: out={out}: cannot read the folder ({exc.strerror or exc})") from None
-    if entries and (MANIFEST not in entries or not force):
+    if entries and not force:
+        ours = set(entries) <= set(MEMBERS)  # a watched run's files (a half-made one: no manifest yet)
         raise UsageError(f"convcheck.watch: out={out} is not empty"
-                         + ("; pass force=True to replace the watched run there" if MANIFEST in entries else ""))
+                         + ("; pass force=True to replace the watched run there" if ours else ""))
     unknown = [e for e in entries if e not in MEMBERS]
     if unknown:
         raise UsageError(f"convcheck.watch: out={out} holds {unknown[0]!r}, which is not part of a watched run; "

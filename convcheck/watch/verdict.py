@@ -5,7 +5,7 @@ that read them (``diagnose/rules/watched.py``, ``watched_run.py``). Nothing is d
 
 from __future__ import annotations
 
-from convcheck.diagnose.detectors.watched import converges, precision_difference, scaled_backward
+from convcheck.diagnose.detectors.watched import converges, first_nonfinite, precision_difference, scaled_backward
 from convcheck.diagnose.detectors.watched_setup import divergence
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched import watched_ok
@@ -36,7 +36,7 @@ def size_cap(run) -> str | None:
 
 def run_evidence(run, replay, own=()) -> RunEvidence:
     """What the rules read of one watched run held against the judge (``replay``)."""
-    return RunEvidence(producer=run["first_nonfinite"], replay=replay, divergence=divergence(run), own=tuple(own),
+    return RunEvidence(producer=first_nonfinite(run), replay=replay, divergence=divergence(run), own=tuple(own),
                        stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
                        converged=converges(run), steps=len(run.steps), truncated=size_cap(run))
 

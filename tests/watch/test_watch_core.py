@@ -39,6 +39,7 @@ def runs(tmp_path_factory):
     bf16_weights_run(tmp / "w16")
     loss_scale_run(tmp / "scaled32", fp16=False)
     loss_scale_run(tmp / "scaled16")
+    loss_scale_run(tmp / "scaled16_2e18", scale=2.0**18)
     sharp_attention_run(tmp / "att32", fp16=False)
     sharp_attention_run(tmp / "att16", fp16=True)
     weight_decay_run(tmp / "decay")
@@ -103,6 +104,17 @@ def test_a_fixed_loss_scale_that_overflows_float16_gets_the_grad_scaler_remedy(r
     code = main(["diff", str(runs / "scaled16"), "--judge", "cpu:float64", "--no-save", "--json"])
     alone = json.loads(capsys.readouterr()[0])["verdict"]
     assert code == 1 and alone["sub_cause"] == "loss scale overflow"
+
+
+def test_a_smaller_fixed_scale_that_overflows_only_a_parameters_gradient_is_named_at_its_step(runs, capsys):
+    """New-user trial 6: at 2**18 only fc3.bias's gradient overflows (inside the bias reduction; every module's
+    output gradient finite), the weights go NaN in that step, and the watch's producer is the next forward: the
+    verdict blamed step 1's forward with the attention remedy. The gradient norms show it at step 0."""
+    code, d = diff(capsys, runs / "scaled32", runs / "scaled16_2e18")
+    v = d["verdict"]
+    assert code == 1 and v["sub_cause"] == "loss scale overflow", v["headline"]
+    assert v["headline"].startswith("B's scaled backward overflows at step 0: the gradient of fc3.")
+    assert "GradScaler" in v["remedies"][0] and not any("sqrt(d)" in r for r in v["remedies"])
 
 
 def test_float16_gradients_that_underflow_to_zero_are_named(runs, capsys):

@@ -297,19 +297,46 @@ def _snapshot_zeros(a, b, k: int) -> S.Symptom | None:
 SCALED_BACKWARD = "loss scale overflow"  # a fixed loss scale that overflows the backward (one run's symptom)
 
 
-def scaled_backward(run, side: str) -> S.Symptom | None:
-    """The first non-finite value is a gradient the loss's own backward hands the model while the loss itself
-    is finite, with no GradScaler recorded: the backward ran on a scaled loss (``(loss * S).backward()``) whose
-    gradients pass the model's 16-bit range (a mean loss hands each output at most about 1/batch)."""
+PARAMETER_GRADIENT = "parameter gradient"  # a producer kind: a parameter's gradient, every output gradient finite
+
+
+def first_nonfinite(run) -> dict | None:
+    """The run's first NaN/Inf: the watch's producer, or - when earlier - a parameter whose recorded gradient
+    norm is not finite while no module's input or output gradient was (an overflow inside a layer's weight or
+    bias reduction: a fixed loss scale's backward in float16 makes it), as a producer record of kind
+    ``PARAMETER_GRADIENT`` at that step."""
     p = run.manifest.get("first_nonfinite")
-    if not isinstance(p, dict) or p.get("layer") != LOSS_PRODUCER or p.get("direction") != "backward" \
-            or run.manifest.get("scaler"):
+    p = p if isinstance(p, dict) else None
+    for k, s in enumerate(run.steps):
+        if p is not None and k >= p["step"]:
+            break
+        bad = [n for n, v in s["grad_norms"].items() if isinstance(v, (int, float)) and not math.isfinite(v)]
+        if bad:
+            name = bad[0]
+            return {"layer": name.rsplit(".", 1)[0] if "." in name else name, "step": k, "direction": "backward",
+                    "kind": PARAMETER_GRADIENT, "parameter": name,
+                    "detail": f"the gradient of {name} is {s['grad_norms'][name]} while every module's input and "
+                              "output gradient is finite"}
+    return p
+
+
+def scaled_backward(run, side: str) -> S.Symptom | None:
+    """The first non-finite value is a gradient while the loss itself is finite, with no GradScaler recorded:
+    the one the loss's own backward hands the model, or, in a float16 run, a parameter's gradient summed inside
+    a layer (every output gradient finite). The backward ran on a scaled loss (``(loss * S).backward()``) whose
+    gradients pass float16's range (a mean loss hands each output at most about 1/batch)."""
+    p = first_nonfinite(run)
+    if not isinstance(p, dict) or p.get("direction") != "backward" or run.manifest.get("scaler"):
+        return None
+    if p.get("layer") != LOSS_PRODUCER and not (p.get("kind") == PARAMETER_GRADIENT
+                                                 and compute_format(run) == "float16"):
         return None
     k = p.get("step")
     loss = run.steps[k]["loss"] if isinstance(k, int) and 0 <= k < len(run.steps) else None
     if not _finite(loss):
         return None
-    what = str(p.get("detail") or "the gradient into the model's output")
+    what = (f"the gradient of {p['parameter']}" if p.get("kind") == PARAMETER_GRADIENT
+            else str(p.get("detail") or "the gradient into the model's output"))
     return S.Symptom(SCALED_BACKWARD, side, f"{what} is Inf at step {k} while the loss itself is finite ({loss:.4g})",
                      layer=p["layer"], step=k, value=loss, extra={"what": what})
 
