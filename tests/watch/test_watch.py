@@ -107,9 +107,20 @@ def test_it_never_overwrites_without_force(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="is not empty$"):
+        with convcheck.watch(nn.Linear(2, 2), out=tmp_path / "other"):
+            pass
+    with pytest.raises(UsageError, match="holds 'notes.txt', which is not part of a watched run; refusing"):
         with convcheck.watch(nn.Linear(2, 2), out=tmp_path / "other", force=True):
             pass
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    # a run that crashed before its manifest (steps.jsonl and snapshots/ only) is replaced with force=True
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "steps.jsonl").write_text("")
+    (tmp_path / "half" / "snapshots").mkdir()
+    with pytest.raises(UsageError, match="not empty; pass force=True"):
+        convcheck.watch(nn.Linear(2, 2), out=tmp_path / "half").__enter__()
+    with convcheck.watch(nn.Linear(2, 2), out=tmp_path / "half", force=True):
+        pass
 
 
 def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
