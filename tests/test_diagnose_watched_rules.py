@@ -90,6 +90,8 @@ RUN_CASES = {
     "W104": (replace(RUN, own=(replace(LOST, arm="the run"),)), "numerics", "small updates lost: the weights are "
                                                                               "kept in bfloat16", None, None),
     "W105": (replace(RUN, producer=PRODUCER), "numerics", "the run turns non-finite at step 4 in att", None, "att"),
+    "W108": (replace(RUN, eval_from=11), "setup", "the run trains with the model in eval mode from step 11", None,
+             None),
     "W107": (replace(RUN, own=(replace(DEAD, arm="the run"),), converged=False, steps=8), "setup",
              "training setup: dead ReLUs (100% of the outputs of 'relu'", None, "relu"),
     "W106": (replace(RUN, stopped={"exception": "KeyboardInterrupt", "message": "", "step": 2}), "setup",

@@ -16,6 +16,11 @@ LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimize
 INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
                  "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
                  "then diff again"]
+TRAIN_MODE_REMEDIES = ["call model.train() before training again after an evaluation (model.eval() switches BatchNorm "
+                       "to its running statistics and Dropout off), then diff again"]
+CLIP_REMEDIES = ["clip on both sides or neither, at the same max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                 "max_norm) between backward() and optimizer.step() (after scaler.unscale_(optimizer) under a "
+                 "GradScaler), then diff again"]
 DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
                     "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
 # two recordings of one command (bundles) that did not read the same data or build the same weights
@@ -59,6 +64,9 @@ UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and ca
                       "that each rank trains on its own share of the data"]
 
 # --- nondeterminism, version ------------------------------------------------------------------------------
+SEED_RANDOM_LAYERS = ("{layers} draw random numbers: seed both runs identically right before training "
+                      "(torch.manual_seed(s), or convcheck.seed_everything(s)) so that their masks match - "
+                      "deterministic algorithms do not make two seeds' masks match")
 DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
                         "on both sides (set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA)"]
 VERSION_REMEDIES = ["run both sides with the same torch / CUDA / cuDNN build, then diff again"]

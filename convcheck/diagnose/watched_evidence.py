@@ -66,6 +66,7 @@ class PairEvidence:
     scaled_backward: tuple = (None, None)  # each run's fixed-loss-scale overflow (``Symptom``), or None
     converged: tuple = (None, None)  # each run's own convergence (compare's rule); None: too short to judge
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (``max_bytes``), or None
+    random_layers: tuple = ()  # the layers that draw random numbers (Dropout...), in A's model
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class RunEvidence:
     converged: bool | None = None  # compare's rule on the run's own losses; None: too short to judge
     steps: int = 0  # how many steps the run recorded
     truncated: str | None = None  # its size-cap note when the record was cut (``max_bytes``)
+    eval_from: int | None = None  # the first step it trained with the model in eval mode (``model_eval``)
 
 
 @dataclass(frozen=True)

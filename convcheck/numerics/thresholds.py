@@ -172,6 +172,11 @@ LOSS_SPIKE = 0.5
 # coarser dtype, whichever is larger: accumulation over 4 micro-batches not divided by 4 gives 4.000x for
 # every parameter; a changed loss (label smoothing, class weights) moves each parameter's gradient differently.
 SCALE_RATIO_SPREAD = 1e-3
+# Gradient clipping seen in a watched run: its global gradient norm at the optimizer's step pinned at its maximum
+# (clip_grad_norm_ scales every larger gradient to max_norm x (1 - 1e-6 / norm)) within this (relative), at this
+# many steps or more; a norm that happens to peak once is no clipping.
+CLIP_PINNED_RTOL = 1e-4
+CLIP_PINNED_MIN = 3
 # A loss of the model's outputs moves by at most this many times their largest change (cross-entropy, with
 # class weights or label smoothing: log-sum-exp and the picked logit are each 1-Lipschitz in the max-norm);
 # two step-0 losses apart by PART_FACTOR times that (plus LOSS_RTOL of the loss) were computed differently.

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import first_nonfinite, gradient_underflow, recipe_difference, run_findings
-from convcheck.diagnose.detectors.watched_setup import (initial_weights_difference, lr_difference,
+from convcheck.diagnose.detectors.watched_setup import (clipping_difference, eval_mode_difference,
+                                                        initial_weights_difference, lr_difference,
                                                         optimizer_difference, settings_difference)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import Parting, producer_text
@@ -282,7 +283,10 @@ def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
 
 
 def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
-    return next((k for k in range(steps) if not same_batches(a, b, k)), None)
+    """The first aligned step whose batches differ; a step trained in eval mode on either side recorded no batch
+    (not a data difference: ``eval_mode_difference`` names it)."""
+    return next((k for k in range(steps) if not (a.steps[k].get("model_eval") or b.steps[k].get("model_eval"))
+                 and not same_batches(a, b, k)), None)
 
 
 def _loss_unit(a: WatchedRun, b: WatchedRun) -> float:
@@ -360,6 +364,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
     setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
+                              clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)
     loss_step, wander = _loss_parting(a, b, steps)
     data_step = _first_data_difference(a, b, steps)

@@ -120,6 +120,7 @@ class Watch:
         self.grad_norms: dict[str, float] | None = None
         self.lr_used: list[float] | None = None
         self.last_leaf: tuple | None = None
+        self.eval_forwards = 0  # the model's calls with gradients on but in eval mode (model.train() forgotten?)
         self.stepped = self.pending = False
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
                       else None)
@@ -186,6 +187,8 @@ class Watch:
     def _root_pre(self, module, args, kwargs):
         if self.pending:
             self._end_step(loss=None)
+        if torch.is_grad_enabled() and not self.model.training and not self.truncated:
+            self.eval_forwards += 1  # not recorded (a validation pass without no_grad) unless it is all the step had
         if self._recording():
             self.hash_batch(args, kwargs)
             if self.taker is not None and not self.taker.params:
@@ -308,6 +311,14 @@ class Watch:
         if self.scaler is not None:
             record["scale"] = float(self.scaler.get_scale())
             record["skipped"] = not self.stepped
+        if not self.hashes and self.eval_forwards and self.stepped:
+            # the optimizer stepped on forwards run in eval mode only: training with BatchNorm's running
+            # statistics and Dropout off - said once, and marked on every such step
+            record["model_eval"] = True
+            if not any(n.startswith("trained in eval mode") for n in self.notes):
+                self.notes.append(f"trained in eval mode from step {self.step_index}: the model's forwards ran with "
+                                  "model.training False (model.train() not called after an evaluation?); those "
+                                  "steps' layers and batches are not recorded")
         if self.taker is not None:
             self._write_snapshot()
         line = json.dumps(record) + "\n"

@@ -5,8 +5,9 @@ that read them (``diagnose/rules/watched.py``, ``watched_run.py``). Nothing is d
 
 from __future__ import annotations
 
-from convcheck.diagnose.detectors.watched import converges, first_nonfinite, precision_difference, scaled_backward
-from convcheck.diagnose.detectors.watched_setup import divergence
+from convcheck.diagnose.detectors.watched import (converges, first_nonfinite, precision_difference, random_layers,
+                                                  scaled_backward)
+from convcheck.diagnose.detectors.watched_setup import divergence, eval_from
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched import watched_ok
 from convcheck.diagnose.rules.watched_run import run_ok
@@ -23,7 +24,7 @@ def pair_evidence(d, a, b) -> PairEvidence:
         stopped=d.stopped, env=tuple(d.env), precision=precision_difference(a, b, d.flags), own=d.own,
         pair=d.pair, divergence=(divergence(a), divergence(b)),
         scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
-        truncated=(size_cap(a), size_cap(b)))
+        truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a))
 
 
 def size_cap(run) -> str | None:
@@ -38,7 +39,8 @@ def run_evidence(run, replay, own=()) -> RunEvidence:
     """What the rules read of one watched run held against the judge (``replay``)."""
     return RunEvidence(producer=first_nonfinite(run), replay=replay, divergence=divergence(run), own=tuple(own),
                        stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
-                       converged=converges(run), steps=len(run.steps), truncated=size_cap(run))
+                       converged=converges(run), steps=len(run.steps), truncated=size_cap(run),
+                       eval_from=eval_from(run))
 
 
 def decide(d, a, b) -> Verdict:

@@ -158,3 +158,75 @@ def weight_decay_run(out, weight_decay: float = 0.5, bf16: bool = False, steps: 
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+def clip_run(out, max_norm: float | None = None, steps: int = 16) -> None:
+    """SGD on inputs of std 3; ``max_norm``: the loop clips its gradients (clip_grad_norm_) before the step."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            loss = nn.functional.cross_entropy(model(x * 3), y)
+            opt.zero_grad()
+            loss.backward()
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            w.step(loss)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(20, 64), nn.BatchNorm1d(64), nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def eval_run(out, forget_train: bool = False, steps: int = 12) -> None:
+    """A validation pass after step 4 (model.eval() under no_grad); ``forget_train``: model.train() is not called
+    again, so the rest of training runs in eval mode."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    val_x, val_y = batches(1, b=32)[0]
+    with convcheck.watch(model, opt, out=out) as w:
+        for step, (x, y) in enumerate(batches(steps)):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+            if step == 4:
+                model.eval()
+                with torch.no_grad():
+                    nn.functional.cross_entropy(model(val_x), val_y)
+                if not forget_train:
+                    model.train()
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def dropout_run(out, seed: int, steps: int = 6) -> None:
+    """The same initial weights (seed 0) and batches; the generator reseeded with ``seed`` before training, as a
+    script that seeds once per run with a run number would."""
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(seed)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in batches(steps):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

@@ -15,8 +15,8 @@ import convcheck
 from convcheck.cli.main import main
 from convcheck.errors import UsageError
 
-from .recipe_loops import (MLP, accumulation_run, bf16_weights_run, loss_scale_run, sharp_attention_run,
-                           smoothing_run, weight_decay_run)
+from .recipe_loops import (MLP, accumulation_run, bf16_weights_run, clip_run, dropout_run, eval_run, loss_scale_run,
+                           sharp_attention_run, smoothing_run, weight_decay_run)
 
 
 def diff(capsys, *args) -> tuple[int, dict]:
@@ -45,6 +45,12 @@ def runs(tmp_path_factory):
     weight_decay_run(tmp / "decay")
     weight_decay_run(tmp / "decay_bf16", bf16=True)
     weight_decay_run(tmp / "decay_meant", weight_decay=5e-4)
+    clip_run(tmp / "noclip")
+    clip_run(tmp / "clip", max_norm=0.5)
+    eval_run(tmp / "train_again")
+    eval_run(tmp / "stays_eval", forget_train=True)
+    dropout_run(tmp / "drop1", seed=1)
+    dropout_run(tmp / "drop2", seed=2)
     return tmp
 
 
@@ -195,3 +201,36 @@ def test_two_watches_started_at_once_on_one_folder_the_second_is_refused(tmp_pat
         opt.step()
         w.step(loss)
     assert len(open_watched(out).steps) == 1
+
+
+def test_clipping_in_one_run_only_is_setup_not_nondeterminism(runs, capsys):
+    """New-user trial 6: clip_grad_norm_(0.5) in B only was 'nondeterminism' with the deterministic remedy."""
+    code, d = diff(capsys, runs / "noclip", runs / "clip")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "gradient clipping", v["headline"]
+    assert v["headline"].startswith("B clips its gradients at norm 0.5 and A does not")
+    assert "clip_grad_norm_" in v["remedies"][0]
+
+
+def test_training_on_in_eval_mode_after_validation_is_named(runs, capsys):
+    """New-user trial 6: model.train() forgotten after a validation pass: the watch recorded nothing of those steps
+    and diff said 'different data'. Now the step is marked and the verdict names eval mode, alone and in a pair."""
+    code, d = diff(capsys, runs / "train_again", runs / "stays_eval")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "setup" and v["sub_cause"] == "eval mode", v["headline"]
+    assert v["headline"].startswith("B trains with the model in eval mode from step 5 and A does not")
+    assert "model.train()" in v["remedies"][0] and "DataLoader" not in " ".join(v["remedies"])
+    code = main(["diff", str(runs / "stays_eval"), "--judge", "cpu:float64", "--no-save", "--json"])
+    alone = json.loads(capsys.readouterr()[0])["verdict"]
+    assert code == 1 and alone["headline"].startswith("the run trains with the model in eval mode from step 5")
+    code, d = diff(capsys, runs / "train_again", runs / "train_again")
+    assert code == 0, d["verdict"]["headline"]  # a validation pass under no_grad is no finding
+
+
+def test_dropout_masks_of_two_seeds_are_named_with_the_seed_remedy(runs, capsys):
+    """New-user trial 6: two seeds' dropout masks got the deterministic-algorithms remedy, which cannot help."""
+    code, d = diff(capsys, runs / "drop1", runs / "drop2")
+    v = d["verdict"]
+    assert code == 1 and v["category"] == "nondeterminism" and v["sub_cause"] == "random layer", v["headline"]
+    assert v["headline"].startswith("the runs part at step 0 in net.2, a random layer (Dropout)")
+    assert v["remedies"][0].startswith("the model's random layers (net.2) draw random numbers: seed both runs")

@@ -140,6 +140,15 @@ def weight_decay(run) -> dict | None:
     return best
 
 
+RANDOM_LAYERS = ("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout")
+
+
+def random_layers(run) -> tuple[str, ...]:
+    """The run's layers that draw random numbers (Dropout and its kin, by ``layer_types``; older runs: none)."""
+    types = run.manifest.get("model", {}).get("layer_types") or {}
+    return tuple(name for name, t in types.items() if t in RANDOM_LAYERS)
+
+
 def weights_format(run) -> str | None:
     """The coarsest dtype the model's parameters are kept in, when it is a 16-bit one (else None)."""
     dtypes = {p.get("dtype") for p in run.manifest.get("model", {}).get("parameters", [])}

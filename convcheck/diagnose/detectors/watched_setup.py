@@ -14,10 +14,11 @@ import math
 
 import numpy as np
 
-from convcheck.diagnose.remedies import DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
+from convcheck.diagnose.remedies import TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
-from convcheck.numerics.thresholds import EXPLODE_FACTOR, LR_RTOL, PART_FACTOR, RISE_FACTOR, RISE_MIN_STEPS
+from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL, PART_FACTOR,
+                                          RISE_FACTOR, RISE_MIN_STEPS)
 
 
 def _optimizer(run) -> str | None:
@@ -149,3 +150,74 @@ def divergence(run) -> Setup | None:
                      f"(step {kn}), {last / first:.3g}x it", "divergence", evidence=[curve],
                      remedies=list(DIVERGE_REMEDIES), step=kn)
     return None
+
+
+def _global_norms(run, steps: int) -> list[float]:
+    out = []
+    for s in run.steps[:steps]:
+        vals = [v for v in s["grad_norms"].values() if isinstance(v, (int, float))]
+        out.append(math.sqrt(sum(v * v for v in vals)) if vals else math.nan)
+    return out
+
+
+def clipped_at(norms: list[float]) -> tuple[float, int] | None:
+    """``(max_norm, first step)`` when a run's global gradient norm is pinned at one value - ``clip_grad_norm_``
+    scales every larger gradient to it - at ``CLIP_PINNED_MIN`` steps or more and never above it; else None.
+    (The watch reads the gradients at the optimizer's step, after the loop's own clipping.)"""
+    finite = [(k, v) for k, v in enumerate(norms) if math.isfinite(v) and v > 0]
+    if not finite:
+        return None
+    top = max(v for _, v in finite)
+    pinned = [k for k, v in finite if v >= top * (1 - CLIP_PINNED_RTOL)]
+    return (top, pinned[0]) if len(pinned) >= CLIP_PINNED_MIN else None
+
+
+def clipping_difference(a, b, steps: int) -> Setup | None:
+    """One run clips its gradients (its norm pinned at ``max_norm``) where the other's goes past that value,
+    or the two clip at different norms."""
+    na, nb = _global_norms(a, steps), _global_norms(b, steps)
+    ca, cb = clipped_at(na), clipped_at(nb)
+    if ca is None and cb is None:
+        return None
+    if ca is not None and cb is not None:
+        if _same(ca[0], cb[0]) or abs(ca[0] - cb[0]) <= CLIP_PINNED_RTOL * max(ca[0], cb[0]):
+            return None
+        head = f"different gradient clipping: A clips at norm {ca[0]:.4g}, B at {cb[0]:.4g}"
+        step = min(ca[1], cb[1])
+    else:
+        side, (c, k), other, theirs = ("A", ca, "B", nb) if ca is not None else ("B", cb, "A", na)
+        past = [(j, v) for j, v in enumerate(theirs) if math.isfinite(v) and v > c * (1 + CLIP_PINNED_RTOL)]
+        if not past:
+            return None  # the other's gradients never reached that norm: clipping would not have changed them
+        j, v = past[0]
+        head = (f"{side} clips its gradients at norm {c:.4g} and {other} does not: {side}'s gradient norm is pinned "
+                f"at {c:.4g} from step {k}, {other}'s reaches {v:.4g} at step {j}")
+        step = k
+    lo = max(0, step - 1)
+    return Setup(head, "gradient clipping", [f"global gradient norms at the optimizer's step from step {lo}: "
+                                             f"A {_norms_text(na, lo)}; B {_norms_text(nb, lo)}"],
+                 list(CLIP_REMEDIES), step=step)
+
+
+def _norms_text(norms: list[float], lo: int) -> str:
+    return ", ".join(f"{v:.4g}" for v in norms[lo:lo + 6]) + (" ..." if len(norms) > lo + 6 else "")
+
+
+def eval_from(run, steps: int | None = None) -> int | None:
+    """The first step the run trained with the model in eval mode (``model_eval``: the optimizer stepped on
+    forwards run with ``model.training`` False), or None."""
+    return next((k for k, s in enumerate(run.steps[:steps]) if s.get("model_eval")), None)
+
+
+def eval_mode_difference(a, b, steps: int) -> Setup | None:
+    """One run trains in eval mode from some step and the other does not (or from another step)."""
+    ka, kb = eval_from(a, steps), eval_from(b, steps)
+    if ka == kb:
+        return None
+    side, k = ("A", ka) if kb is None or (ka is not None and ka < kb) else ("B", kb)
+    other = "B" if side == "A" else "A"
+    return Setup(f"{side} trains with the model in eval mode from step {k} and {other} does not: BatchNorm uses its "
+                 "running statistics and Dropout is off there (model.train() not called after an evaluation?)",
+                 "eval mode", [f"steps.jsonl model_eval from step {k} in {side}: its forwards ran with model.training "
+                               "False before the optimizer's step (those steps' layers and batches are not recorded)"],
+                 list(TRAIN_MODE_REMEDIES), step=k)

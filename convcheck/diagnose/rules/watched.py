@@ -31,6 +31,7 @@ from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.remedies import (BF16_ZEROS, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
+                                         SEED_RANDOM_LAYERS,
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, over, setup_remedies,
@@ -243,8 +244,17 @@ def watched_unexplained(ev: PairEvidence) -> Verdict | None:
     part = _parting(ev)
     if part is None:
         return None
+    remedies = list(DETERMINISM_REMEDIES)
+    if ev.random_layers:  # a Dropout's masks differ between two seeds: the seed, not the kernels
+        names = ", ".join(ev.random_layers[:3]) + (" ..." if len(ev.random_layers) > 3 else "")
+        remedies.insert(0, SEED_RANDOM_LAYERS.format(layers=f"the model's random layers ({names})"))
+    headline = None
+    if part.layer in ev.random_layers:
+        headline = (f"the runs part at step {part.step} in {part.layer}, a random layer (Dropout): its masks differ "
+                    "with the same data, precision and stack")
     return watched_unexplained.verdict([f"{_where(part)}: {part.why}"], {"step": part.step, "layer": part.layer},
-                                       remedies=list(DETERMINISM_REMEDIES), layer=part.layer)
+                                       headline=headline, remedies=remedies, layer=part.layer,
+                                       sub_cause="random layer" if headline else None)
 
 
 def _compared(ev: PairEvidence) -> list[str]:

@@ -10,6 +10,8 @@ W102 20   run-diverge         setup     the loss explodes, no later than the fir
 W103 30   run-loss-scale      numerics  a fixed loss scale that overflows the backward
 W104 40   run-lost-updates    numerics  small updates lost in 16-bit weights (before any NaN/Inf)
 W105 50   run-nonfinite       numerics  the first NaN/Inf producer
+W108 45   run-eval-mode       setup     the optimizer steps on forwards run in eval mode (model.train()
+                                        not called after an evaluation)
 W107 55   run-training        setup     the run does not converge on its own and compare's training
                                         detectors name why (dead ReLUs, weight decay, vanishing gradients)
 W106 60   run-stopped         setup     the block raised or was interrupted, nothing seen explains it
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.remedies import TRAIN_MODE_REMEDIES
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, setup_remedies,
                                                     stopped_verdict, training_problem)
@@ -87,6 +90,19 @@ def run_nonfinite(ev: RunEvidence) -> Verdict | None:
     return run_nonfinite.verdict([f"first non-finite: {producer_text(p)}"] + overflow_lines((ev.replay,)),
                                  {"step": p["step"], "where": producer_where(p)}, remedies=nonfinite_remedies(p),
                                  layer=p["layer"], sub_cause=nonfinite_cause(p))
+
+
+@verdict_rule("W108", "run-eval-mode", priority=45, category="setup", reads=RunEvidence,
+              headline="the run trains with the model in eval mode from step {step}: BatchNorm uses its running "
+                       "statistics and Dropout is off (model.train() not called after an evaluation?)",
+              remedies=tuple(TRAIN_MODE_REMEDIES))
+def run_eval_mode(ev: RunEvidence) -> Verdict | None:
+    """The optimizer stepped on forwards run with ``model.training`` False (no NaN/Inf or explosion first)."""
+    if ev.eval_from is None or (ev.producer is not None and ev.producer["step"] < ev.eval_from):
+        return None
+    return run_eval_mode.verdict([f"steps.jsonl model_eval from step {ev.eval_from}: its forwards ran with "
+                                  "model.training False before the optimizer's step"], {"step": ev.eval_from},
+                                 sub_cause="eval mode")
 
 
 @verdict_rule("W107", "run-training", priority=55, category="setup", reads=RunEvidence,
