@@ -230,3 +230,28 @@ def dropout_run(out, seed: int, steps: int = 6) -> None:
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+class EmbeddingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(50, 16), nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def embedding_run(out, steps: int = 2) -> None:
+    """Token ids through an embedding, as a text model's first layer."""
+    torch.manual_seed(0)
+    model = EmbeddingNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            ids, y = torch.randint(0, 50, (4, 7), generator=g), torch.randint(0, 3, (4,), generator=g)
+            loss = nn.functional.cross_entropy(model(ids), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

@@ -234,3 +234,15 @@ def test_dropout_masks_of_two_seeds_are_named_with_the_seed_remedy(runs, capsys)
     assert code == 1 and v["category"] == "nondeterminism" and v["sub_cause"] == "random layer", v["headline"]
     assert v["headline"].startswith("the runs part at step 0 in net.2, a random layer (Dropout)")
     assert v["remedies"][0].startswith("the model's random layers (net.2) draw random numbers: seed both runs")
+
+
+def test_an_embedding_is_not_replayed_and_says_why_in_words(tmp_path, capsys):
+    """New-user trial 6: every nn.Embedding said 'its recorded inputs do not re-run it (TypeError)'."""
+    from .recipe_loops import embedding_run
+
+    embedding_run(tmp_path / "emb")
+    code = main(["diff", str(tmp_path / "emb"), "--judge", "cpu:float64", "--no-save"])
+    out = capsys.readouterr()[0]
+    assert code == 0, out
+    assert ("not replayed: step 0, emb (Embedding): it reads integer indices, which the snapshot does not keep" in out)
+    assert "TypeError" not in out and "1 layer calls at step 0 replayed: all within their floors" in out
