@@ -227,11 +227,11 @@ def _show_watched(result, name: str, args, folder) -> int:
 
 def _show_inputs(verdict, run_a, run_b, as_json: bool) -> int:
     """Two bundles that saw different data or weights: the ``setup`` verdict alone (nothing to pair, no report)."""
-    from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
+    from convcheck.report.export import SUMMARY_SCHEMA
     from convcheck.report.verdict_lines import verdict_lines
 
-    if as_json:
-        print(json.dumps({"schema": WATCH_DIFF_SCHEMA, "a": str(run_a), "b": str(run_b),
+    if as_json:  # compare's summary document, with the verdict only: nothing was paired
+        print(json.dumps({"schema": SUMMARY_SCHEMA, "complete": True, "a": str(run_a), "b": str(run_b),
                           "verdict": verdict.to_dict()}, indent=2))
     else:
         print("\n".join([f"recorded runs: A = {run_a}, B = {run_b}", *verdict_lines(verdict, "diff"),

@@ -18,6 +18,8 @@ INIT_REMEDIES = ["seed the model's construction identically on both sides (torch
                  "then diff again"]
 TRAIN_MODE_REMEDIES = ["call model.train() before training again after an evaluation (model.eval() switches BatchNorm "
                        "to its running statistics and Dropout off), then diff again"]
+SCALER_REMEDIES = ["give both runs the same GradScaler settings (init_scale, growth_interval), then diff again: a "
+                   "GradScaler skips the steps whose scaled gradients overflow while it lowers its scale"]
 CLIP_REMEDIES = ["clip on both sides or neither, at the same max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), "
                  "max_norm) between backward() and optimizer.step() (after scaler.unscale_(optimizer) under a "
                  "GradScaler), then diff again"]

@@ -177,10 +177,6 @@ SCALE_RATIO_SPREAD = 1e-3
 # many steps or more; a norm that happens to peak once is no clipping.
 CLIP_PINNED_RTOL = 1e-4
 CLIP_PINNED_MIN = 3
-# A loss of the model's outputs moves by at most this many times their largest change (cross-entropy, with
-# class weights or label smoothing: log-sum-exp and the picked logit are each 1-Lipschitz in the max-norm);
-# two step-0 losses apart by PART_FACTOR times that (plus LOSS_RTOL of the loss) were computed differently.
-LOSS_LIPSCHITZ = 2.0
 
 # --- data-parallel targets (convcheck/ddp/: diagnostics.py, parity.py) -------------------------------------
 # A rank's BatchNorm statistics differ from the global batch's when some channel's mean is more than

@@ -25,7 +25,8 @@ from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import first_nonfinite, gradient_underflow, recipe_difference, run_findings
 from convcheck.diagnose.detectors.watched_setup import (clipping_difference, eval_mode_difference,
                                                         initial_weights_difference, lr_difference,
-                                                        optimizer_difference, settings_difference)
+                                                        optimizer_difference, scaler_difference,
+                                                        settings_difference)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import Parting, producer_text
 from convcheck.env.diff import diff as env_diff
@@ -365,6 +366,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
     setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
+                              scaler_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)
     loss_step, wander = _loss_parting(a, b, steps)
     data_step = _first_data_difference(a, b, steps)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from convcheck.diagnose.remedies import TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
+from convcheck.diagnose.remedies import SCALER_REMEDIES, TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL, PART_FACTOR,
@@ -160,35 +160,46 @@ def _global_norms(run, steps: int) -> list[float]:
     return out
 
 
-def clipped_at(norms: list[float]) -> tuple[float, int] | None:
-    """``(max_norm, first step)`` when a run's global gradient norm is pinned at one value - ``clip_grad_norm_``
-    scales every larger gradient to it - at ``CLIP_PINNED_MIN`` steps or more and never above it; else None.
-    (The watch reads the gradients at the optimizer's step, after the loop's own clipping.)"""
+def clipped_at(norms: list[float], tol: float = CLIP_PINNED_RTOL) -> tuple[float, list[int]] | None:
+    """``(max_norm, the pinned steps)`` when a run's global gradient norm is pinned at one value - ``clip_grad_norm_``
+    scales every larger gradient to it - within ``tol`` (relative) at ``CLIP_PINNED_MIN`` steps or more and never
+    above it; else None. (The watch reads the gradients at the optimizer's step, after the loop's own clipping.)"""
     finite = [(k, v) for k, v in enumerate(norms) if math.isfinite(v) and v > 0]
     if not finite:
         return None
     top = max(v for _, v in finite)
-    pinned = [k for k, v in finite if v >= top * (1 - CLIP_PINNED_RTOL)]
-    return (top, pinned[0]) if len(pinned) >= CLIP_PINNED_MIN else None
+    pinned = [k for k, v in finite if v >= top * (1 - 2 * tol)]
+    return (top, pinned) if len(pinned) >= CLIP_PINNED_MIN else None
+
+
+def _grad_tolerance(a, b) -> float:
+    """How far two runs' clipped norms may scatter: ``CLIP_PINNED_RTOL``, or ``PART_FACTOR`` roundoffs of the
+    coarser gradient dtype (a bfloat16 gradient's norm, clipped to 0.5, reads 0.5006 or 0.4999)."""
+    dtypes = [p.get("dtype", "float32") for run in (a, b) for p in run.manifest["model"]["parameters"]]
+    return max([CLIP_PINNED_RTOL] + [PART_FACTOR * unit_roundoff_of(d) for d in dtypes])
 
 
 def clipping_difference(a, b, steps: int) -> Setup | None:
     """One run clips its gradients (its norm pinned at ``max_norm``) where the other's goes past that value,
     or the two clip at different norms."""
     na, nb = _global_norms(a, steps), _global_norms(b, steps)
-    ca, cb = clipped_at(na), clipped_at(nb)
+    tol = _grad_tolerance(a, b)
+    ca, cb = clipped_at(na, tol), clipped_at(nb, tol)
     if ca is None and cb is None:
         return None
     if ca is not None and cb is not None:
-        if _same(ca[0], cb[0]) or abs(ca[0] - cb[0]) <= CLIP_PINNED_RTOL * max(ca[0], cb[0]):
-            return None
+        if abs(ca[0] - cb[0]) <= 2 * tol * max(ca[0], cb[0]) or _one_ratio(na, nb, tol):
+            return None  # the same clipping, or norms one factor apart at every step (a loss scale, not a clip)
         head = f"different gradient clipping: A clips at norm {ca[0]:.4g}, B at {cb[0]:.4g}"
-        step = min(ca[1], cb[1])
+        step = min(ca[1][0], cb[1][0])
     else:
-        side, (c, k), other, theirs = ("A", ca, "B", nb) if ca is not None else ("B", cb, "A", na)
-        past = [(j, v) for j, v in enumerate(theirs) if math.isfinite(v) and v > c * (1 + CLIP_PINNED_RTOL)]
-        if not past:
-            return None  # the other's gradients never reached that norm: clipping would not have changed them
+        side, (c, pinned), other, theirs = ("A", ca, "B", nb) if ca is not None else ("B", cb, "A", na)
+        # the other run's gradient passes that norm at the steps this one was pinned: clipping changed them there
+        past = [(j, theirs[j]) for j in pinned if j < len(theirs) and math.isfinite(theirs[j])
+                and theirs[j] > c * (1 + 2 * tol)]
+        if len(past) < CLIP_PINNED_MIN or _one_ratio(na, nb, tol):
+            return None
+        k = pinned[0]
         j, v = past[0]
         head = (f"{side} clips its gradients at norm {c:.4g} and {other} does not: {side}'s gradient norm is pinned "
                 f"at {c:.4g} from step {k}, {other}'s reaches {v:.4g} at step {j}")
@@ -197,6 +208,15 @@ def clipping_difference(a, b, steps: int) -> Setup | None:
     return Setup(head, "gradient clipping", [f"global gradient norms at the optimizer's step from step {lo}: "
                                              f"A {_norms_text(na, lo)}; B {_norms_text(nb, lo)}"],
                  list(CLIP_REMEDIES), step=step)
+
+
+def _one_ratio(na: list[float], nb: list[float], tol: float) -> bool:
+    """Whether B's norm is one factor times A's at every step both recorded (a loss scale; no clipping pins that)."""
+    ratios = [y / x for x, y in zip(na, nb) if math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0]
+    if len(ratios) < CLIP_PINNED_MIN:
+        return False
+    mid = sorted(ratios)[len(ratios) // 2]
+    return all(abs(r / mid - 1) <= 2 * tol for r in ratios)
 
 
 def _norms_text(norms: list[float], lo: int) -> str:
@@ -221,3 +241,24 @@ def eval_mode_difference(a, b, steps: int) -> Setup | None:
                  "eval mode", [f"steps.jsonl model_eval from step {k} in {side}: its forwards ran with model.training "
                                "False before the optimizer's step (those steps' layers and batches are not recorded)"],
                  list(TRAIN_MODE_REMEDIES), step=k)
+
+
+def skipped_steps(run, steps: int) -> list[int]:
+    """The aligned steps a run's GradScaler skipped (Inf gradients found; the scale lowered, no update)."""
+    return [k for k, s in enumerate(run.steps[:steps]) if s.get("skipped")]
+
+
+def scaler_difference(a, b, steps: int) -> Setup | None:
+    """Both runs step through a GradScaler and one skipped a step the other took: their scalers were set up
+    differently (init_scale, growth) - the runs part there by design, not by their numerics."""
+    if not (a.manifest.get("scaler") and b.manifest.get("scaler")):
+        return None
+    sa, sb = set(skipped_steps(a, steps)), set(skipped_steps(b, steps))
+    if sa == sb:
+        return None
+    k = min(sa ^ sb)
+    side, other = ("A", "B") if k in sa else ("B", "A")
+    scale = lambda run: run.steps[k].get("scale")  # noqa: E731
+    return Setup(f"{side}'s GradScaler skipped step {k} and {other}'s stepped: their loss scales differ (scale after "
+                 f"step {k}: A {scale(a):.3g}, B {scale(b):.3g})", "loss scale",
+                 [f"skipped steps: A {sorted(sa)[:8]}, B {sorted(sb)[:8]}"], list(SCALER_REMEDIES), step=k)

@@ -14,7 +14,7 @@ W012 35   watched-both-fail    setup          neither run converges on its own, 
 W004 40   watched-lost-updates numerics       small updates lost in a run's 16-bit weights
 W005 50   watched-layer        layer          a layer the float64 judge finds above its floor
 W006 60   watched-underflow    numerics       a gradient exactly zero in one run only, no earlier parting
-W007 70   watched-own-diverge  setup          one run's own loss explodes
+                                              (one run's own exploding loss is evidence of the parting below)
 W008 80   watched-precision    numerics       a parting beyond rounding at different precisions
 W009 85   watched-stack        version        a parting beyond rounding with different stacks
 W010 88   watched-unexplained  nondeterminism a parting beyond rounding, nothing recorded explains it
@@ -187,19 +187,6 @@ def watched_underflow(ev: PairEvidence) -> Verdict | None:
                                      remedies=[remedy], target=u.arm, layer=u.layer, sub_cause=u.name)
 
 
-@verdict_rule("W007", "watched-own-diverge", priority=70, category="setup", reads=PairEvidence,
-              headline="{side}'s own loss explodes: {what}; the other run's does not")
-def watched_own_diverge(ev: PairEvidence) -> Verdict | None:
-    """One run's own loss explodes while the other's does not (and nothing above explains it)."""
-    one = next(((side, x) for side, x in zip(SIDES, ev.divergence) if x is not None), None)
-    if one is None:
-        return None
-    side, x = one
-    return watched_own_diverge.verdict(x.evidence + parting_lines(ev),
-                                       {"side": side, "what": x.headline.removeprefix("the loss ")},
-                                       remedies=list(x.remedies), target=side, sub_cause="divergence")
-
-
 def _parting(ev: PairEvidence) -> Parting | None:
     if ev.parting is not None:
         return ev.parting
@@ -212,6 +199,11 @@ def _where(part: Parting) -> str:
     return f"the runs part at step {part.step} in {part.layer}"
 
 
+def _own_divergence(ev: PairEvidence) -> list[str]:
+    """A run's own exploding loss, said with the parting it comes with (it is the difference, not its cause)."""
+    return [f"{side} on its own: {x.headline}" for side, x in zip(SIDES, ev.divergence) if x is not None]
+
+
 @verdict_rule("W008", "watched-precision", priority=80, category="numerics", reads=PairEvidence,
               headline="the runs part at step {step} in {layer}: they compute at different precisions")
 def watched_precision(ev: PairEvidence) -> Verdict | None:
@@ -219,7 +211,7 @@ def watched_precision(ev: PairEvidence) -> Verdict | None:
     part = _parting(ev)
     if part is None or ev.precision is None:
         return None
-    return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision],
+    return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision] + _own_divergence(ev),
                                      {"step": part.step, "layer": part.layer}, remedies=list(PRECISION_PARTING),
                                      layer=part.layer, sub_cause="precision")
 
@@ -232,7 +224,7 @@ def watched_stack(ev: PairEvidence) -> Verdict | None:
     if part is None or not ev.env:
         return None
     return watched_stack.verdict([f"{_where(part)}: {part.why}"]
-                                 + [f"{x.field}: {x.left} | {x.right} ({x.why})" for x in ev.env],
+                                 + [f"{x.field}: {x.left} | {x.right} ({x.why})" for x in ev.env] + _own_divergence(ev),
                                  {"step": part.step, "layer": part.layer}, remedies=list(VERSION_REMEDIES),
                                  layer=part.layer)
 
@@ -252,7 +244,8 @@ def watched_unexplained(ev: PairEvidence) -> Verdict | None:
     if part.layer in ev.random_layers:
         headline = (f"the runs part at step {part.step} in {part.layer}, a random layer (Dropout): its masks differ "
                     "with the same data, precision and stack")
-    return watched_unexplained.verdict([f"{_where(part)}: {part.why}"], {"step": part.step, "layer": part.layer},
+    return watched_unexplained.verdict([f"{_where(part)}: {part.why}"] + _own_divergence(ev),
+                                       {"step": part.step, "layer": part.layer},
                                        headline=headline, remedies=remedies, layer=part.layer,
                                        sub_cause="random layer" if headline else None)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from convcheck.diagnose.remedies import (KEEP_FLOAT32, LAYER_REMEDIES, LOSS_FLOAT32, LOSS_SCALE_REMEDIES,
                                          MASTER_WEIGHTS, NONFINITE_REMEDIES, STOPPED_REMEDIES)
 from convcheck.diagnose.rules.numerics import op_remedies
-from convcheck.diagnose.rules.setup import SETUP_PRIORITY, SETUP_REMEDIES, SLOW_START
+from convcheck.diagnose.rules.setup import SETUP_PRIORITY, SETUP_REMEDIES
 from convcheck.numerics.thresholds import SETUP_MIN_STEPS
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import LOSS, producer_text
@@ -78,11 +78,11 @@ def stopped_verdict(rule, who: str, s: dict, evidence: list) -> Verdict:
 
 def training_problem(own, converged: bool | None, steps: int):
     """The run's first training problem by compare's setup order (``rules/setup.SETUP_PRIORITY``) when the run
-    did not converge on its own (judged: ``CONVERGENCE_MIN_STEPS`` losses); a slow start's symptoms (a plateau,
-    a swinging per-batch loss) count only from ``SETUP_MIN_STEPS`` steps, as for compare's judge. None else."""
-    if converged is not False:
+    did not converge on its own over ``SETUP_MIN_STEPS`` steps or more: a user's per-batch losses over a short run
+    say too little to call its setup failed (compare reads a float64 judge's). None else."""
+    if converged is not False or steps < SETUP_MIN_STEPS:
         return None
-    found = [s for s in own if s.name in SETUP_PRIORITY and (steps >= SETUP_MIN_STEPS or s.name not in SLOW_START)]
+    found = [s for s in own if s.name in SETUP_PRIORITY]
     return min(found, key=lambda s: SETUP_PRIORITY.index(s.name)) if found else None
 
 

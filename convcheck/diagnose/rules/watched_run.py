@@ -9,9 +9,9 @@ W101 10   run-layer           layer     a layer above its floor, no later than t
 W102 20   run-diverge         setup     the loss explodes, no later than the first NaN/Inf
 W103 30   run-loss-scale      numerics  a fixed loss scale that overflows the backward
 W104 40   run-lost-updates    numerics  small updates lost in 16-bit weights (before any NaN/Inf)
-W105 50   run-nonfinite       numerics  the first NaN/Inf producer
 W108 45   run-eval-mode       setup     the optimizer steps on forwards run in eval mode (model.train()
                                         not called after an evaluation)
+W105 50   run-nonfinite       numerics  the first NaN/Inf producer
 W107 55   run-training        setup     the run does not converge on its own and compare's training
                                         detectors name why (dead ReLUs, weight decay, vanishing gradients)
 W106 60   run-stopped         setup     the block raised or was interrupted, nothing seen explains it
