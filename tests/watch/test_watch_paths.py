@@ -197,6 +197,7 @@ def _script(tmp_path, name: str, guarded: bool) -> None:
     assert json.loads((tmp_path / "runs" / "x" / "manifest.json").read_text())["model"]["module"] == name
 
 
+@pytest.mark.slow  # ~3.5 s: a user's script run as a process
 def test_a_script_without_a_main_guard_is_not_imported_and_not_rerun(tmp_path, monkeypatch, capsys):
     _script(tmp_path, "inline_train", guarded=False)
     monkeypatch.chdir(tmp_path)
@@ -216,6 +217,7 @@ def test_a_script_without_a_main_guard_is_not_imported_and_not_rerun(tmp_path, m
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.slow  # ~3 s: a user's script run as a process
 def test_the_same_script_with_a_main_guard_is_replayed(tmp_path, monkeypatch, capsys):
     _script(tmp_path, "guarded_train", guarded=True)
     monkeypatch.chdir(tmp_path)

@@ -193,6 +193,7 @@ KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~5 s: a process really killed mid-run
 def test_a_run_killed_mid_way_is_refused_by_diff_never_diagnosed(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text(KILLED)
