@@ -302,6 +302,10 @@ def classify(exc: BaseException, during: str = "") -> Failure:
     user = user_code_error(exc, during) or model_on_data_error(exc, during)
     if user is not None:
         return Failure(EXIT_USAGE, str(user))
+    if isinstance(exc, SystemExit):  # convcheck never raises one: sys.exit itself given as a factory (sys:exit)
+        when = f" during {during}" if during else ""
+        return Failure(EXIT_USAGE, f"the run was ended by SystemExit (sys.exit({exc.code!r})){when}: a model, data, "
+                                   "loss or optimizer given to convcheck called sys.exit")
     return Failure(EXIT_INTERNAL, f"internal error ({type(exc).__name__}: {first_line(exc)})", internal=True)
 
 

@@ -301,13 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     with stop_signals(restore=argv is not None):
+        running = False
         try:
             if args.command in parser.subcommands:  # compare and record read [tool.convcheck]
                 args = _with_project(parser, argv, args)
+            running = True
             return args.func(args)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes its exit code and one line
-            if isinstance(exc, SystemExit) and not user_exit(exc):
-                raise  # argparse's own exit
+            # a SystemExit while the command runs is the user's code's (convcheck's own code never raises one:
+            # `--model sys:exit` builds its model with sys.exit); before it, argparse's own exit
+            if isinstance(exc, SystemExit) and not running and not user_exit(exc):
+                raise
             exc = from_project(exc, args)
             return report(exc, debug=args.debug, hint=" (--debug shows the traceback)")
 

@@ -122,7 +122,9 @@ def npz_input_shape(path: str) -> tuple[int, int, int] | None:
     """The ``(C, H, W)`` of one sample of the archive's ``x``, read from its member's header alone
     (nothing decompressed past it): ``x`` of shape (N, C, H, W), or (N, H, W) as one channel. None where
     that cannot be told (no such file or member, another layout, an unreadable header): ``read_npz``
-    then says what is wrong in one line."""
+    then says what is wrong in one line. Only a regular file is opened (``/dev/zero`` would be read forever)."""
+    if not os.path.isfile(path) or _special(path):
+        return None
     try:
         with zipfile.ZipFile(path) as z, z.open("x.npy") as f:
             version = np.lib.format.read_magic(f)
@@ -138,7 +140,23 @@ def npz_input_shape(path: str) -> tuple[int, int, int] | None:
     return dims if len(dims) == 3 and min(dims) >= 1 else None
 
 
+def _special(path: str) -> str | None:
+    """What is at ``path`` when it is a device, FIFO or socket (a link followed), else None."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
 def read_npz(path: str, input_shape) -> tuple[np.ndarray, np.ndarray, str]:
+    special = _special(path)
+    if special:
+        raise UsageError(f"npz file {path} is {special}, not a regular file")
     if not os.path.isfile(path):
         raise UsageError(f"npz file {path} does not exist")
     _check_npz_sizes(path)

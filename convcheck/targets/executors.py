@@ -160,7 +160,9 @@ def before_threads(specs) -> None:
     """Every executor's ``before_threads`` with the target specs (a comma-separated string or a list)."""
     if isinstance(specs, str):
         specs = specs.split(",")
-    listed = [str(s).strip().lower() for s in (specs or ()) if str(s).strip()]
+    elif not isinstance(specs, (list, tuple)):
+        specs = ()  # a value of another kind (targets = 5 in a project file): the config's validation names it
+    listed = [str(s).strip().lower() for s in specs if str(s).strip()]
     for ex in executors():
         ex.before_threads(listed)
 
