@@ -27,7 +27,7 @@ import pandas as pd
 
 from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
-from convcheck.diagnose.detectors.watched_setup import divergence
+from convcheck.diagnose.detectors.watched_setup import divergence, global_norm
 from convcheck.diagnose.watched_evidence import LOSS as LOSS_PRODUCER
 from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
 from convcheck.numerics.thresholds import (CONVERGED_LOSS_RATIO, CONVERGED_TAIL, CONVERGENCE_MIN_STEPS,
@@ -42,11 +42,6 @@ ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")  # an update of about 
 
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _global_norm(norms: dict) -> float:
-    vals = [v for v in norms.values() if isinstance(v, (int, float))]
-    return math.sqrt(sum(v * v for v in vals)) if vals else math.nan
 
 
 def _weights_at_step0(run) -> dict[str, np.ndarray] | None:
@@ -68,7 +63,7 @@ def _update_ratio(run, k: int, weight_norm: float, numel: int) -> float:
     if opt in SGD_LIKE:
         momentum = settings.get("momentum", 0.0)
         momentum = momentum if _finite(momentum) and 0 <= momentum < 1 else 0.0
-        return max(lr) * _global_norm(run.steps[k]["grad_norms"]) / (1 - momentum) / weight_norm
+        return max(lr) * global_norm(run.steps[k]["grad_norms"]) / (1 - momentum) / weight_norm
     if opt in ADAM_LIKE:
         return max(lr) * math.sqrt(numel) / weight_norm
     return math.nan
@@ -86,7 +81,7 @@ def curves(run, side: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     for k, s in enumerate(run.steps):
         loss = s["loss"] if _finite(s["loss"]) else math.nan
         lr = [v for v in s["lr"] if _finite(v)]
-        rows.append({"arm": side, "step": k, "loss": loss, "grad_norm": _global_norm(s["grad_norms"]),
+        rows.append({"arm": side, "step": k, "loss": loss, "grad_norm": global_norm(s["grad_norms"]),
                      "update_ratio": _update_ratio(run, k, wnorm, numel), "lr": max(lr) if lr else math.nan,
                      "loss_scale": s.get("scale", math.nan), "skipped": bool(s.get("skipped", False))})
         by_layer: dict[str, float] = {}

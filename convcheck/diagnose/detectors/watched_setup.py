@@ -152,12 +152,14 @@ def divergence(run) -> Setup | None:
     return None
 
 
+def global_norm(norms: dict) -> float:
+    """One step's global gradient norm from its per-parameter norms (NaN when none was recorded)."""
+    vals = [v for v in norms.values() if isinstance(v, (int, float))]
+    return math.sqrt(sum(v * v for v in vals)) if vals else math.nan
+
+
 def _global_norms(run, steps: int) -> list[float]:
-    out = []
-    for s in run.steps[:steps]:
-        vals = [v for v in s["grad_norms"].values() if isinstance(v, (int, float))]
-        out.append(math.sqrt(sum(v * v for v in vals)) if vals else math.nan)
-    return out
+    return [global_norm(s["grad_norms"]) for s in run.steps[:steps]]
 
 
 def clipped_at(norms: list[float], tol: float = CLIP_PINNED_RTOL) -> tuple[float, list[int]] | None:
