@@ -76,6 +76,9 @@ PAIR_CASES = {
     "W009": (replace(CLEAN, parting=PART, env=(Difference("torch", "2.11", "2.13", "another build"),)),
              "version", "the stacks differ", None, "fc3"),
     "W010": (replace(CLEAN, parting=PART), "nondeterminism", "with the same data, precision and stack", None, "fc3"),
+    "W013": (replace(CLEAN, parting=PART, random_layers=("drop",),
+                     compiled_random="B runs its model compiled (torch.compile(model)), A eager"),
+             "nondeterminism", "random layers draw other masks than eager's", None, "fc3"),
     "W011": (replace(CLEAN, stopped=(None, {"exception": "RuntimeError", "message": "nan loss", "step": 5})),
              "setup", "B stopped at step 5 with RuntimeError (nan loss)", None, None),
 }

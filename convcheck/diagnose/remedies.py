@@ -69,6 +69,11 @@ UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and ca
 SEED_RANDOM_LAYERS = ("{layers} draw random numbers: seed both runs identically right before training "
                       "(torch.manual_seed(s), or convcheck.seed_everything(s)) so that their masks match - "
                       "deterministic algorithms do not make two seeds' masks match")
+COMPILED_RANDOM = ["compare the two with the compiled run's random layers drawing eager's numbers: set "
+                   "torch._inductor.config.fallback_random = True before it compiles (or diff with the random layers "
+                   "off, p=0); a difference that stays is the compiled kernels' own",
+                   "a compiled model's Dropout masks differ from eager's by design: that alone changes the loss curve, "
+                   "not whether the model converges"]
 DETERMINISM_REMEDIES = ["torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False "
                         "on both sides (set CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA)"]
 VERSION_REMEDIES = ["run both sides with the same torch / CUDA / cuDNN build, then diff again"]

@@ -67,6 +67,7 @@ class PairEvidence:
     converged: tuple = (None, None)  # each run's own convergence (compare's rule); None: too short to judge
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (``max_bytes``), or None
     random_layers: tuple = ()  # the layers that draw random numbers (Dropout...), in A's model
+    compiled_random: str | None = None  # one run compiled, the other eager, its random layers drawing differently
 
 
 @dataclass(frozen=True)

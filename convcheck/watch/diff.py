@@ -22,8 +22,9 @@ import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
-from convcheck.diagnose.detectors.watched import first_nonfinite, gradient_underflow, recipe_difference, run_findings
-from convcheck.diagnose.detectors.watched_setup import (clipping_difference, eval_mode_difference,
+from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, random_layers, recipe_difference,
+                                                  run_findings)
+from convcheck.diagnose.detectors.watched_setup import (clipping_difference, compiled_random, eval_mode_difference,
                                                         initial_weights_difference, lr_difference,
                                                         optimizer_difference, scaler_difference,
                                                         settings_difference)
@@ -64,6 +65,7 @@ class WatchDiff:
     own: tuple = ((), ())  # each run's own findings (``diagnose.detectors.watched.run_findings``): Symptoms
     pair: tuple = ()  # what only the pair shows: a recipe difference at step 0, a gradient underflow (Symptoms)
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (max_bytes), or None
+    compiled: tuple = (None, None)  # each run's ``hidden_layers`` line when torch.compile hid its layers, or None
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -72,6 +74,7 @@ class WatchDiff:
         out = [f"watched runs: A = {self.a} ({self.steps[0]} steps), B = {self.b} ({self.steps[1]} steps)"]
         out += [stopped_line(side, s) for side, s in zip("AB", self.stopped) if s is not None]
         out += [f"truncated: {side}'s {note}" for side, note in zip("AB", self.truncated) if note]
+        out += [f"compiled: {side}'s {note}" for side, note in zip("AB", self.compiled) if note]
         out.append("data: " + ("the same batches at every aligned step" if self.data_step is None else
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
@@ -97,7 +100,7 @@ class WatchDiff:
                 "math_flags_diff": [list(f) for f in self.flags],
                 "judge_replay": [None if r is None else r.to_dict() for r in self.replays],
                 "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
-                "stopped": list(self.stopped), "truncated": list(self.truncated),
+                "stopped": list(self.stopped), "truncated": list(self.truncated), "compiled": list(self.compiled),
                 "own_findings": [[symptom_dict(s) for s in side] for side in self.own],
                 "pair_findings": [symptom_dict(s) for s in self.pair], "verdict": self.verdict.to_dict()}
 
@@ -147,6 +150,7 @@ class WatchJudge:
     verdict: Verdict
     stopped: dict | None = None
     own: tuple = ()  # the run's own findings (``diagnose.detectors.watched.run_findings``)
+    compiled: str | None = None  # ``hidden_layers``: torch.compile hid the run's layers
 
     def __bool__(self) -> bool:
         return self.verdict.category == "ok"
@@ -155,6 +159,8 @@ class WatchJudge:
         out = [f"watched run: {self.run} ({self.steps} steps)"]
         if self.stopped is not None:
             out.append(stopped_line("-", self.stopped))
+        if self.compiled:
+            out.append(f"compiled: the run's {self.compiled}")
         out.append("first non-finite: " + ("none" if self.producer is None else producer_text(self.producer)))
         out += judge_lines((self.replay,), sides="-")
         out += [f"on its own: {s.label}: {s.evidence}" for s in self.own]
@@ -164,8 +170,17 @@ class WatchJudge:
 
     def to_dict(self) -> dict:
         return {"schema": WATCH_DIFF_SCHEMA, "run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
-                "judge_replay": self.replay.to_dict(), "stopped": self.stopped,
+                "judge_replay": self.replay.to_dict(), "stopped": self.stopped, "compiled": self.compiled,
                 "own_findings": [symptom_dict(s) for s in self.own], "verdict": self.verdict.to_dict()}
+
+
+def hidden_layers(run: WatchedRun) -> str | None:
+    """One line when the run's layers ran inside a compiled graph (``compiled.py``): what was compared of it."""
+    c = run.manifest.get("compiled") or {}
+    if not c.get("layers_hidden"):
+        return None
+    return (f"layers ran inside a compiled graph ({c.get('how') or 'torch.compile'}): its layer boundaries are not "
+            "seen; compared its loss, its parameters' gradients and the model's output (as one layer)")
 
 
 def refuse_empty(run: WatchedRun) -> None:
@@ -190,7 +205,7 @@ def judge_watched(path, judge: str) -> WatchJudge:
     replay = replay_run(run, judge)
     own = tuple(run_findings(run, "the run"))
     return WatchJudge(str(run.path), len(run.steps), first_nonfinite(run), replay, decide_single(run, replay, own),
-                      stopped=run.manifest.get("stopped"), own=own)
+                      stopped=run.manifest.get("stopped"), own=own, compiled=hidden_layers(run))
 
 
 def _rel(x: float, y: float, scale: float) -> float:
@@ -373,7 +388,8 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     parting = first_parting(a, b, steps)
     pair = []
     if steps and data_step != 0 and not any(f.step == 0 and f.sub_cause == "initial weights" for f in setup) \
-            and (parting is None or parting.step > 0):  # the same weights and batch: step 0's forward agrees
+            and (parting is None or parting.step > 0) \
+            and compiled_random(a, b, random_layers(a)) is None:  # the same weights, batch and masks: step 0 agrees
         pair.append(recipe_difference(a, b, loss_tolerance(a, b)))
     pair.append(gradient_underflow(a, b))
     result = WatchDiff(str(a.path), str(b.path), (len(a.steps), len(b.steps)), data_step,
@@ -382,7 +398,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                        stopped=(a.manifest.get("stopped"), b.manifest.get("stopped")),
                        loss_tol=loss_tolerance(a, b), loss_wander=wander,
                        own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),
-                       truncated=(size_cap(a), size_cap(b)),
+                       truncated=(size_cap(a), size_cap(b)), compiled=(hidden_layers(a), hidden_layers(b)),
                        pair=tuple(x for x in pair if x is not None))
     if judge is None:
         from convcheck.targets.spec import default_judge

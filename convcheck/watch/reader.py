@@ -89,6 +89,11 @@ def _check_manifest(m) -> None:
             bundle_reader.get_field(stopped, key, kind, "stopped")
         if not 0 <= stopped["step"] <= 10**8:
             raise _Bad(f"stopped.step = {stopped['step']} is outside 0..10^8")
+    compiled = bundle_reader.get_field(m, "compiled", dict, "manifest", optional=True)  # older runs: none
+    if compiled is not None:
+        bundle_reader.get_field(compiled, "how", str, "compiled", optional=True)
+        bundle_reader.get_field(compiled, "layers_hidden", bool, "compiled")
+        bundle_reader.get_field(compiled, "fallback_random", bool, "compiled", optional=True)
     p = bundle_reader.get_field(m, "first_nonfinite", dict, "manifest", optional=True)
     if p is not None:
         for key, kind in (("layer", str), ("step", int), ("direction", str), ("kind", str)):

@@ -20,6 +20,7 @@ import torch
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
+from convcheck.watch.compiled import HIDDEN, fallback_random, outside_graphs, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings, step_loss
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, WATCH_SCHEMA, claim, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
@@ -85,6 +86,9 @@ class Watch:
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
+        # torch.compile(model): the model inside is watched, the wrapper's own (eager) call carries the root hooks
+        model, self.outer, self.compiled = unwrap(model)
+        self.hidden = False  # a forward whose leaves ran inside a compiled graph (the watch saw none of them)
         self.from_env = from_env()  # CONVCHECK_SNAPSHOT_STEPS / CONVCHECK_WATCH_MAX_BYTES win over the script's
         snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
         max_bytes = self.from_env.get("max_bytes", max_bytes)
@@ -121,6 +125,7 @@ class Watch:
         self.lr_used: list[float] | None = None
         self.last_leaf: tuple | None = None
         self.eval_forwards = 0  # the model's calls with gradients on but in eval mode (model.train() forgotten?)
+        self.leaf_calls = 0  # leaf hooks run this step (none in a forward compiled whole)
         self.stepped = self.pending = False
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
                       else None)
@@ -167,10 +172,13 @@ class Watch:
         return False
 
     def _install(self) -> None:
-        m = self.model
-        self.handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        # the root's hooks never traced (they run at a compiled graph's edges); the others return at once
+        # when traced, so a compiled graph holds nothing of the watch (``compiled.py``)
+        self.handles.append(self.outer.register_forward_pre_hook(outside_graphs(self._root_pre), with_kwargs=True))
+        self.handles.append(self.outer.register_forward_hook(outside_graphs(self._root_forward)))
         for mod in self.names:
-            self.handles.append(mod.register_forward_hook(self._forward))
+            if mod is not self.model:
+                self.handles.append(mod.register_forward_hook(self._forward))
         if self.optimizer is not None:
             self.handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self.handles.append(self.optimizer.register_step_post_hook(self._post_step))
@@ -191,17 +199,49 @@ class Watch:
             self.eval_forwards += 1  # not recorded (a validation pass without no_grad) unless it is all the step had
         if self._recording():
             self.hash_batch(args, kwargs)
+            self.leaves_before = self.leaf_calls
             if self.taker is not None and not self.taker.params:
                 self.taker.take_params(self.params)
         return None
 
+    def _root_forward(self, module, args, output):
+        if not self._recording():
+            return None
+        leaf = self.model in self.leaves
+        if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves:
+            self._hidden_forward(args, output)  # compiled whole: no leaf hook ran inside it
+            return None
+        return self._forward(self.model, args, output)
+
+    def _hidden_forward(self, args, output) -> None:
+        """A forward whose layers ran inside a compiled graph: the model's output recorded as its one layer."""
+        if not self.hidden:
+            self.hidden = True
+            self.compiled = self.compiled or "a compiled call of the model"
+            self.notes.append(f"{HIDDEN} (from step {self.step_index}; {self.compiled})")
+        name = self.names[self.model]
+        outs = _floats(output)
+        row = None
+        for t in outs[:1]:
+            row = _stats.measure(t)
+            self.layers[name] = _stats.merge(self.layers.get(name), row)
+        if outs and name not in self.order:
+            self.order.append(name)
+        if self.taker is not None:
+            self.taker.take_call(name, _floats(args), outs)
+        self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
+        self._check_producer(self.model, name, args, outs, row, leaf=True)
+
     def _forward(self, module, args, output):
+        if tracing():  # inside a compiled graph: nothing of the watch is traced into it
+            return None
         if not self._recording():
             return None
         name = self.names[module]
         outs = _floats(output)
         row = None
         if module in self.leaves:
+            self.leaf_calls += 1
             for t in outs[:1]:
                 row = _stats.measure(t)
                 self.layers[name] = _stats.merge(self.layers.get(name), row)
@@ -211,6 +251,11 @@ class Watch:
             self.taker.take_call(name, _floats(args), outs)
         if module is self.model:  # where the loss's own code begins (``loss_op`` stops there)
             self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
+        self._check_producer(module, name, args, outs, row, leaf=module in self.leaves)
+        return None
+
+    def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
+        """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""
         if self.producer is None:
             if row is not None:
                 bad = row["nan"] + row["inf"] > 0 or _nonfinite(outs[1:])
@@ -224,9 +269,8 @@ class Watch:
                 from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
 
                 self.producer.update(live_op(module, args))  # the op that made them
-            elif outs and outs[0].requires_grad and (module in self.leaves or module is self.model):
+            elif outs and outs[0].requires_grad and (leaf or module is self.model):
                 outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
-        return None
 
     def _grad_hook(self, name: str):
         def hook(grad):
@@ -382,6 +426,9 @@ class Watch:
             "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,
             "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in self.from_env.items()},
             "distributed": self.distributed, "stopped": getattr(self, "stopped", None),
+            # how the model was compiled (None: not, so far as the watch knew at the start), and whether its
+            # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
+            "compiled": {"how": self.compiled, "layers_hidden": self.hidden, "fallback_random": fallback_random()},
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 

@@ -246,6 +246,10 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
         modules = dict(model.named_modules())
         for layer in run.steps[step]["layers"]:
             module = modules.get(layer)
+            if module is None and (run.manifest.get("compiled") or {}).get("layers_hidden"):
+                out.skipped.append(f"step {step}: its layers ran inside a compiled graph (torch.compile), whose "
+                                   "layer calls were not seen; the judge replays single layers")
+                continue
             if module is None or any(True for _ in module.children()):
                 out.skipped.append(f"step {step}, {layer}: not a leaf of the model built here")
                 continue
@@ -260,7 +264,9 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
 
 def _replay_call(module, layer, step, k, snap, dtypes, judge, tol, manifest, cache, out) -> LayerRow | None:
     where = f"step {step}, {layer}"
-    if isinstance(module, RANDOM_LAYERS) and module.training and getattr(module, "p", 0) > 0:
+    # the recorded steps trained (the watch records training forwards only), and the run's p is not known
+    # here (the model built here takes its class's default arguments): a random layer is never replayed
+    if isinstance(module, RANDOM_LAYERS):
         out.skipped.append(f"{where}: a random layer (its draw is not recorded)")
         return None
     if getattr(module, "inplace", False) is True:  # the recorded input is its output already

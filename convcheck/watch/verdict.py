@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from convcheck.diagnose.detectors.watched import (converges, first_nonfinite, precision_difference, random_layers,
                                                   scaled_backward)
-from convcheck.diagnose.detectors.watched_setup import divergence, eval_from
+from convcheck.diagnose.detectors.watched_setup import compiled_random, divergence, eval_from
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched import watched_ok
 from convcheck.diagnose.rules.watched_run import run_ok
@@ -24,7 +24,8 @@ def pair_evidence(d, a, b) -> PairEvidence:
         stopped=d.stopped, env=tuple(d.env), precision=precision_difference(a, b, d.flags), own=d.own,
         pair=d.pair, divergence=(divergence(a), divergence(b)),
         scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
-        truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a))
+        truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a),
+        compiled_random=compiled_random(a, b, random_layers(a)))
 
 
 def size_cap(run) -> str | None:

@@ -264,3 +264,24 @@ def scaler_difference(a, b, steps: int) -> Setup | None:
     return Setup(f"{side}'s GradScaler skipped step {k} and {other}'s stepped: their loss scales differ (scale after "
                  f"step {k}: A {scale(a):.3g}, B {scale(b):.3g})", "loss scale",
                  [f"skipped steps: A {sorted(sa)[:8]}, B {sorted(sb)[:8]}"], list(SCALER_REMEDIES), step=k)
+
+
+def _compiled(run) -> dict:
+    return run.manifest.get("compiled") or {}
+
+
+def compiled_random(a, b, random_layers: tuple) -> str | None:
+    """One run's model compiled (``torch.compile``) and the other's not, with random layers (Dropout) that
+    inductor draws from its own generator unless ``fallback_random`` was set: the runs' masks differ from
+    the first step, whatever the seeds. The finding's text, or None."""
+    how = [_compiled(r).get("how") for r in (a, b)]
+    if not random_layers or (how[0] is None) == (how[1] is None):
+        return None
+    side = "A" if how[0] is not None else "B"
+    if _compiled((a, b)["AB".index(side)]).get("fallback_random"):
+        return None
+    names = ", ".join(random_layers[:3]) + (" ..." if len(random_layers) > 3 else "")
+    other = "B" if side == "A" else "A"
+    return (f"{side} runs its model compiled ({how['AB'.index(side)]}), {other} eager, and the model has random "
+            f"layers ({names}): inductor draws their masks from its own generator, not eager's "
+            "(torch._inductor.config.fallback_random was not set)")

@@ -17,6 +17,8 @@ W006 60   watched-underflow    numerics       a gradient exactly zero in one run
                                               (one run's own exploding loss is evidence of the parting below)
 W008 80   watched-precision    numerics       a parting beyond rounding at different precisions
 W009 85   watched-stack        version        a parting beyond rounding with different stacks
+W013 86   watched-compiled-rng nondeterminism a parting beyond rounding, one run compiled and the other eager,
+                                              with random layers (inductor draws its own masks)
 W010 88   watched-unexplained  nondeterminism a parting beyond rounding, nothing recorded explains it
 W011 90   watched-stopped      setup          no parting, but a run's block raised or was interrupted
 ==== ==== ==================== ============== =======================================================
@@ -30,7 +32,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.registry import verdict_rule
-from convcheck.diagnose.remedies import (BF16_ZEROS, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
+from convcheck.diagnose.remedies import (BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
                                          SEED_RANDOM_LAYERS,
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
@@ -227,6 +229,20 @@ def watched_stack(ev: PairEvidence) -> Verdict | None:
                                  + [f"{x.field}: {x.left} | {x.right} ({x.why})" for x in ev.env] + _own_divergence(ev),
                                  {"step": part.step, "layer": part.layer}, remedies=list(VERSION_REMEDIES),
                                  layer=part.layer)
+
+
+@verdict_rule("W013", "watched-compiled-rng", priority=86, category="nondeterminism", reads=PairEvidence,
+              headline="the runs part at step {step} in {layer}: one runs its model compiled, whose random layers "
+                       "draw other masks than eager's")
+def watched_compiled_random(ev: PairEvidence) -> Verdict | None:
+    """A parting between a compiled run and an eager one whose model has random layers: inductor's masks are
+    not eager's, so the runs differ by chance from the first step (the kernels are not shown at fault)."""
+    part = _parting(ev)
+    if part is None or ev.compiled_random is None:
+        return None
+    return watched_compiled_random.verdict([f"{_where(part)}: {part.why}", ev.compiled_random] + _own_divergence(ev),
+                                           {"step": part.step, "layer": part.layer}, remedies=list(COMPILED_RANDOM),
+                                           layer=part.layer, sub_cause="compiled random layers")
 
 
 @verdict_rule("W010", "watched-unexplained", priority=88, category="nondeterminism", reads=PairEvidence,
