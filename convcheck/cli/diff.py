@@ -24,8 +24,12 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
                         "(e.g. cpu:float64)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR", help="write the report files there (default: reports/...)")
-    p.add_argument("--force", action="store_true", help="let --out replace the report files of an earlier run")
-    p.add_argument("--no-save", action="store_true", help="write no files")
+    p.add_argument("--csv", default=None, metavar="PATH",
+                   help="with two watched runs: write the per-step, per-layer table (each output statistic's relative "
+                        "error, B against A) to PATH as CSV, with --no-save too")
+    p.add_argument("--force", action="store_true",
+                   help="let --out replace the report files of an earlier run, and --csv an existing file")
+    p.add_argument("--no-save", action="store_true", help="write no report files (the file --csv names is written)")
     p.add_argument("--debug", action="store_true", help="on an error, print the full traceback as well")
     p.set_defaults(func=run)
     return p
@@ -40,10 +44,18 @@ def run_diff(args) -> int:
         raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
     if args.no_save and args.out is not None:
         raise UsageError(f"--no-save writes no files, --out {args.out} writes them there: pass one of the two")
+    csv = getattr(args, "csv", None)
     if args.run_b is None:
+        if csv is not None:
+            raise UsageError("--csv writes the table of two watched runs, B against A; diff RUN --judge has one run: "
+                             "name a second run to tabulate")
         return run_watched_judge(args)
     if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
         from convcheck.watch.rankdiff import diff_ranked
+
+        if csv is not None:
+            raise UsageError("--csv: a DDP diff (a folder per rank) is not one pair of runs: diff one rank folder of "
+                             "each run for its table, e.g. convcheck diff RUN_A/rank0 RUN_B/rank0 --csv PATH")
 
         # rank by rank (each pair with --judge's replay) and across ranks, shown as any watched diff
         judge = _watch_judge(args.judge)
@@ -55,6 +67,9 @@ def run_diff(args) -> int:
         why = not_a_run(path, strict=False)
         if why:
             raise UsageError(why)
+    if csv is not None:
+        raise UsageError("--csv writes the table of two watched runs (convcheck.watch); of recorded runs, --out DIR "
+                         "writes layers.csv")
     from convcheck.bundle.diff import DifferentInputs, diff_bundles
     from convcheck.report.folder import RunFolder
 
@@ -106,28 +121,57 @@ def not_a_run(path, *, strict: bool = True) -> str | None:
     return f"diff: {path}: not a watched run or a recorded bundle (its manifest.json is not a convcheck run's)"
 
 
-def _watched(args, name: str, compute) -> int:
+def _watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -> int:
     """A watched diff (``compute()``) with its ``--out`` checked (and made) first; the folder goes again,
-    if this run made it, when ``compute`` fails."""
-    folder = _watched_out(args, name)
+    if this run made it, when ``compute`` fails. ``pair``: two watched runs whose tables
+    (``watch/tables.py``) go into the folder (``report/watch_report.py``) and to ``csv`` (``--csv``, checked
+    by ``_csv_file``)."""
+    from convcheck.report.watch_report import REPORT_FILES
+
+    folder = _watched_out(args, name, also=REPORT_FILES if pair else ())
     with _removed_if_empty(folder):
         result = compute()
-    return _show_watched(result, name, args, folder)
+        tables = None
+        if pair and (folder is not None or csv is not None):
+            from convcheck.watch.tables import watch_tables
+
+            tables = watch_tables(*pair)
+    return _show_watched(result, name, args, folder, tables=tables, csv=csv)
 
 
-def _watched_out(args, name: str):
+def _watched_out(args, name: str, also: tuple = ()):
     """``--out`` of a watched diff as ``compare --out``'s (``RunFolder.explicit``: never through a device, FIFO
-    or link; ``name`` replaced only with ``--force``), and never a run's folder or one inside a run."""
+    or link; ``name``, then the files ``also`` written beside it, replaced only with ``--force``), and never a
+    run's folder or one inside a run."""
     from pathlib import Path
 
     from convcheck.errors import UsageError
-    from convcheck.report.folder import RunFolder
-    from convcheck.watch.ranks import rank_folders
-    from convcheck.watch.reader import schema_of
+    from convcheck.report.folder import RunFolder, check_report_files
 
     if not args.out or args.no_save:
         return None
     out = Path(args.out)
+    where = _run_around(out, args)
+    if where:
+        raise UsageError(f"--out {out}: {where}; diff never writes into a run: name another folder")
+    folder = RunFolder.explicit(out, force=args.force, files=(name,))
+    try:  # the report's own file said first (as ever), then the tables beside it
+        check_report_files(folder.path, force=args.force, files=also)
+    except UsageError:
+        folder.discard_if_empty()
+        raise
+    return folder
+
+
+def _run_around(out, args, this: str = "that folder") -> str | None:
+    """Why the folder ``out`` is no place for diff's files (it is a run, or inside one: links followed, a run
+    being diffed or not), in words starting with ``this``; None when it is neither."""
+    from pathlib import Path
+
+    from convcheck.errors import UsageError
+    from convcheck.watch.ranks import rank_folders
+    from convcheck.watch.reader import schema_of
+
     runs = [Path(r) for r in (args.run_a, args.run_b) if r is not None]
     try:  # the folder and every folder above it, links followed: a link to a run, or a folder inside one
         chain = [q for q in [out.resolve(), *out.resolve().parents] if q.is_dir()]
@@ -142,16 +186,38 @@ def _watched_out(args, name: str):
         if ranked or kind is not None:
             what = "a recorded run (convcheck record)" if kind and kind.startswith("convcheck.bundle") else \
                 "a watched run (convcheck.watch)"
-            where = f"that folder is {what}" if q == out.resolve() else f"that folder is inside the run {q} ({what})"
-            raise UsageError(f"--out {out}: {where}; diff never writes into a run: name another folder")
+            return f"{this} is {what}" if q == out.resolve() else f"{this} is inside the run {q} ({what})"
     try:
         inside = next((r for r in runs if r.is_dir() and out.resolve().is_relative_to(r.resolve())), None)
     except (OSError, RuntimeError):  # a link loop: RunFolder.explicit says what is there
         inside = None
-    if inside is not None:
-        raise UsageError(f"--out {out}: that folder is inside the run {inside}; diff never writes into a run: "
-                         "name another folder")
-    return RunFolder.explicit(out, force=args.force, files=(name,))
+    return None if inside is None else f"{this} is inside the run {inside}"
+
+
+def _csv_file(args):
+    """``--csv PATH`` of a watched pair, checked before anything is computed: nothing there or a regular file
+    (replaced only with ``--force``; never a folder, link, FIFO or device), its folder there, never inside a run
+    nor one of the files ``--out`` writes. Each refusal one line."""
+    import os
+    from pathlib import Path
+
+    from convcheck.errors import UsageError
+    from convcheck.files import check_writable_file
+    from convcheck.report.watch_report import REPORT_FILES
+
+    if not str(args.csv).strip():
+        raise UsageError("--csv is empty: name a file")
+    path = check_writable_file(Path(args.csv), force=args.force, what="--csv")
+    if not path.parent.is_dir():
+        raise UsageError(f"--csv {path}: its folder {path.parent} does not exist")
+    where = _run_around(path.parent, args, this="its folder")
+    if where:
+        raise UsageError(f"--csv {path}: {where}; diff never writes into a run: name another file")
+    if args.out and not args.no_save and path.name in ("watch_diff.json", *REPORT_FILES) \
+            and os.path.abspath(path.parent) == os.path.abspath(args.out):
+        raise UsageError(f"--csv {path}: --out {args.out} writes that file; name another (watch_layers.csv there "
+                         "holds the same table)")
+    return path
 
 
 class _removed_if_empty:
@@ -178,8 +244,10 @@ def run_watched_diff(args, kinds) -> int:
     if kinds[0] != kinds[1]:
         raise UsageError("diff: one run is watched (convcheck.watch) and the other recorded (convcheck record); "
                          "diff two of the same kind")
+    csv = _csv_file(args) if getattr(args, "csv", None) is not None else None  # before any work
     judge = _watch_judge(args.judge)
-    return _watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge))
+    return _watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge),
+                    pair=(args.run_a, args.run_b), csv=csv)
 
 
 def _watch_judge(spec):
@@ -212,12 +280,27 @@ def run_watched_judge(args) -> int:
     return _watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge))
 
 
-def _show_watched(result, name: str, args, folder) -> int:
-    from convcheck.files import atomic_write_text, check_writable_file
+def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> int:
+    """Write the folder (``name``, and with ``tables`` the tables and the page of ``report/watch_report.py``)
+    and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, else 1."""
+    from convcheck.files import atomic_write_text, check_writable_file, write_error
 
     if folder is not None:
         path = check_writable_file(folder.path / name, force=args.force, what="--out")
         atomic_write_text(path, json.dumps(result.to_dict(), indent=2) + "\n")
+        if tables is not None:
+            from convcheck.report.watch_report import write_watch_report
+
+            try:
+                write_watch_report(folder.path, result, tables, force=args.force)
+            except OSError as exc:
+                raise write_error(exc, exc.filename or folder.path) from None
+    if csv is not None:
+        path = check_writable_file(csv, force=args.force, what="--csv")  # again: a file made since the check
+        try:
+            atomic_write_text(path, tables.layers.csv())
+        except OSError as exc:
+            raise write_error(exc, path) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

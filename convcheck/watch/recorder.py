@@ -4,6 +4,8 @@ Forward hooks on every module (statistics of each leaf's output, the first non-f
 batch hash at the model's own call), a gradient hook on each leaf's output (the backward producer),
 and the optimizer's step pre/post hooks (gradient norms, the step's end). Every hook only reads
 detached tensors and draws no random number; all of them are removed on exit, normal or not.
+The producer hooks are ``producers.py``'s, the once-a-step statistics ``deferred.py``'s, what is recorded
+``selection.py``'s, a compiled model's hooks ``compiled.py``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 import hashlib
 import math
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -20,76 +21,33 @@ import torch
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
+from convcheck.errors import UsageError
+from convcheck.watch import deferred as _deferred
 from convcheck.watch.compiled import HIDDEN, fallback_random, outside_graphs, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings, step_loss
+from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, WATCH_SCHEMA, claim, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.norms import grad_norms
+from convcheck.watch.producers import ProducerHooks, closure, floats, loss_op
 from convcheck.watch.ranks import rank_out
+from convcheck.watch.selection import selection, unmatched
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's generators (CPU and every accelerator) with ``seed``."""
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _floats(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _floats(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _floats(o)]
-    return []
-
-
-_OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",
-                "PowBackward0": "pow", "PowBackward1": "pow", "PowBackward2": "pow"}
-
-
-def loss_op(loss, value: float, model_fns, limit: int = 512) -> dict:
-    """``{"op": "exp"}``: the one op of the loss's own code (its autograd graph from the loss back to the
-    model's output, ``model_fns``) that overflows to Inf, when the loss is Inf and that graph holds exactly
-    one such op (exp, pow); ``{}`` otherwise. Reads the graph's node types only (its saved tensors are
-    freed by the backward)."""
-    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or not math.isinf(value):
-        return {}
-    stop, seen, todo, found = set(model_fns), set(), [loss.grad_fn], set()
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in _OVERFLOWING:
-            found.add(_OVERFLOWING[type(node).__name__])
-        if node not in stop:
-            todo += [n for n, _ in node.next_functions]
-    return {"op": found.pop()} if len(found) == 1 and len(seen) < limit else {}
-
-
-def _closure(args, kwargs) -> bool:
-    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
-    return (args[0] if args else kwargs.get("closure")) is not None
-
-
-def _nonfinite(ts) -> bool:
-    return any(not _stats.finite(t) for t in ts)
-
-
-class Watch:
+class Watch(ProducerHooks):
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
     def __init__(self, model: torch.nn.Module, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
-                 snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False):
+                 snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False,
+                 layers=None, steps=None, every: int = 1, sync: str = "auto"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
         # torch.compile(model): the model inside is watched, the wrapper's own (eager) call carries the root hooks
         model, self.outer, self.compiled = unwrap(model)
         self.hidden = False  # a forward whose leaves ran inside a compiled graph (the watch saw none of them)
         self.from_env = from_env()  # CONVCHECK_SNAPSHOT_STEPS / CONVCHECK_WATCH_MAX_BYTES win over the script's
+        self.selection, chosen_by_env = selection(layers, steps, every, sync)  # CONVCHECK_WATCH_LAYERS, ... too
+        self.from_env.update(chosen_by_env)
         snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
         max_bytes = self.from_env.get("max_bytes", max_bytes)
         if not (isinstance(max_bytes, int) and max_bytes > 0):
@@ -102,8 +60,16 @@ class Watch:
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
         self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
+        wrong = unmatched(self.selection, [n for n, _ in model.named_modules() if n])
+        if wrong:
+            some = ", ".join(n for n, _ in list(model.named_modules())[1:6])
+            raise UsageError(f"convcheck.watch: layers pattern {wrong[0]!r} matches no module of the model "
+                             f"(its modules: {some}, ...)")
+        self.paused = False
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.device = str(self.params[0][1].device) if self.params else "cpu"
+        # on an accelerator the step's statistics stay there until it ends, read once (``deferred.py``)
+        self.defer = {"step": True, "layer": False}.get(self.selection.sync, self.device.split(":")[0] != "cpu")
         self.handles: list = []
         self.step_index, self.written, self.explicit = 0, 0, False
         self.producer: dict | None = None
@@ -126,6 +92,8 @@ class Watch:
         self.last_leaf: tuple | None = None
         self.eval_forwards = 0  # the model's calls with gradients on but in eval mode (model.train() forgotten?)
         self.leaf_calls = 0  # leaf hooks run this step (none in a forward compiled whole)
+        self.buffer = _deferred.StepBuffer() if self.defer else None  # this step's device-side statistics
+        self.chosen = self.selection.step_chosen(self.step_index) and not self.paused  # its layers recorded
         self.stepped = self.pending = False
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
                       else None)
@@ -176,8 +144,9 @@ class Watch:
         # when traced, so a compiled graph holds nothing of the watch (``compiled.py``)
         self.handles.append(self.outer.register_forward_pre_hook(outside_graphs(self._root_pre), with_kwargs=True))
         self.handles.append(self.outer.register_forward_hook(outside_graphs(self._root_forward)))
-        for mod in self.names:
-            if mod is not self.model:
+        every_layer = self.selection.layers is None
+        for mod, name in self.names.items():
+            if mod is not self.model and (every_layer or mod in self.leaves and self.selection.layer_chosen(name)):
                 self.handles.append(mod.register_forward_hook(self._forward))
         if self.optimizer is not None:
             self.handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
@@ -186,6 +155,20 @@ class Watch:
     # --- hooks ------------------------------------------------------------------
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.model.training and not self.truncated
+
+    def _layers_now(self) -> bool:
+        """Whether the layer hooks record now: a chosen step, not paused (``selection.py``)."""
+        return self.chosen and not self.paused and self._recording()
+
+    def pause(self) -> None:
+        """Stop recording layers (each step still records its loss, gradient norms and batch) until ``resume``."""
+        self.paused = True
+        self.chosen = False
+
+    def resume(self) -> None:
+        """Record layers again: from now on, on the steps the selection chooses."""
+        self.paused = False
+        self.chosen = self.selection.step_chosen(self.step_index)
 
     def hash_batch(self, args, kwargs) -> None:
         """The step's batch: its exact hash and its ``rounded_hashes``."""
@@ -207,8 +190,12 @@ class Watch:
     def _root_forward(self, module, args, output):
         if not self._recording():
             return None
+        if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
+            self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
+            return None
         leaf = self.model in self.leaves
-        if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves:
+        if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves \
+                and (self.selection.layers is None or self.compiled is not None):
             self._hidden_forward(args, output)  # compiled whole: no leaf hook ran inside it
             return None
         return self._forward(self.model, args, output)
@@ -220,138 +207,90 @@ class Watch:
             self.compiled = self.compiled or "a compiled call of the model"
             self.notes.append(f"{HIDDEN} (from step {self.step_index}; {self.compiled})")
         name = self.names[self.model]
-        outs = _floats(output)
-        row = None
-        for t in outs[:1]:
-            row = _stats.measure(t)
-            self.layers[name] = _stats.merge(self.layers.get(name), row)
-        if outs and name not in self.order:
-            self.order.append(name)
+        outs = floats(output)
+        row = self._measure_leaf(name, args, outs)
         if self.taker is not None:
-            self.taker.take_call(name, _floats(args), outs)
+            self.taker.take_call(name, floats(args), outs)
         self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
         self._check_producer(self.model, name, args, outs, row, leaf=True)
 
     def _forward(self, module, args, output):
         if tracing():  # inside a compiled graph: nothing of the watch is traced into it
             return None
-        if not self._recording():
+        if not self._layers_now():
             return None
         name = self.names[module]
-        outs = _floats(output)
+        outs = floats(output)
         row = None
         if module in self.leaves:
             self.leaf_calls += 1
-            for t in outs[:1]:
-                row = _stats.measure(t)
-                self.layers[name] = _stats.merge(self.layers.get(name), row)
-            if name not in self.order:
-                self.order.append(name)
+            row = self._measure_leaf(name, args, outs)
         if self.taker is not None and module in self.leaves:
-            self.taker.take_call(name, _floats(args), outs)
+            self.taker.take_call(name, floats(args), outs)
         if module is self.model:  # where the loss's own code begins (``loss_op`` stops there)
             self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
         self._check_producer(module, name, args, outs, row, leaf=module in self.leaves)
         return None
 
-    def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
-        """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""
-        if self.producer is None:
-            if row is not None:
-                bad = row["nan"] + row["inf"] > 0 or _nonfinite(outs[1:])
-                self.last_leaf = (outs[0], bool(bad))
-            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1:
-                bad = self.last_leaf[1]  # a container handing on its last leaf's output: already measured
-            else:
-                bad = _nonfinite(outs)
-            if outs and bad and not _nonfinite(_floats(args)):
-                self._found(name, "forward", "module" if module in self.leaves else "own code")
-                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
-
-                self.producer.update(live_op(module, args))  # the op that made them
-            elif outs and outs[0].requires_grad and (leaf or module is self.model):
-                outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
-
-    def _grad_hook(self, name: str):
-        def hook(grad):
-            if self.producer is None and not _stats.finite(grad):
-                after = self.order.index(name) + 1 if name in self.order else len(self.order)
-                consumer = self.order[after] if after < len(self.order) else "the loss"
-                self._found(consumer, "backward", "module" if consumer != "the loss" else "own code",
-                            detail=f"gradient into {name}'s output")
+    def _measure_leaf(self, name: str, args, outs) -> dict | None:
+        """A leaf call's statistics: measured now (its row), or left on the device for the step's end (None)."""
+        if outs and name not in self.order:
+            self.order.append(name)
+        if not outs:
             return None
-        return hook
-
-    def _found(self, layer: str, direction: str, kind: str, detail: str | None = None) -> None:
-        self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,
-                         "detail": detail}
-        if self.snapshot_nonfinite and self.taker is None:
-            self.taker = SnapshotTaker(self.names, partial=f"started at the first non-finite {direction} value",
-                                       budget=self._budget())
-            self.snapshot_steps.add(self.step_index)
+        if self.buffer is not None:
+            self.buffer.leaf(name, outs[0], outs[1:], floats(args) if self.producer is None else [])
+            self.last_leaf = (outs[0], len(self.buffer.calls) - 1)
+            return None
+        row = _stats.measure(outs[0])
+        self.layers[name] = _stats.merge(self.layers.get(name), row)
+        return row
 
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
-        if _closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
+        if closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
             return None
         self._read_grads()
         return None
 
     def _read_grads(self) -> None:
-        self.grad_norms = self._norms()
+        self.grad_norms = grad_norms(self.params, self.buffer)
         if self.taker is not None:
             self.taker.take_grads(self.params)
 
     def _post_step(self, optimizer, args, kwargs):
-        if _closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
+        if closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
             self._read_grads()
         self.stepped = True
         self.pending = not self.explicit  # ended at the next forward (or w.step, or exit)
         return None
-
-    def _norms(self) -> dict[str, float]:
-        """Every parameter's gradient norm: one ``_foreach_norm`` per dtype, one ``tolist`` for all."""
-        named = [(n, p.grad.detach()) for n, p in self.params if p.grad is not None]
-        if not named:
-            return {}
-        norms: list = [None] * len(named)
-        by_dtype: dict = {}
-        for i, (_, g) in enumerate(named):
-            by_dtype.setdefault((g.dtype, g.device), []).append(i)
-        for (dtype, _), idx in by_dtype.items():
-            grads = [named[i][1] for i in idx]
-            if _stats.reduce_dtype(grads[0]) is None and all(not g.is_sparse for g in grads):
-                got = torch._foreach_norm(grads)
-            else:
-                got = [torch.linalg.vector_norm(g, dtype=_stats.reduce_dtype(g)) for g in grads]
-            for i, v in zip(idx, got):
-                norms[i] = v.detach().double()
-        if len({v.device for v in norms}) == 1:  # one transfer (one sync on an accelerator) for all
-            return dict(zip((n for n, _ in named), torch.stack(norms).tolist()))
-        return {n: float(v) for (n, _), v in zip(named, norms)}
 
     # --- the user's call -----------------------------------------------------------
     def step(self, loss=None) -> None:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
         value = step_loss(loss)
+        if self.grad_norms is None:
+            self.grad_norms = grad_norms(self.params, self.buffer)
+            if self.taker is not None and not self.taker.grads:
+                self.taker.take_grads(self.params)
+        self._resolve()
         p = self.producer
         if value is not None and not math.isfinite(value) and (p is None or (
                 p["step"] == self.step_index and p["direction"] == "backward")):
             # the loss is already non-finite in its forward: a backward NaN/Inf of this step came after it
-            self._found("the loss", "forward", "own code", detail=f"the loss is {value}")
+            self._found("the loss", "forward", "own code", detail=f"the loss is {value}", ended=self.defer)
             self.producer.update(loss_op(loss, value, self.model_fns))
-        if self.grad_norms is None:
-            self.grad_norms = self._norms()
-            if self.taker is not None and not self.taker.grads:
-                self.taker.take_grads(self.params)
         self._end_step(loss=value)
 
     def _end_step(self, loss) -> None:
+        self._resolve()
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
                   "batch_rounded": self.rounded,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
+        if not self.chosen:
+            record["layers_recorded"] = False  # left out by the selection, or paused
         if self.scaler is not None:
             record["scale"] = float(self.scaler.get_scale())
             record["skipped"] = not self.stepped
@@ -428,13 +367,15 @@ class Watch:
             "distributed": self.distributed, "stopped": getattr(self, "stopped", None),
             # how the model was compiled (None: not, so far as the watch knew at the start), and whether its
             # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
+            "selection": self.selection.to_dict(),
             "compiled": {"how": self.compiled, "layers_hidden": self.hidden, "fallback_random": fallback_random()},
         }
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
-          max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False) -> Watch:
+          max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False, layers=None, steps=None, every: int = 1,
+          sync: str = "auto") -> Watch:
     """``with convcheck.watch(model, optimizer, out="runs/gpu") as w:`` around the user's loop.
 
     Records at each ``optimizer.step()`` (or at ``w.step(loss)`` once the loop calls it, which also
@@ -444,6 +385,14 @@ def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snaps
     most the run may write (a snapshot that would pass it is skipped with one warning, recorded in the
     manifest's ``skipped_snapshots``); ``force``: replace an earlier watched run in ``out``. The environment
     variables ``CONVCHECK_SNAPSHOT_STEPS=0,10,20`` and ``CONVCHECK_WATCH_MAX_BYTES=500M``, when set, replace
-    ``snapshot_steps`` and ``max_bytes`` without touching the script."""
+    ``snapshot_steps`` and ``max_bytes`` without touching the script.
+
+    What is recorded (``selection.py``; each has an environment variable too): ``layers``, module-name patterns
+    (``["layer4.*", "fc"]``; the others get no hook); ``steps``, steps or windows (``range(100, 200)``,
+    ``"0-99,500"``); ``every``, every N-th step; ``sync``: ``"step"`` reads the statistics once a step (the
+    default on an accelerator), ``"layer"`` as each layer runs (the default on the CPU; on a GPU it also names
+    the op of the first NaN/Inf and snapshots it at once). Steps left out still record their loss, gradient
+    norms and batch. ``w.pause()`` / ``w.resume()`` around a phase the loop wants left out."""
     return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
-                 snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force)
+                 snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force, layers=layers, steps=steps,
+                 every=every, sync=sync)

@@ -5,6 +5,7 @@ model's parameters."""
 from __future__ import annotations
 
 import math
+import random
 import os
 import sys
 
@@ -100,3 +101,12 @@ def check_optimizer(model: torch.nn.Module, optimizer) -> None:
         raise UsageError(f"convcheck.watch: the optimizer ({type(optimizer).__name__}, {len(held)} parameters) holds "
                          "none of the model's parameters: build it over model.parameters() after the model is "
                          "final (after .to(device), a copy or torch.compile's original module)")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (CPU and every accelerator) with ``seed``."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -189,3 +189,55 @@ def finish(acc: dict) -> dict:
     return {"n": acc["n"], "max_abs": acc["max_abs"], "min_nonzero": acc["min_nonzero"], "mean": mean,
             "std": math.sqrt(var), "zeros": acc["zeros"] / acc["n"] if acc["n"] else 0.0, "nan": acc["nan"],
             "inf": acc["inf"], "dtype": acc["dtype"], "calls": acc["calls"]}
+
+
+# --- one read per step (``deferred.py``): the same accumulators, left on the tensor's device -----------------
+DEVICE_FIELDS = ("n", "sum", "sumsq", "max_abs", "min_nonzero", "zeros", "nan", "inf")
+
+
+def device_row(t: torch.Tensor) -> torch.Tensor:
+    """``measure``'s accumulators of a floating tensor as one float64 tensor on its device, in
+    ``DEVICE_FIELDS`` order, computed without reading anything back (no branch on a value: every pass runs).
+    Over the finite values only, as ``_measure_nonfinite``; ``min_nonzero`` 0 means none."""
+    x = t.detach()
+    n = x.numel()
+    if n == 0 or x.dtype not in _BITS:
+        return torch.tensor([float(n), 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=x.device) if n == 0 else \
+            torch.tensor(list(_row_values(_measure_nonfinite(t))), dtype=torch.float64, device=x.device)
+    acc = reduce_dtype(x)
+    fin = torch.isfinite(x)
+    nonfinite = n - fin.sum()
+    nan = torch.isnan(x).sum()
+    xs = torch.where(fin, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    lo, hi = torch.aminmax(xs)
+    total = xs.sum(dtype=acc).double()
+    norm = torch.linalg.vector_norm(xs, dtype=acc).double()
+    zeros = (xs == 0).sum() - nonfinite
+    ints, mask = _BITS[x.dtype]
+    # the smallest nonzero magnitude from |x|'s bits (0 -> the largest, as ``_zeros``); all zero: -0.0 -> none
+    least = torch.bitwise_and(xs.view(ints), mask).sub_(1).bitwise_and_(mask).min().add(1)
+    smallest = least.reshape(1).view(x.dtype).double().abs().reshape(())
+    return torch.stack([torch.full((), float(n), dtype=torch.float64, device=x.device), total, norm * norm,
+                        torch.maximum(-lo, hi).double(), smallest, zeros.double(), nan.double(),
+                        (nonfinite - nan).double()])
+
+
+def _row_values(row: dict) -> tuple:
+    return (row["n"], row["sum"], row["sumsq"], row["max_abs"], row["min_nonzero"] or 0.0, row["zeros"], row["nan"],
+            row["inf"])
+
+
+def row_of(values, dtype: str) -> dict:
+    """A ``device_row`` read back (its ``DEVICE_FIELDS`` values) as ``measure``'s row."""
+    n, total, sumsq, max_abs, smallest, zeros, nan, inf = values
+    return {"n": int(n), "sum": total, "sumsq": sumsq, "max_abs": max_abs,
+            "min_nonzero": smallest if smallest > 0 else None, "zeros": int(zeros), "nan": int(nan),
+            "inf": int(inf), "dtype": dtype, "calls": 1}
+
+
+def device_bad(ts) -> torch.Tensor | None:
+    """Whether any of the tensors ``ts`` holds a NaN or Inf, as a float64 0/1 on their device (None: none given)."""
+    flags = [(~torch.isfinite(t.detach())).any() for t in ts if t.numel()]
+    if not flags:
+        return None
+    return torch.stack(flags).any().double() if len(flags) > 1 else flags[0].double()

@@ -1,0 +1,33 @@
+"""Every parameter's gradient norm at a step: one ``_foreach_norm`` per dtype, read at once or with the step's
+other statistics (``deferred.StepBuffer.norms``)."""
+
+from __future__ import annotations
+
+import torch
+
+from convcheck.watch import stats as _stats
+
+
+def grad_norms(params, buffer=None) -> dict[str, float]:
+    """Every parameter's gradient norm: one ``_foreach_norm`` per dtype, one ``tolist`` for all."""
+    named = [(n, p.grad.detach()) for n, p in params if p.grad is not None]
+    if not named:
+        return {}
+    norms: list = [None] * len(named)
+    by_dtype: dict = {}
+    for i, (_, g) in enumerate(named):
+        by_dtype.setdefault((g.dtype, g.device), []).append(i)
+    for (dtype, _), idx in by_dtype.items():
+        grads = [named[i][1] for i in idx]
+        if _stats.reduce_dtype(grads[0]) is None and all(not g.is_sparse for g in grads):
+            got = torch._foreach_norm(grads)
+        else:
+            got = [torch.linalg.vector_norm(g, dtype=_stats.reduce_dtype(g)) for g in grads]
+        for i, v in zip(idx, got):
+            norms[i] = v.detach().double()
+    if len({v.device for v in norms}) == 1 and buffer is not None:  # read with the step's statistics
+        buffer.norms([n for n, _ in named], torch.stack(norms))
+        return {}
+    if len({v.device for v in norms}) == 1:  # one transfer (one sync on an accelerator) for all
+        return dict(zip((n for n, _ in named), torch.stack(norms).tolist()))
+    return {n: float(v) for (n, _), v in zip(named, norms)}

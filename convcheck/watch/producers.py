@@ -1,0 +1,131 @@
+"""Where the first NaN/Inf of a watched run comes from: the recorder's producer hooks (a mixin of ``Watch``).
+
+Forward: the first call whose output holds NaN/Inf while its inputs did not - a leaf is the module, a module
+with children its own code - read as each call ends (``sync="layer"``) or from the step's buffer at its end
+(``deferred.resolve``, ``sync="step"``). Backward: a hook on each leaf's output (and the model's) sees the
+gradient into it; the first that is not finite is named by the layer that consumed that output. The loss's
+own op (exp, pow) from its autograd graph when the loss itself is Inf (``loss_op``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from convcheck.watch import deferred as _deferred
+from convcheck.watch import stats as _stats
+from convcheck.watch.snapshots import SnapshotTaker
+
+
+def floats(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in floats(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in floats(o)]
+    return []
+
+
+_OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",
+                "PowBackward0": "pow", "PowBackward1": "pow", "PowBackward2": "pow"}
+
+
+def loss_op(loss, value: float, model_fns, limit: int = 512) -> dict:
+    """``{"op": "exp"}``: the one op of the loss's own code (its autograd graph from the loss back to the
+    model's output, ``model_fns``) that overflows to Inf, when the loss is Inf and that graph holds exactly
+    one such op (exp, pow); ``{}`` otherwise. Reads the graph's node types only (its saved tensors are
+    freed by the backward)."""
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or not math.isinf(value):
+        return {}
+    stop, seen, todo, found = set(model_fns), set(), [loss.grad_fn], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _OVERFLOWING:
+            found.add(_OVERFLOWING[type(node).__name__])
+        if node not in stop:
+            todo += [n for n, _ in node.next_functions]
+    return {"op": found.pop()} if len(found) == 1 and len(seen) < limit else {}
+
+
+def closure(args, kwargs) -> bool:
+    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
+    return (args[0] if args else kwargs.get("closure")) is not None
+
+
+def nonfinite(ts) -> bool:
+    return any(not _stats.finite(t) for t in ts)
+
+
+
+class ProducerHooks:
+    """The producer half of ``Watch``: it reads ``self.producer``, ``self.buffer``, ``self.order``,
+    ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.taker`` and the snapshot settings."""
+
+    def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
+        """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""
+        if self.producer is None and self.buffer is not None:  # read at the step's end (``deferred.resolve``)
+            if not leaf and outs:
+                same = self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1
+                self.buffer.container(name, outs, floats(args), same_as=self.last_leaf[1] if same else None)
+            if outs and outs[0].requires_grad and (leaf or module is self.model):
+                outs[0].register_hook(self._grad_hook(name))
+            return
+        if self.producer is None:
+            if row is not None:
+                bad = row["nan"] + row["inf"] > 0 or nonfinite(outs[1:])
+                self.last_leaf = (outs[0], bool(bad))
+            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1:
+                bad = self.last_leaf[1]  # a container handing on its last leaf's output: already measured
+            else:
+                bad = nonfinite(outs)
+            if outs and bad and not nonfinite(floats(args)):
+                self._found(name, "forward", "module" if module in self.leaves else "own code")
+                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
+
+                self.producer.update(live_op(module, args))  # the op that made them
+            elif outs and outs[0].requires_grad and (leaf or module is self.model):
+                outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
+
+    def _grad_hook(self, name: str):
+        def hook(grad):
+            if self.buffer is not None and self.producer is None:
+                self.buffer.grad(name, grad)
+            elif self.producer is None and not _stats.finite(grad):
+                after = self.order.index(name) + 1 if name in self.order else len(self.order)
+                consumer = self.order[after] if after < len(self.order) else "the loss"
+                self._found(consumer, "backward", "module" if consumer != "the loss" else "own code",
+                            detail=f"gradient into {name}'s output")
+            return None
+        return hook
+
+    def _found(self, layer: str, direction: str, kind: str, detail: str | None = None, ended: bool = False) -> None:
+        self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,
+                         "detail": detail}
+        if self.snapshot_nonfinite and self.taker is None and not ended:
+            self.taker = SnapshotTaker(self.names, partial=f"started at the first non-finite {direction} value",
+                                       budget=self._budget())
+            self.snapshot_steps.add(self.step_index)
+
+    def _resolve(self) -> None:
+        """The step's one read of its device-side statistics (``deferred.py``): rows, norms, the producer."""
+        buf = self.buffer
+        if buf is None or not buf.calls and not buf.parts:
+            return
+        layers, norms, found = _deferred.resolve(buf, self.order)
+        self.buffer = _deferred.StepBuffer()
+        for n, row in layers.items():
+            self.layers[n] = _stats.merge(self.layers.get(n), row)
+        if norms is not None:
+            self.grad_norms = norms
+        if found is not None and self.producer is None:
+            self._found(found["layer"], found["direction"], found["kind"], found["detail"], ended=True)
+            self.defer = False
+            self.notes.append(f"the first non-finite value was found at the end of step {self.step_index}, where the "
+                              f"watch reads its statistics once a step on {self.device}: its op was not resolved and no "
+                              "snapshot was begun; from the next step each layer is read as it runs")
+

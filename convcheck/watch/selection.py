@@ -1,0 +1,120 @@
+"""What a watch records, chosen by the script or by environment variables (issue 35): layers by name
+pattern, steps by window or every N, ``w.pause()``/``w.resume()``, and when statistics are read.
+
+Every step is still a line of ``steps.jsonl`` - its loss, learning rates, gradient norms and batch hashes, so
+two runs stay aligned step by step - but the per-layer hooks record only the chosen layers on the chosen
+steps while not paused (a step left out has ``"layers_recorded": false``); a layer left out gets no hook.
+
+    CONVCHECK_WATCH_LAYERS=layer4.*,fc      fnmatch patterns over module names (``model.named_modules()``)
+    CONVCHECK_WATCH_STEPS=0-99,500          steps, or inclusive windows, comma-separated
+    CONVCHECK_WATCH_EVERY=10                every 10th step (0, 10, 20, ...)
+    CONVCHECK_WATCH_SYNC=step|layer|auto    read statistics once a step (``deferred.py``) or as each layer
+                                            runs; auto: once a step on an accelerator, as they run on the CPU
+
+Each variable, when set, replaces the script's argument; a bad value is one ``UsageError`` naming it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+
+from convcheck.errors import UsageError
+
+ENV_LAYERS = "CONVCHECK_WATCH_LAYERS"
+ENV_STEPS = "CONVCHECK_WATCH_STEPS"
+ENV_EVERY = "CONVCHECK_WATCH_EVERY"
+ENV_SYNC = "CONVCHECK_WATCH_SYNC"
+SYNCS = ("auto", "step", "layer")
+MAX_STEP = 10**9
+
+
+@dataclass(frozen=True)
+class Selection:
+    layers: tuple[str, ...] | None = None  # fnmatch patterns; None: every layer
+    steps: tuple[tuple[int, int], ...] | None = None  # inclusive windows; None: every step
+    every: int = 1
+    sync: str = "auto"
+
+    def layer_chosen(self, name: str) -> bool:
+        return self.layers is None or any(fnmatch.fnmatchcase(name, p) for p in self.layers)
+
+    def step_chosen(self, step: int) -> bool:
+        if step % self.every:
+            return False
+        return self.steps is None or any(lo <= step <= hi for lo, hi in self.steps)
+
+    def to_dict(self) -> dict:
+        return {"layers": None if self.layers is None else list(self.layers),
+                "steps": None if self.steps is None else [list(w) for w in self.steps], "every": self.every,
+                "sync": self.sync}
+
+
+def _layers(value, what: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
+    if not items or not all(isinstance(p, str) and p.strip() and len(p) <= 200 for p in items):
+        raise UsageError(f"{what}={value!r:.80} is not a list of module-name patterns (e.g. 'layer4.*,fc')")
+    return tuple(p.strip() for p in items)
+
+
+def _windows(value, what: str) -> tuple[tuple[int, int], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, range):
+        if value.step != 1 or len(value) == 0:
+            raise UsageError(f"{what}={value!r} is not a non-empty range of consecutive steps (use every= for a stride)")
+        return ((value.start, value.stop - 1),)
+    items = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
+    out = []
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= MAX_STEP:
+            out.append((item, item))
+            continue
+        text = item if isinstance(item, str) else ""
+        lo, _, hi = text.partition("-")
+        if not (lo.strip().isdigit() and (not hi or hi.strip().isdigit()) and len(text) <= 30):
+            raise UsageError(f"{what}={value!r:.80} is not a list of steps or inclusive windows (e.g. '0-99,500')")
+        a, b = int(lo), int(hi) if hi else int(lo)
+        if a > b or b > MAX_STEP:
+            raise UsageError(f"{what}: the window {text!r} is empty or past step {MAX_STEP}")
+        out.append((a, b))
+    if not out:
+        raise UsageError(f"{what}={value!r:.80} names no step")
+    return tuple(out)
+
+
+def _every(value, what: str) -> int:
+    if isinstance(value, str):
+        value = int(value.strip()) if value.strip().isdigit() and len(value.strip()) <= 9 else None
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_STEP):
+        raise UsageError(f"{what}={value!r:.40} is not a whole number of steps >= 1")
+    return value
+
+
+def _sync(value, what: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in SYNCS:
+        raise UsageError(f"{what}={value!r:.40} is not one of {', '.join(SYNCS)}")
+    return text
+
+
+def selection(layers=None, steps=None, every=1, sync="auto", environ=None) -> tuple[Selection, dict]:
+    """The watch's ``Selection`` from its arguments, each replaced by its environment variable when set;
+    and the variables that were set (recorded in the manifest's ``settings_from_env``)."""
+    env = os.environ if environ is None else environ
+    got = {k: env[k] for k in (ENV_LAYERS, ENV_STEPS, ENV_EVERY, ENV_SYNC) if env.get(k) is not None}
+    sel = Selection(
+        layers=_layers(got[ENV_LAYERS], ENV_LAYERS) if ENV_LAYERS in got else _layers(layers, "layers"),
+        steps=_windows(got[ENV_STEPS], ENV_STEPS) if ENV_STEPS in got else _windows(steps, "steps"),
+        every=_every(got[ENV_EVERY], ENV_EVERY) if ENV_EVERY in got else _every(every, "every"),
+        sync=_sync(got[ENV_SYNC], ENV_SYNC) if ENV_SYNC in got else _sync(sync, "sync"))
+    return sel, got
+
+
+def unmatched(sel: Selection, names) -> list[str]:
+    """The layer patterns that match no module name: each a mistake the user should hear about at once."""
+    names = list(names)
+    return [p for p in (sel.layers or ()) if not any(fnmatch.fnmatchcase(n, p) for n in names)]
