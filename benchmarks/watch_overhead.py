@@ -46,6 +46,36 @@ def _steps(model, opt, batches, w=None) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+class _NaiveHook:
+    """The anchor the issue measures beside the watch: a forward hook on every leaf computing max |x|, mean and
+    std, each read at once (what a user writes in ten lines)."""
+
+    def __init__(self, model):
+        self.handles = [m.register_forward_hook(self.hook) for m in model.modules() if not list(m.children())]
+        self.rows = []
+
+    def hook(self, module, args, output):
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            x = output.detach()
+            self.rows.append((x.abs().max().item(), x.mean().item(), x.std().item()))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _anchors(model, opt, batches) -> dict:
+    """One round of each anchor over the same batches: the naive hook, and ``torch.autograd.detect_anomaly``."""
+    naive = _NaiveHook(getattr(model, "_orig_mod", model))
+    try:
+        t_naive = _steps(model, opt, batches)
+    finally:
+        naive.close()
+    with torch.autograd.detect_anomaly(check_nan=True):
+        t_anomaly = _steps(model, opt, batches)
+    return {"naive": t_naive, "anomaly": t_anomaly}
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -65,12 +95,16 @@ def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None 
     batches = [(torch.randn(batch, *spec.input_shape), torch.randint(0, spec.num_classes, (batch,)))
                for _ in range(steps)]
     _steps(model, opt, batches[:2])  # warm up
-    stats_pairs, snap_pairs = [], []
+    stats_pairs, snap_pairs, naive_pairs, anomaly_pairs = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             bare = _steps(model, opt, batches)
             with convcheck.watch(model, opt, out=Path(tmp) / f"w{r}", snapshot_steps=()) as w:
                 stats_pairs.append((_steps(model, opt, batches, w), bare))
+            if backend is None:  # the anchors, in the same round (eager only: detect_anomaly does not compile)
+                got = _anchors(model, opt, batches)
+                naive_pairs.append((got["naive"], bare))
+                anomaly_pairs.append((got["anomaly"], bare))
         rss0 = _rss_mb()
         for r in range(rounds):
             before = _steps(model, opt, batches[:1])
@@ -82,7 +116,9 @@ def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None 
         rss_growth = _rss_mb() - rss0
     stats_wall, stats_cpu = _ratios(stats_pairs)
     snap_wall, snap_cpu = _ratios(snap_pairs)
-    return {"model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu, "snapshot_ratio": snap_wall,
+    anchors = {f"{k}_ratio": _ratios(v)[0] for k, v in (("naive", naive_pairs), ("anomaly", anomaly_pairs)) if v}
+    return {**anchors, "model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu,
+            "snapshot_ratio": snap_wall,
             "snapshot_cpu_ratio": snap_cpu, "snapshot_mb": snap_mb, "rss_growth_mb": rss_growth}
 
 
@@ -103,6 +139,9 @@ def main() -> None:
               f"{r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step (CPU time "
               f"{r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | peak RSS growth "
               f"{r['rss_growth_mb']:.1f} MB")
+        if "naive_ratio" in r:
+            print(f"{'':<10} anchors in the same rounds: a naive max|x|/mean/std hook {r['naive_ratio']:.3f}x bare, "
+                  f"torch.autograd.detect_anomaly {r['anomaly_ratio']:.3f}x bare")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
