@@ -83,6 +83,7 @@ def test_a_callable_data_factory_in_the_api():
     assert len(r.batch_hashes) == 4
 
 
+@pytest.mark.slow  # ~2.5 s
 def test_digits_trains_lenet_on_both_arms():
     pytest.importorskip("sklearn")
     r = compare("lenet", "cpu,cpu:bf16", data="digits", steps=30, lr=3e-3, envelope=0, env_findings=[])

@@ -52,6 +52,7 @@ def ddp_copy(one_rank: Path, tmp_path: Path) -> Path:
     return tmp_path / "ddp"
 
 
+@pytest.mark.slow  # ~4 s: a gloo process group
 def test_under_a_process_group_the_watch_writes_its_rank_folder(one_rank, capsys):
     assert sorted(os.listdir(one_rank / "a")) == ["rank0"]
     manifest = json.loads((one_rank / "a" / "rank0" / "manifest.json").read_text())

@@ -66,7 +66,8 @@ def _plain_forward(self, x):
     return self.relu(out)
 
 
-@pytest.mark.parametrize("target", ["cpu", "cpu:bf16", "cpu:fp16", "cpu:emulate-tf32", "cpu:amp-bf16"])
+@pytest.mark.parametrize("target", ["cpu", "cpu:bf16", pytest.param("cpu:fp16", marks=pytest.mark.slow),  # ~4 s
+                                    pytest.param("cpu:emulate-tf32", marks=pytest.mark.slow), "cpu:amp-bf16"])
 def test_a_healthy_resnet_has_own_code_rows_and_none_flagged(target):
     from convcheck.measure.parity import run_parity
     from convcheck.targets.spec import Target

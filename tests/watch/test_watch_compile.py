@@ -76,7 +76,7 @@ def _graphs() -> dict:
     return {k: dict(v) for k, v in counters.items() if k in ("stats", "recompiles", "graph_break", "frames")}
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("how", ["wrapper passed", "method", "original watched"])
 def test_a_compiled_model_trains_under_the_watch_unchanged(tmp_path, how, backend):
     torch._dynamo.reset()
