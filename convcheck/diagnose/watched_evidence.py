@@ -15,6 +15,7 @@ steps (``watch/replay.Replay``: ``flagged`` and ``overflows`` rows with ``step``
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from convcheck.numerics.formats import FORMATS
@@ -123,7 +124,25 @@ def producer_where(p: dict) -> str:
 def producer_text(p: dict) -> str:
     detail = [str(p["detail"])[:200]] if p.get("detail") else []
     detail += [magnitude_text(p)] if magnitude_text(p) else []
-    return f"{producer_where(p)} at step {p['step']}" + (f": {'; '.join(detail)}" if detail else "")
+    src = source_text(p.get("source"))
+    return f"{producer_where(p)} at step {p['step']}" + (f": {'; '.join(detail)}" if detail else "") \
+        + (f" [{src}]" if src else "")
+
+
+def source_text(src) -> str:
+    """``file.py:12: w = e / e.sum(-1, keepdim=True)``, the producer's source line (``watch/sourceline.py``), the
+    file relative to the current folder when inside it; "" for a missing or malformed record (untrusted)."""
+    if not isinstance(src, dict) or not isinstance(src.get("file"), str) or not isinstance(src.get("line"), int) \
+            or isinstance(src.get("line"), bool):
+        return ""
+    path = src["file"][:300]
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    code = src.get("code") if isinstance(src.get("code"), str) else ""
+    return f"{path}:{src['line']}" + (f": {' '.join(code.split())[:160]}" if code else "")
 
 
 _LARGEST = {f.dtype: f.largest for f in FORMATS if f.dtype in ("float16", "bfloat16", "float32", "float64")}

@@ -52,9 +52,10 @@ class StepBuffer:
         out_bad = None if same_as is not None else self._put(_stats.device_bad(outs))
         self.calls.append(("container", name, same_as, [out_bad, self._put(_stats.device_bad(inputs))]))
 
-    def grad(self, name: str, grad: torch.Tensor) -> None:
-        """The gradient into ``name``'s output (backward order): whether it holds NaN/Inf."""
-        self.calls.append(("grad", name, None, [self._put(_stats.device_bad([grad]))]))
+    def grad(self, name: str, grad: torch.Tensor, ref=None) -> None:
+        """The gradient into ``name``'s output (backward order): whether it holds NaN/Inf (``ref``: a weak
+        reference to that output, for ``Watch._consumer``)."""
+        self.calls.append(("grad", name, ref, [self._put(_stats.device_bad([grad]))]))
 
     def norms(self, names: list[str], norms: torch.Tensor) -> None:
         """Every parameter's gradient norm (float64, one device), read with the rest."""
@@ -77,10 +78,11 @@ class StepBuffer:
         return values
 
 
-def resolve(buf: StepBuffer, order: list[str]) -> tuple[dict, dict | None, dict | None]:
+def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
     """``(layers, norms, producer)`` of a step from its buffer: the layers' merged rows, the gradient norms
     (None when none were taken), and the first NaN/Inf producer as ``Watch._found``'s arguments
-    (``{"layer", "direction", "kind", "detail"}``) or None. ``order``: the leaves in the order they ran."""
+    (``{"layer", "direction", "kind", "detail"}`` and what else it names) or None. ``consumer(name, ref)``:
+    what made a non-finite gradient into that output (``Watch._consumer``)."""
     values = buf.read()
 
     def bad(i):
@@ -101,12 +103,8 @@ def resolve(buf: StepBuffer, order: list[str]) -> tuple[dict, dict | None, dict 
             out_bad = outs_bad[extra] if extra is not None else bad(idx[0])
             if forward is None and out_bad and not bad(idx[1]):
                 forward = {"layer": name, "direction": "forward", "kind": "own code", "detail": None}
-        elif backward is None and bad(idx[0]):  # a gradient into a leaf's output
-            after = order.index(name) + 1 if name in order else len(order)
-            consumer = order[after] if after < len(order) else "the loss"
-            backward = {"layer": consumer, "direction": "backward",
-                        "kind": "module" if consumer != "the loss" else "own code",
-                        "detail": f"gradient into {name}'s output"}
+        elif backward is None and bad(idx[0]):  # a gradient into a leaf's output (``extra``: its reference)
+            backward = {**consumer(name, extra), "direction": "backward", "detail": f"gradient into {name}'s output"}
         outs_bad.append(out_bad)
     norms = None
     if buf.norm_index is not None:

@@ -10,12 +10,14 @@ own op (exp, pow) from its autograd graph when the loss itself is Inf (``loss_op
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from convcheck.watch import deferred as _deferred
 from convcheck.watch import stats as _stats
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.sourceline import caller_line, op_line
 
 
 def floats(obj) -> list[torch.Tensor]:
@@ -52,6 +54,32 @@ def loss_op(loss, value: float, model_fns, limit: int = 512) -> dict:
     return {"op": found.pop()} if len(found) == 1 and len(seen) < limit else {}
 
 
+# the backward nodes that can turn finite gradients into Inf/NaN while their forward stayed finite: each
+# divides by one of its inputs, or a power of it (exp's backward only multiplies by its finite result)
+BACKWARD_OVERFLOWING = {"DivBackward0": "div", "ReciprocalBackward0": "reciprocal", "RsqrtBackward0": "rsqrt",
+                        "SqrtBackward0": "sqrt", "LogBackward0": "log", "Log2Backward0": "log2",
+                        "Log10Backward0": "log10", "PowBackward0": "pow", "PowBackward1": "pow",
+                        "PowBackward2": "pow", "NormBackward1": "norm", "LinalgVectorNormBackward0": "norm"}
+
+
+def backward_op(start, stops, limit: int = 512) -> str | None:
+    """The one op that can overflow in a backward (``BACKWARD_OVERFLOWING``) on the autograd graph from
+    ``start`` (a module's output node) down to ``stops`` (its children's output nodes); None when the walk finds
+    none, several kinds, or runs past ``limit`` nodes. Reads node types only."""
+    if start is None:
+        return None
+    seen, todo, found = set(), [start], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if type(node).__name__ in BACKWARD_OVERFLOWING:
+            found.add(BACKWARD_OVERFLOWING[type(node).__name__])
+        todo += [n for n, _ in node.next_functions]
+    return found.pop() if len(found) == 1 and len(seen) < limit else None
+
+
 def closure(args, kwargs) -> bool:
     """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
     return (args[0] if args else kwargs.get("closure")) is not None
@@ -66,14 +94,61 @@ class ProducerHooks:
     """The producer half of ``Watch``: it reads ``self.producer``, ``self.buffer``, ``self.order``,
     ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.taker`` and the snapshot settings."""
 
+    def _note_call(self, module, name, args, outs, leaf: bool) -> None:
+        """Who consumes what, for the backward producer: this call's floating inputs (by identity), its output's
+        autograd node (a module's own code lies between its output node and its children's), and a leaf's
+        calling line the first time it runs."""
+        for t in floats(args):
+            if id(t) not in self.consumed or not leaf or not self.consumed[id(t)][2]:
+                self.consumed[id(t)] = (name, weakref.ref(t), leaf)
+        if outs and outs[0].grad_fn is not None:
+            (self.leaf_nodes.add(outs[0].grad_fn) if leaf and module is not self.model
+             else self.out_nodes.__setitem__(name, outs[0].grad_fn))
+        if leaf and name not in self.call_lines:
+            self.call_lines[name] = caller_line()
+
+    def _consumer(self, name: str, ref) -> dict:
+        """What made the first non-finite gradient into ``name``'s output (``ref``: a weak reference to it): the
+        loss (it is the model's output), the leaf that took it as its input (its backward), or else the own
+        code of the module that did (or of ``name``'s parent), with the one op there whose backward can
+        overflow (``backward_op``) and its line."""
+        t = ref() if ref is not None else None
+        if t is not None and self.model_out is not None and self.model_out() is t:
+            return {"layer": "the loss", "kind": "own code"}
+        hit = self.consumed.get(id(t)) if t is not None else None
+        owner = None
+        if hit is not None and hit[1]() is t:
+            if hit[2]:
+                return {"layer": hit[0], "kind": "module", "source": self.call_lines.get(hit[0])}
+            owner = hit[0]
+        if owner is None:
+            owner = name.rpartition(".")[0] or self.names[self.model]
+        op = backward_op(self.out_nodes.get(owner), self.leaf_nodes)
+        if op is None:  # own code with nothing that overflows in a backward (a ReLU, a reshape) handed it on:
+            return self._next_leaf(name)  # the layer that ran after ``name`` made it, its input gradient unhooked
+        found = {"layer": owner, "kind": "own code", "op": op}
+        module = self.by_name.get(owner)
+        src = op_line(module, op) if module is not None else None
+        if src is not None:
+            found["source"] = src
+        return found
+
+    def _next_leaf(self, name: str) -> dict:
+        after = self.order.index(name) + 1 if name in self.order else len(self.order)
+        if after >= len(self.order):
+            return {"layer": "the loss", "kind": "own code"}
+        return {"layer": self.order[after], "kind": "module", "source": self.call_lines.get(self.order[after])}
+
     def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
         """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""
+        if self.producer is None:
+            self._note_call(module, name, args, outs, leaf)
         if self.producer is None and self.buffer is not None:  # read at the step's end (``deferred.resolve``)
             if not leaf and outs:
                 same = self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1
                 self.buffer.container(name, outs, floats(args), same_as=self.last_leaf[1] if same else None)
             if outs and outs[0].requires_grad and (leaf or module is self.model):
-                outs[0].register_hook(self._grad_hook(name))
+                outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
             return
         if self.producer is None:
             if row is not None:
@@ -85,21 +160,23 @@ class ProducerHooks:
                 bad = nonfinite(outs)
             if outs and bad and not nonfinite(floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
+                if module in self.leaves and self.call_lines.get(name):
+                    self.producer["source"] = self.call_lines[name]  # the line of the forward that called it
                 from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
 
-                self.producer.update(live_op(module, args))  # the op that made them
+                self.producer.update(live_op(module, args))  # the op that made them (and its line in own code)
             elif outs and outs[0].requires_grad and (leaf or module is self.model):
-                outs[0].register_hook(self._grad_hook(name))  # leaves and the model's output only: cheaper
+                # leaves and the model's output only: cheaper
+                outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
 
-    def _grad_hook(self, name: str):
+    def _grad_hook(self, name: str, ref):
         def hook(grad):
             if self.buffer is not None and self.producer is None:
-                self.buffer.grad(name, grad)
+                self.buffer.grad(name, grad, ref)
             elif self.producer is None and not _stats.finite(grad):
-                after = self.order.index(name) + 1 if name in self.order else len(self.order)
-                consumer = self.order[after] if after < len(self.order) else "the loss"
-                self._found(consumer, "backward", "module" if consumer != "the loss" else "own code",
-                            detail=f"gradient into {name}'s output")
+                found = self._consumer(name, ref)
+                self._found(found.pop("layer"), "backward", found.pop("kind"), detail=f"gradient into {name}'s output")
+                self.producer.update(found)
             return None
         return hook
 
@@ -116,14 +193,16 @@ class ProducerHooks:
         buf = self.buffer
         if buf is None or not buf.calls and not buf.parts:
             return
-        layers, norms, found = _deferred.resolve(buf, self.order)
+        layers, norms, found = _deferred.resolve(buf, self._consumer)
         self.buffer = _deferred.StepBuffer()
         for n, row in layers.items():
             self.layers[n] = _stats.merge(self.layers.get(n), row)
         if norms is not None:
             self.grad_norms = norms
         if found is not None and self.producer is None:
+            extra = {k: v for k, v in found.items() if k not in ("layer", "direction", "kind", "detail")}
             self._found(found["layer"], found["direction"], found["kind"], found["detail"], ended=True)
+            self.producer.update(extra)
             self.defer = False
             self.notes.append(f"the first non-finite value was found at the end of step {self.step_index}, where the "
                               f"watch reads its statistics once a step on {self.device}: its op was not resolved and no "

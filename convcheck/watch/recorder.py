@@ -15,6 +15,7 @@ import hashlib
 import math
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -66,6 +67,8 @@ class Watch(ProducerHooks):
             raise UsageError(f"convcheck.watch: layers pattern {wrong[0]!r} matches no module of the model "
                              f"(its modules: {some}, ...)")
         self.paused = False
+        self.by_name = {n: m for m, n in self.names.items()}
+        self.call_lines: dict = {}  # each leaf's calling line in its parent's forward, from its first call
         self.params = [(n, p) for n, p in model.named_parameters()]
         self.device = str(self.params[0][1].device) if self.params else "cpu"
         # on an accelerator the step's statistics stay there until it ends, read once (``deferred.py``)
@@ -93,6 +96,11 @@ class Watch(ProducerHooks):
         self.eval_forwards = 0  # the model's calls with gradients on but in eval mode (model.train() forgotten?)
         self.leaf_calls = 0  # leaf hooks run this step (none in a forward compiled whole)
         self.buffer = _deferred.StepBuffer() if self.defer else None  # this step's device-side statistics
+        # who consumed what this step (``producers._note_call``): inputs by identity, output nodes
+        self.consumed: dict = {}
+        self.out_nodes: dict = {}
+        self.leaf_nodes: set = set()
+        self.model_out = None  # a weak reference to the model's output
         self.chosen = self.selection.step_chosen(self.step_index) and not self.paused  # its layers recorded
         self.stepped = self.pending = False
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
@@ -212,6 +220,7 @@ class Watch(ProducerHooks):
         if self.taker is not None:
             self.taker.take_call(name, floats(args), outs)
         self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
+        self.model_out = weakref.ref(outs[0]) if outs else None
         self._check_producer(self.model, name, args, outs, row, leaf=True)
 
     def _forward(self, module, args, output):
@@ -229,6 +238,7 @@ class Watch(ProducerHooks):
             self.taker.take_call(name, floats(args), outs)
         if module is self.model:  # where the loss's own code begins (``loss_op`` stops there)
             self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
+            self.model_out = weakref.ref(outs[0]) if outs else None
         self._check_producer(module, name, args, outs, row, leaf=module in self.leaves)
         return None
 

@@ -55,6 +55,7 @@ class _OpProbe(FirstNonfiniteOp):
     def __init__(self):
         super().__init__()
         self.dtype: torch.dtype | None = None
+        self.source: dict | None = None  # the user's line that called the op (``sourceline.caller_line``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         before = self.found
@@ -62,6 +63,9 @@ class _OpProbe(FirstNonfiniteOp):
         if before is None and self.found is not None:
             res = [t for t in tensors_in(out) if t.is_floating_point()]
             self.dtype = res[0].dtype if res else None
+            from convcheck.watch.sourceline import caller_line
+
+            self.source = caller_line()
         return out
 
 
@@ -83,7 +87,15 @@ def live_op(module: nn.Module, args: tuple) -> dict:
     found = {"op": probe.found[1], "magnitude": probe.magnitude}
     if probe.dtype is not None:
         found["dtype"] = str(probe.dtype).removeprefix("torch.")
+    if probe.source is not None and not isinstance(module, _stock_leaf_types()):
+        found["source"] = probe.source  # the op's line in the module's own forward
     return found
+
+
+def _stock_leaf_types() -> tuple:
+    """torch's own layers: the op inside one is torch's code, its line the caller's (kept by the recorder)."""
+    return (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
+            nn.Embedding, nn.MultiheadAttention, nn.Softmax, nn.LogSoftmax)
 
 
 def hookless_copy(module: nn.Module) -> nn.Module:

@@ -40,7 +40,7 @@ def test_a_planted_fp16_overflow_in_attention_is_named_module_op_and_step(runs, 
     assert "verdict: numerics: B turns non-finite at step 4 in att (own code: matmul, forward); A stays finite" in out
     line = next(x for x in out.splitlines() if x.startswith("first non-finite in B:"))
     assert "att (own code: matmul, forward) at step 4: values reach" in line
-    assert line.endswith("> 65504 (float16's largest)")
+    assert line.endswith("> 65504 (float16's largest) [tests/watch/loops.py:20: s = self.q(x) @ self.k(x).transpose(1, 2)]")
     magnitude = float(line.split("values reach ")[1].split(" >")[0])
     assert magnitude > 65504
     # both runs' step 0 replayed through the judge; B's overflow step has no parameters: said so
