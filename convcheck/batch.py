@@ -17,7 +17,9 @@ The loss always sees exactly what the model returned.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Callable
+
 
 import torch
 
@@ -115,6 +117,10 @@ def _describe(obj) -> str:
     return f"a {type(obj).__name__}"
 
 
+# an input value whose square overflows float32 (sqrt(3.4028235e38)): past it no float32 model computes with it
+SQUARE_OVERFLOWS_FLOAT32 = math.sqrt(torch.finfo(torch.float32).max)
+
+
 def check_batch(inputs, target, where: str, step: int = 0, *, class_labels: bool = False,
                 num_classes: int | None = None, input_shape=None) -> None:
     """A batch checked at the edge, before any model or loss sees it: one ``UsageError`` naming the batch
@@ -144,6 +150,13 @@ def check_batch(inputs, target, where: str, step: int = 0, *, class_labels: bool
         if tuple(inputs.shape[1:]) != tuple(input_shape):
             got, want = "x".join(map(str, inputs.shape[1:])), "x".join(map(str, input_shape))
             raise UsageError(f"{name}: the inputs are samples of {got} but the model takes {want}")
+    for t in xs:
+        if t.is_floating_point() and t.numel():
+            top = float(t.detach().abs().amax())
+            if math.isfinite(top) and top > SQUARE_OVERFLOWS_FLOAT32:
+                raise UsageError(f"{name}: its inputs reach {top:.3g}, past {SQUARE_OVERFLOWS_FLOAT32:.3g} (the "
+                                 "square root of float32's largest): their squares - a variance, a norm - are Inf "
+                                 "in float32 on any device; normalise the inputs")
     if not class_labels:
         return
     hint = "the default loss (cross-entropy) takes class indices; pass your loss with --loss FILE.py:fn"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -319,10 +320,25 @@ def measure_training(plan: Plan, arms: Sequence[Arm], *, progress: Progress | No
     """``arms`` trained in lockstep on the plan's stream with its recipe. ``progress`` hears
     ("train", arm-steps done, total); a ``RunStage`` keeps the curves for a stopped run."""
     cfg = plan.config
-    return run_training(plan.build, plan.data, list(arms), TrainConfig(steps=cfg.steps, seed=cfg.seed,
-                        recipe=plan.recipe), tolerances=cfg.tolerances,
-                        progress=(lambda done, total: progress("train", done, total)) if progress else None,
-                        keep=getattr(progress, "keep", None))
+    result = run_training(plan.build, plan.data, list(arms), TrainConfig(steps=cfg.steps, seed=cfg.seed,
+                          recipe=plan.recipe), tolerances=cfg.tolerances,
+                          progress=(lambda done, total: progress("train", done, total)) if progress else None,
+                          keep=getattr(progress, "keep", None))
+    refuse_untrained(result, plan.recipe)
+    return result
+
+
+def refuse_untrained(result: TrainResult, recipe=None) -> None:
+    """A loss that is the same number at every step of every arm (a loss that does not depend on the model's
+    output: ``(out * 0).sum()``) trains nothing: a usage error naming it, never an ``ok`` verdict."""
+    losses = result.curves["loss"] if "loss" in result.curves else None
+    if losses is None or len(losses) < 2 or result.curves["step"].nunique() < 2:
+        return
+    first = float(losses.iloc[0])
+    if math.isfinite(first) and bool((losses == first).all()):
+        name = getattr(recipe, "loss_name", None)
+        raise UsageError(f"the loss{f' {name!r}' if name else ''} is {first:g} at every step on every target: it does "
+                         "not depend on the model's output, so nothing trains; check the loss function")
 
 
 # --- evidence and verdict -------------------------------------------------------------------------

@@ -98,6 +98,10 @@ RUN_CASES = {
              "training setup: dead ReLUs (100% of the outputs of 'relu'", None, "relu"),
     "W106": (replace(RUN, stopped={"exception": "KeyboardInterrupt", "message": "", "step": 2}), "setup",
              "the run stopped at step 2 with KeyboardInterrupt", None, None),
+    "W109": (replace(RUN, setup=(Setup("the run clips its gradients before unscaling them", "clip before unscale_",
+                                       ["steps.jsonl clip_before_unscale at 4 of 4 steps, from step 0"],
+                                       ["call scaler.unscale_(optimizer) before clip_grad_norm_"], step=0),),
+                     producer=PRODUCER), "setup", "the run clips its gradients before unscaling them", None, None),
 }
 RANKS = RankEvidence(per_rank=(Verdict("ok", "agree"), Verdict("ok", "agree")))
 UNSYNCED = RankFinding("A", 1, 0, 2, "gradients", "the gradient of fc.weight at step 2 has norm 0.5, rank 0's 0.25")

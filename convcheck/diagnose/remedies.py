@@ -23,6 +23,10 @@ SCALER_REMEDIES = ["give both runs the same GradScaler settings (init_scale, gro
 CLIP_REMEDIES = ["clip on both sides or neither, at the same max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), "
                  "max_norm) between backward() and optimizer.step() (after scaler.unscale_(optimizer) under a "
                  "GradScaler), then diff again"]
+UNSCALE_BEFORE_CLIP = ["call scaler.unscale_(optimizer) before clip_grad_norm_: scaler.scale(loss).backward(); "
+                       "scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
+                       "scaler.step(optimizer); scaler.update() - clipped while scaled, the true gradients are held to "
+                       "max_norm / scale"]
 DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
                     "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
 # two recordings of one command (bundles) that did not read the same data or build the same weights

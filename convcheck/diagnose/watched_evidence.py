@@ -85,6 +85,7 @@ class RunEvidence:
     steps: int = 0  # how many steps the run recorded
     truncated: str | None = None  # its size-cap note when the record was cut (``max_bytes``)
     eval_from: int | None = None  # the first step it trained with the model in eval mode (``model_eval``)
+    setup: tuple = ()  # how the run was set up wrong on its own (``Setup``s: a clip before ``scaler.unscale_``)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, random_layers, recipe_difference,
                                                   run_findings)
-from convcheck.diagnose.detectors.watched_setup import (clipping_difference, compiled_random, eval_mode_difference,
+from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, clipping_difference, compiled_random, eval_mode_difference,
                                                         initial_weights_difference, lr_difference,
                                                         optimizer_difference, scaler_difference,
                                                         settings_difference)
@@ -380,6 +380,8 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
     setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
+                              # a clip on scaled gradients first: it is why that run's norm is pinned
+                              clip_before_unscale(a, "A"), clip_before_unscale(b, "B"),
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               scaler_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)

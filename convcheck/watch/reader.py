@@ -157,6 +157,7 @@ def _check_step(rec, i: int) -> dict:
         bundle_reader.sha_field(h, f"{where}.batch_sha256")
     bundle_reader.get_field(rec, "model_eval", bool, where, optional=True)  # only on a step trained in eval mode
     bundle_reader.get_field(rec, "layers_recorded", bool, where, optional=True)  # only on a step left out
+    bundle_reader.get_field(rec, "clip_before_unscale", bool, where, optional=True)  # a GradScaler misused
     rounded = bundle_reader.get_field(rec, "batch_rounded", list, where, optional=True)  # runs before it: none
     if rounded is not None:
         if len(rounded) != len(hashes):

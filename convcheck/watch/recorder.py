@@ -24,14 +24,16 @@ from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
 from convcheck.errors import UsageError
 from convcheck.watch import deferred as _deferred
-from convcheck.watch.compiled import HIDDEN, fallback_random, outside_graphs, tracing, unwrap
-from convcheck.watch.settings import check_optimizer, math_flags, module_of, optimizer_settings, step_loss
+from convcheck.watch.compiled import HIDDEN, outside_graphs, tracing, unwrap
+from convcheck.watch.settings import check_optimizer, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
-from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, WATCH_SCHEMA, claim, from_env, prepare_out
+from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import ProducerHooks, closure, floats, loss_op
 from convcheck.watch.ranks import rank_out
+from convcheck.watch.scaler_use import ScalerSpy
 from convcheck.watch.selection import selection, unmatched
 
 
@@ -125,12 +127,15 @@ class Watch(ProducerHooks):
         self.steps_file = os.fdopen(claim(self.out), "w", encoding="utf-8")
         self._write_manifest(complete=False)
         self._install()
+        self.spy = ScalerSpy(self.scaler).install() if self.scaler is not None else None  # clip before unscale_?
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if getattr(self, "spy", None) is not None:
+            self.spy.remove()
         if self.pending:
             self._end_step(loss=None)
         if self.layers or self.hashes:
@@ -304,6 +309,7 @@ class Watch(ProducerHooks):
         if self.scaler is not None:
             record["scale"] = float(self.scaler.get_scale())
             record["skipped"] = not self.stepped
+            record.update(self.spy.end_step() if getattr(self, "spy", None) is not None else {})
         if not self.hashes and self.eval_forwards and self.stepped:
             # the optimizer stepped on forwards run in eval mode only: training with BatchNorm's running
             # statistics and Dropout off - said once, and marked on every such step
@@ -357,30 +363,7 @@ class Watch(ProducerHooks):
     def _write_manifest(self, complete: bool) -> None:
         from convcheck.files import atomic_write_text
 
-        manifest = {
-            "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(self, "recorded", 0),
-            # the SHA-256 of steps.jsonl as written (diff checks it, as each snapshot file's in its entry)
-            "steps_sha256": self.steps_sha.hexdigest(),
-            "model": {"class": type(self.model).__name__, "module": module_of(type(self.model)),
-                      "qualname": type(self.model).__qualname__, "device": self.device,
-                      "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
-                                     for n, p in self.params],
-                      "layers": [self.names[m] for m in self.names if m in self.leaves],
-                      # each leaf's class: compare's dead-unit detector reads the ReLUs' zeros (older runs: none)
-                      "layer_types": {self.names[m]: type(m).__name__ for m in self.names if m in self.leaves}},
-            "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
-            "optimizer_settings": getattr(self, "settings", None),
-            "scaler": self.scaler is not None, "fingerprint": self.fingerprint, "math_flags": self.flags,
-            "first_nonfinite": self.producer, "snapshots": self.snapshot_index, "notes": list(self.notes),
-            "max_bytes": self.max_bytes, "truncated": self.truncated, "skipped_snapshots": self.skipped,
-            "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in self.from_env.items()},
-            "distributed": self.distributed, "stopped": getattr(self, "stopped", None),
-            # how the model was compiled (None: not, so far as the watch knew at the start), and whether its
-            # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
-            "selection": self.selection.to_dict(),
-            "compiled": {"how": self.compiled, "layers_hidden": self.hidden, "fallback_random": fallback_random()},
-        }
-        atomic_write_text(self.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        atomic_write_text(self.out / MANIFEST, json.dumps(manifest_of(self, complete), indent=1) + "\n")
 
 
 def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,

@@ -45,3 +45,33 @@ def test_a_model_factory_that_is_sys_exit_is_not_a_silent_success(capsys):
     """`--model sys:exit` exited 0: the factory's SystemExit was taken for argparse's."""
     code, err = _run(capsys, "--model", "sys:exit")
     assert code == 2 and "SystemExit (sys.exit(None))" in err and "internal error" not in err
+
+
+def test_a_loss_that_is_0_at_every_step_trains_nothing_and_says_so(tmp_path, capsys):
+    """It was `ok`: `(out * 0).sum()` gives 0 and zero gradients at every step, and nothing trained."""
+    (tmp_path / "losses.py").write_text("def zero(out, target):\n    return (out * 0).sum()\n")
+    code, err = _run(capsys, "--model", "lenet", "--loss", f"{tmp_path / 'losses.py'}:zero")
+    assert code == 2
+    assert err.endswith("is 0 at every step on every target: it does not depend on the model's output, so nothing "
+                        "trains; check the loss function")
+
+
+def test_data_whose_values_square_to_inf_in_float32_is_refused(tmp_path, capsys):
+    """Values of 1e30 passed silently (every arm's loss ~1e28, `ok`)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "huge.npz", x=(rng.standard_normal((64, 1, 28, 28)) * 1e30).astype("float32"),
+             y=rng.integers(0, 10, 64))
+    code, err = _run(capsys, "--model", "lenet", "--data", f"npz:{tmp_path / 'huge.npz'}")
+    assert code == 2 and "its inputs reach 4.49e+30, past 1.84e+19 (the square root of float32's largest)" in err
+
+
+def test_ordinary_raw_pixels_are_not_refused(tmp_path, capsys):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "raw.npz", x=rng.integers(0, 256, (64, 1, 28, 28)).astype("float32"),
+             y=rng.integers(0, 10, 64))
+    code, err = _run(capsys, "--model", "lenet", "--data", f"npz:{tmp_path / 'raw.npz'}")
+    assert code in (0, 1) and "reach" not in err

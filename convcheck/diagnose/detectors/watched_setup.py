@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from convcheck.diagnose.remedies import SCALER_REMEDIES, TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
+from convcheck.diagnose.remedies import UNSCALE_BEFORE_CLIP, SCALER_REMEDIES, TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL, PART_FACTOR,
@@ -285,3 +285,22 @@ def compiled_random(a, b, random_layers: tuple) -> str | None:
     return (f"{side} runs its model compiled ({how['AB'.index(side)]}), {other} eager, and the model has random "
             f"layers ({names}): inductor draws their masks from its own generator, not eager's "
             "(torch._inductor.config.fallback_random was not set)")
+
+
+def clip_before_unscale(run, side: str) -> Setup | None:
+    """The run clipped its gradients while its GradScaler still held them scaled (``watch/scaler_use.py``: a
+    ``clip_grad_norm_`` with the scaler enabled and no ``scaler.unscale_(optimizer)`` before it that step)."""
+    marked = [k for k, s in enumerate(run.steps) if s.get("clip_before_unscale")]
+    if not marked:
+        return None
+    k = marked[0]
+    scale = run.steps[k].get("scale")
+    norms = _global_norms(run, len(run.steps))
+    said = [f"steps.jsonl clip_before_unscale at {len(marked)} of {len(run.steps)} steps, from step {k}"]
+    if isinstance(scale, (int, float)) and math.isfinite(norms[k]):
+        said.append(f"at step {k} the scale is {scale:g}: the gradients reaching the optimizer have norm "
+                    f"{norms[k]:.4g}, a clip's max_norm divided by up to {scale:g}")
+    who = "the run" if side == "-" else side
+    return Setup(f"{who} clips its gradients before unscaling them: clip_grad_norm_ ran on the GradScaler's scaled "
+                 f"gradients from step {k} (scaler.unscale_(optimizer) was not called before it)",
+                 "clip before unscale_", said, list(UNSCALE_BEFORE_CLIP), step=k)

@@ -5,6 +5,7 @@ first NaN/Inf decides (in that order on the same step):
 ==== ==== =================== ========= ===========================================================
 id   prio name                category  fires on
 ==== ==== =================== ========= ===========================================================
+W109 5    run-setup           setup     the run was set up wrong on its own (clipping before scaler.unscale_)
 W101 10   run-layer           layer     a layer above its floor, no later than the NaN/Inf or explosion
 W102 20   run-diverge         setup     the loss explodes, no later than the first NaN/Inf
 W103 30   run-loss-scale      numerics  a fixed loss scale that overflows the backward
@@ -32,6 +33,16 @@ from convcheck.diagnose.watched_evidence import RunEvidence, first_flagged, over
 
 def _step(p: dict | None) -> float:
     return p["step"] if p is not None else float("inf")
+
+
+@verdict_rule("W109", "run-setup", priority=5, category="setup", reads=RunEvidence, headline="{what}")
+def run_setup(ev: RunEvidence) -> Verdict | None:
+    """A setup mistake the run shows on its own: it comes before any numerics (it changes every step after it)."""
+    if not ev.setup:
+        return None
+    first = ev.setup[0]
+    return run_setup.verdict(list(first.evidence), headline=first.headline, remedies=list(first.remedies),
+                             sub_cause=first.sub_cause)
 
 
 @verdict_rule("W101", "run-layer", priority=10, category="layer", reads=RunEvidence,

@@ -1,0 +1,36 @@
+"""A watched run's ``manifest.json``: what the watch knew of the run, written as the block starts (``complete``:
+false) and again as it ends."""
+
+from __future__ import annotations
+
+from convcheck.watch import stats as _stats
+from convcheck.watch.compiled import fallback_random
+from convcheck.watch.layout import WATCH_SCHEMA
+from convcheck.watch.settings import module_of
+
+
+def manifest_of(w, complete: bool) -> dict:
+    """The manifest of the ``Watch`` ``w`` as it stands."""
+    return {
+        "schema": WATCH_SCHEMA, "complete": complete, "steps": getattr(w, "recorded", 0),
+        # the SHA-256 of steps.jsonl as written (diff checks it, as each snapshot file's in its entry)
+        "steps_sha256": w.steps_sha.hexdigest(),
+        "model": {"class": type(w.model).__name__, "module": module_of(type(w.model)),
+                  "qualname": type(w.model).__qualname__, "device": w.device,
+                  "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
+                                 for n, p in w.params],
+                  "layers": [w.names[m] for m in w.names if m in w.leaves],
+                  # each leaf's class: compare's dead-unit detector reads the ReLUs' zeros (older runs: none)
+                  "layer_types": {w.names[m]: type(m).__name__ for m in w.names if m in w.leaves}},
+        "optimizer": type(w.optimizer).__name__ if w.optimizer is not None else None,
+        "optimizer_settings": getattr(w, "settings", None),
+        "scaler": w.scaler is not None, "fingerprint": w.fingerprint, "math_flags": w.flags,
+        "first_nonfinite": w.producer, "snapshots": w.snapshot_index, "notes": list(w.notes),
+        "max_bytes": w.max_bytes, "truncated": w.truncated, "skipped_snapshots": w.skipped,
+        "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in w.from_env.items()},
+        "distributed": w.distributed, "stopped": getattr(w, "stopped", None),
+        "selection": w.selection.to_dict(),  # the layers and steps recorded (``selection.py``)
+        # how the model was compiled (None: not, so far as the watch knew at the start), and whether its
+        # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
+        "compiled": {"how": w.compiled, "layers_hidden": w.hidden, "fallback_random": fallback_random()},
+    }

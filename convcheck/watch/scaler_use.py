@@ -1,0 +1,80 @@
+"""How the loop uses its GradScaler (issue 36): clipping the *scaled* gradients, the commonest misuse found.
+
+With ``scaler=`` given, while the watch is open: ``scaler.unscale_`` and ``scaler.step`` are wrapped on that
+scaler object (its own attributes; the class is untouched), and ``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_`` on ``torch.nn.utils`` (the names a loop calls). A clip that runs while the scaler is
+enabled and the loop has not called ``scaler.unscale_(optimizer)`` since the last step clipped the scaled
+gradients: ``max_norm`` then bounds gradients ``scale`` times too large (65536 at first), so the true
+gradients are clipped to ``max_norm / scale`` - a learning rate divided by the scale. The step is marked
+``clip_before_unscale``. Every wrapper only records and calls through; all are restored on exit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CLIPS = ("clip_grad_norm_", "clip_grad_value_")
+
+
+class ScalerSpy:
+    def __init__(self, scaler):
+        self.scaler = scaler
+        self.unscaled = False  # the loop called unscale_ itself since the last step
+        self.inside_step = False
+        self.clipped_scaled = False  # a clip ran on scaled gradients this step
+        self.saved: list[tuple] = []
+
+    def install(self) -> "ScalerSpy":
+        s = self.scaler
+        if not (hasattr(s, "unscale_") and hasattr(s, "step")):
+            return self
+        for name, wrap in (("unscale_", self._unscale), ("step", self._step)):
+            self.saved.append((s, name, s.__dict__.get(name)))
+            setattr(s, name, wrap(getattr(s, name)))
+        utils = torch.nn.utils
+        for name in CLIPS:
+            fn = getattr(utils, name, None)
+            if fn is not None:
+                self.saved.append((utils, name, fn))
+                setattr(utils, name, self._clip(fn))
+        return self
+
+    def remove(self) -> None:
+        for owner, name, old in reversed(self.saved):
+            if owner is self.scaler and old is None:
+                owner.__dict__.pop(name, None)  # the class's method shows again
+            else:
+                setattr(owner, name, old)
+        self.saved.clear()
+
+    def _unscale(self, fn):
+        def unscale_(*args, **kwargs):
+            if not self.inside_step:
+                self.unscaled = True
+            return fn(*args, **kwargs)
+        return unscale_
+
+    def _step(self, fn):
+        def step(*args, **kwargs):
+            self.inside_step = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside_step = False
+        return step
+
+    def _clip(self, fn):
+        def clip(*args, **kwargs):
+            enabled = getattr(self.scaler, "is_enabled", lambda: True)()
+            if enabled and not self.unscaled and not self.inside_step:
+                self.clipped_scaled = True
+            return fn(*args, **kwargs)
+        clip.__wrapped__ = fn
+        clip.__name__ = getattr(fn, "__name__", "clip")
+        return clip
+
+    def end_step(self) -> dict:
+        """This step's record (``{"clip_before_unscale": True}`` or nothing), then a fresh step."""
+        out = {"clip_before_unscale": True} if self.clipped_scaled else {}
+        self.unscaled = self.clipped_scaled = False
+        return out

@@ -1,0 +1,75 @@
+"""Clipping the scaled gradients (issue 36): `clip_grad_norm_` before `scaler.unscale_(optimizer)` holds the
+true gradients to max_norm / scale - found in at least eight repositories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import convcheck
+from convcheck.cli.main import main
+from convcheck.watch.reader import open_watched
+
+
+def _run(out, unscale_first: bool, steps: int = 4) -> None:
+    """A float16-autocast loop with a GradScaler and gradient clipping, as the AMP recipe writes it (or not)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=out, scaler=scaler) as w:
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            w.step(loss)
+
+
+def test_clipping_before_unscale_is_a_setup_verdict_with_the_remedy(tmp_path, capsys):
+    _run(tmp_path / "run", unscale_first=False)
+    run = open_watched(tmp_path / "run")
+    assert all(s.get("clip_before_unscale") for s in run.steps)
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "run"), "--judge", "cpu:float64"]) == 1
+    out = capsys.readouterr().out
+    assert ("verdict: setup: the run clips its gradients before unscaling them: clip_grad_norm_ ran on the "
+            "GradScaler's scaled gradients from step 0") in out
+    assert "remedy: call scaler.unscale_(optimizer) before clip_grad_norm_" in out
+
+
+def test_the_recipe_done_right_is_not_named(tmp_path, capsys):
+    _run(tmp_path / "run", unscale_first=True)
+    run = open_watched(tmp_path / "run")
+    assert not any(s.get("clip_before_unscale") for s in run.steps)
+    capsys.readouterr()
+    main(["diff", str(tmp_path / "run"), "--judge", "cpu:float64"])
+    assert "before unscaling" not in capsys.readouterr().out
+
+
+def test_a_pair_names_the_run_that_clips_scaled_gradients(tmp_path, capsys):
+    _run(tmp_path / "right", unscale_first=True)
+    _run(tmp_path / "wrong", unscale_first=False)
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "right"), str(tmp_path / "wrong")]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: setup: B clips its gradients before unscaling them" in out
+
+
+def test_the_watch_leaves_the_scaler_and_torch_as_they_were(tmp_path):
+    clip = torch.nn.utils.clip_grad_norm_
+    scaler = torch.amp.GradScaler("cpu")
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "run", scaler=scaler):
+        assert torch.nn.utils.clip_grad_norm_ is not clip
+    assert torch.nn.utils.clip_grad_norm_ is clip
+    assert "unscale_" not in vars(scaler) and "step" not in vars(scaler)
