@@ -37,12 +37,22 @@ def driver(fp: Fingerprint, **kw) -> Fingerprint:
     return replace(fp, driver=replace(fp.driver, **kw))
 
 
+def dispatch(fp: Fingerprint, **kw) -> Fingerprint:
+    return replace(fp, dispatch=replace(fp.dispatch, recorded=True, **kw))
+
+
 H100 = "h100_healthy.json"
 A100 = "a100_tf32.json"
 CPU_ONLY_HERE = Fingerprint(torch=TorchBuild(version="2.13.0+cpu"), driver=Driver(nvml_error="NVML library not found"))
 
 # (rule id, expected severity, the machine) -- the rule must fire with that severity
 FIRES = [
+    # issue 36: the dispatch the math-mode flags do not show
+    ("SDP001", "warn", lambda: dispatch(torch_(fx(H100), version="2.5.0+cu124"), sdpa_cudnn=True,
+                                        sdpa_dispatched="cudnn", sdpa_probe="cuda float16 (2, 4, 128, 64)")),
+    ("TRI001", "info", lambda: dispatch(torch_(fx(H100), version="2.7.0+cu128"), triton="3.3.0 (triton)")),
+    ("VAR001", "warn", lambda: dispatch(fx(H100), env=("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1",))),
+    ("VAR002", "info", lambda: dispatch(fx(H100), env=("NCCL_ALGO=Tree", "NCCL_DEBUG=INFO"))),
     ("DRV001", "critical", lambda: fx("driver470_cu121.json")),
     ("DRV001", "critical", lambda: driver(fx(A100), version=None, cuda_version="11.8")),  # NVML's CUDA only
     ("DRV001", "critical", lambda: load(DATA / "collect_env_old_torch1.3.1_titanxp.txt")),
@@ -98,6 +108,13 @@ FIRES = [
 
 # (rule id, the machine) -- the rule must stay quiet
 QUIET = [
+    ("SDP001", lambda: dispatch(torch_(fx(H100), version="2.5.1+cu124"), sdpa_cudnn=True)),  # moved last in 2.5.1
+    ("SDP001", lambda: dispatch(torch_(fx(A100), version="2.5.0+cu124"), sdpa_cudnn=True)),  # not H100-class
+    ("SDP001", lambda: dispatch(torch_(fx(H100), version="2.5.0+cu124"), sdpa_cudnn=False)),  # turned off
+    ("TRI001", lambda: dispatch(torch_(fx(H100), version="2.8.0+cu128"), triton="3.4.0 (triton)")),
+    ("TRI001", lambda: dispatch(torch_(fx(H100), version="2.7.0+cu128"), triton=None)),  # no Triton: no compile
+    ("VAR001", lambda: dispatch(fx(H100), env=("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0",))),
+    ("VAR002", lambda: dispatch(fx(H100), env=("NCCL_DEBUG=INFO",))),
     ("DRV001", lambda: fx(H100)),
     ("DRV001", lambda: load(DATA / "collect_env_torch1.7.1_cu110_titanxp.txt")),  # 450.51.05 is CUDA 11.0's min
     ("DRV001", lambda: load(DATA / "collect_env_new_torch2.4.0_cu121_wsl.txt")),  # Windows driver numbering

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from convcheck.env import nvml as _nvml
+from convcheck.env.dispatch import probe_dispatch
 from convcheck.env.fingerprint import GPU, Fingerprint, Host, MathFlags, TorchBuild
 from convcheck.env.tables import capability_from_name
 
@@ -34,6 +35,7 @@ def collect(nvml=None, torch_module=None, environ=None) -> Fingerprint:
         driver=driver,
         gpus=gpus,
         math=probe_math(torch, environ),
+        dispatch=probe_dispatch(torch, environ),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from convcheck.env.dispatch import steers_numerics
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.env.rules import tf32_state
 from convcheck.env.tables import cudnn_version_tuple, format_version
@@ -75,6 +76,12 @@ _FIELDS = [
      "needed for deterministic cuBLAS on older torch"),
     ("NVIDIA_TF32_OVERRIDE", lambda fp: fp.math.nvidia_tf32_override or "unset",
      "0 disables TF32 process-wide"),
+    ("SDPA backends enabled", lambda fp: _sdpa_enabled(fp),
+     "scaled_dot_product_attention picks among the enabled backends; each rounds differently"),
+    ("SDPA backend dispatched", lambda fp: _dispatch(fp, fp.dispatch.sdpa_dispatched, "none"),
+     "the attention kernel a representative call ran here (flash, mem_efficient, cudnn, math)"),
+    ("Triton", lambda fp: _dispatch(fp, fp.dispatch.triton, "absent"),
+     "torch.compile's GPU kernels are Triton's: another Triton compiles other kernels"),
     ("CPU", lambda fp: fp.host.cpu or "unknown", "CPU kernels (and their summation order) depend on the CPU"),
     ("torch CPU capability", lambda fp: fp.torch.cpu_capability or "unknown",
      "AVX2 vs AVX512 kernels reduce in a different order"),
@@ -82,11 +89,34 @@ _FIELDS = [
 ]
 
 
+def _dispatch(fp: Fingerprint, value, missing: str) -> str:
+    return "unknown" if not fp.dispatch.recorded else (value or missing)
+
+
+def _sdpa_enabled(fp: Fingerprint) -> str:
+    d = fp.dispatch
+    flags = {"flash": d.sdpa_flash, "mem_efficient": d.sdpa_mem_efficient, "math": d.sdpa_math, "cudnn": d.sdpa_cudnn}
+    if not d.recorded or all(v is None for v in flags.values()):
+        return "unknown"
+    return ", ".join(k for k, v in flags.items() if v) or "none"
+
+
+def _env_vars(fp: Fingerprint) -> dict[str, str]:
+    return dict(v.split("=", 1) for v in fp.dispatch.env if "=" in v)
+
+
 def diff(left: Fingerprint, right: Fingerprint) -> list[Difference]:
-    """Fields whose values differ; 'unknown' on either side is not a difference."""
+    """Fields whose values differ; 'unknown' on either side is not a difference. The numerics environment
+    variables (``dispatch.env``) one by one, when both sides recorded them."""
     out = []
     for label, get, why in _FIELDS:
         a, b = get(left), get(right)
         if a != b and "unknown" not in (a, b):
             out.append(Difference(label, a, b, why))
+    if left.dispatch.recorded and right.dispatch.recorded:
+        ea, eb = _env_vars(left), _env_vars(right)
+        for name in sorted(set(ea) | set(eb)):
+            if ea.get(name) != eb.get(name) and steers_numerics(name):
+                out.append(Difference(name, ea.get(name, "unset"), eb.get(name, "unset"),
+                                      "an environment variable that steers numerics or algorithm choice"))
     return out

@@ -119,6 +119,25 @@ class MathFlags:
 
 
 @dataclass(frozen=True)
+class Dispatch:
+    """What picks kernels beyond the math-mode flags (issue 36): the scaled-dot-product-attention backends
+    enabled and the one a representative call (``sdpa_probe``) dispatched to here, the Triton installed (the
+    compiler inductor's GPU kernels come from), and the environment variables
+    that change numerics or algorithm choice (``NCCL_*``, ``TORCH_*``, ``CUDA_*``... as ``NAME=value``).
+    ``recorded`` is False for a source without them (older fingerprints, collect_env)."""
+
+    recorded: bool = False
+    sdpa_flash: bool | None = None
+    sdpa_mem_efficient: bool | None = None
+    sdpa_math: bool | None = None
+    sdpa_cudnn: bool | None = None
+    sdpa_probe: str | None = None
+    sdpa_dispatched: str | None = None
+    triton: str | None = None
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Fingerprint:
     source: str = "this machine"
     collected_at: str | None = None
@@ -128,6 +147,7 @@ class Fingerprint:
     gpus: tuple[GPU, ...] = ()
     math: MathFlags = field(default_factory=MathFlags)
     notes: tuple[str, ...] = ()
+    dispatch: Dispatch = field(default_factory=Dispatch)
 
     # -- derived views --------------------------------------------------------
 
@@ -175,6 +195,7 @@ class Fingerprint:
             gpus=tuple(_build_gpu(i, g) for i, g in enumerate(check_list(d.get("gpus"), "gpus"))),
             math=_build(MathFlags, d.get("math"), "math"),
             notes=top.get("notes") or (),
+            dispatch=_build(Dispatch, d.get("dispatch"), "dispatch"),
         )
 
 

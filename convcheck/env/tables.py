@@ -207,9 +207,9 @@ KNOWN_BAD_CUDNN: list[dict] = [
         "source": "cuDNN 5 release notes (first Pascal support)",
     },
     {
-        "lo": (9, 8, 0), "hi": (9, 13, 0), "cc": None,
+        "lo": (9, 8, 0), "hi": (9, 15, 0), "cc": None,  # 9.8-9.14, FACTS.md (from the issue)
         "severity": "warn",
-        "what": "float16/bfloat16 Conv3d can return wrong results",
+        "what": "float16/bfloat16 Conv3d can return wrong results (cuDNN 9.8-9.14)",
         "source": "pytorch/pytorch#163539 (workaround in pytorch/pytorch#163581)",
     },
     {

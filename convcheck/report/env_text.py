@@ -134,9 +134,22 @@ def _stack(fp: Fingerprint) -> list[str]:
               _row("env", f"CUBLAS_WORKSPACE_CONFIG={m.cublas_workspace_config or 'unset'}, "
                           f"NVIDIA_TF32_OVERRIDE={m.nvidia_tf32_override or 'unset'}"
                    if m.recorded else NA)]
+    lines += _dispatch_rows(fp)
     for note in fp.notes:
         lines.append(_row("note", note))
     return lines
+
+
+def _dispatch_rows(fp: Fingerprint) -> list[str]:
+    """SDPA's backends (enabled, and the one a representative call reached), Triton, the numerics variables."""
+    d = fp.dispatch
+    if not d.recorded:
+        return [_row("dispatch", NA)]
+    flags = {"flash": d.sdpa_flash, "mem_efficient": d.sdpa_mem_efficient, "math": d.sdpa_math, "cudnn": d.sdpa_cudnn}
+    enabled = ", ".join(k for k, v in flags.items() if v) or "none"
+    sdpa = f"enabled {enabled}" + (f"; a {d.sdpa_probe} call ran {d.sdpa_dispatched}" if d.sdpa_dispatched else "")
+    return [_row("SDPA", sdpa), _row("Triton", d.triton or "absent"),
+            _row("variables", ", ".join(d.env) if d.env else "no NCCL_/TORCH_/CUDA_/CUBLAS/CUDNN_ variable set")]
 
 
 def _row(key: str, value) -> str:

@@ -5,13 +5,14 @@ reports what the evidence shows, never what it guesses. Every finding carries
 a stable id, a severity, a kind (what verdict it can support), a message with
 the numbers, a remedy and the source the rule rests on.
 
-Kinds: ``version`` (DRV, ARCH, CUDA, DNN, BLAS), ``hardware`` (ECC, MEM, THR,
-PCI), ``numerics`` (MATH), ``determinism`` (DET), ``info`` (PROBE).
+Kinds: ``version`` (DRV, ARCH, CUDA, DNN, BLAS, SDP, TRI), ``hardware`` (ECC, MEM, THR,
+PCI), ``numerics`` (MATH, VAR), ``determinism`` (DET), ``info`` (PROBE).
 
 Layout: ``base`` (Finding, the ``@rule`` registry, ``audit``, ``RULE_IDS``) and
 one module per rule family: ``driver`` (DRV, ARCH, CUDA), ``libraries`` (DNN,
 BLAS), ``mathmode`` (MATH, DET; ``tf32_state``), ``hardware`` (ECC, MEM, THR,
-PCI, PROBE). Importing the families registers their rules; the order below is
+PCI, PROBE), ``dispatch`` (SDP, TRI, VAR: the attention backend, Triton, the numerics
+environment variables). Importing the families registers their rules; the order below is
 the order ``audit`` runs them in (and lists findings of one severity in); every
 other module of this package is imported after them, by name, so a new family
 is one new module with ``@rule`` functions (``import_rule_families``).

@@ -16,6 +16,7 @@ _KIND_BY_PREFIX = {
     "DRV": "version", "ARCH": "version", "CUDA": "version", "DNN": "version", "BLAS": "version",
     "ECC": "hardware", "MEM": "hardware", "THR": "hardware", "PCI": "hardware",
     "MATH": "numerics", "DET": "determinism", "PROBE": "info",
+    "SDP": "version", "TRI": "version", "VAR": "numerics",
 }
 
 
@@ -66,5 +67,6 @@ RULE_IDS: dict[str, str] = {
     rid: _KIND_BY_PREFIX[rid.rstrip("0123456789")]
     for rid in ("DRV001", "DRV002", "DRV003", "DRV004", "ARCH001", "ARCH002", "ARCH003", "CUDA001", "CUDA002",
                 "DNN001", "DNN002", "DNN003", "BLAS001", "MATH001", "MATH002", "DET001", "DET002",
-                "ECC001", "ECC002", "MEM001", "THR001", "PCI001", "PROBE001")
+                "ECC001", "ECC002", "MEM001", "THR001", "PCI001", "PROBE001",
+                "SDP001", "TRI001", "VAR001", "VAR002")
 }
