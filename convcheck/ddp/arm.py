@@ -81,6 +81,10 @@ class DDPArmState:
         if draws is not None:
             self.evidence.draws = draws
         self.evidence.slices.append(slice_hashes(x, y, self.runner.world))
+        if self.evidence.rank_batch is None:
+            from convcheck.batch import batch_size_of
+
+            self.evidence.rank_batch = batch_size_of(x) // self.runner.world
         self.losses.append(r["loss"])
         return r
 

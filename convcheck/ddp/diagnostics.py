@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from convcheck.numerics.thresholds import (BN_GRAD_TOLERATED, BN_MEAN_SHIFT, BN_STD_CHANGE, GRAD_FAR,
-                                          LOSS_SCALE_TOLERANCE)
+from convcheck.numerics.thresholds import (BN_GRAD_TOLERATED, BN_MEAN_SHIFT, BN_RANK_BATCH_OK, BN_STD_CHANGE,
+                                          GRAD_FAR, LOSS_SCALE_TOLERANCE)
 from convcheck.ddp.evidence import RankEvidence
 from convcheck.diagnose.detectors.training import STOCHASTIC_LAYER
 
@@ -63,6 +63,13 @@ class DDPFinding:
     def exact(self) -> bool:
         """A setup difference whatever the drift (``EXACT``)."""
         return self.kind in EXACT and not self.approximate
+
+    @property
+    def explains_drift(self) -> bool:
+        """Per-rank BatchNorm alone (plain BatchNorm under DDP, or the step-0 gradient it explains): it trains
+        another model from the first step, so its drift is always far beyond the envelope; the outcome judges it
+        (``diagnose.rules.numerics.drift_is_a_note`` and rule V009 read this)."""
+        return self.kind == "batchnorm_per_rank" or (self.kind == "gradient_apart" and self.approximate)
 
     @property
     def explains(self) -> tuple[str, ...]:
@@ -344,9 +351,11 @@ def gradient_apart(training, arm: str, parity) -> DDPFinding | None:
                  f"one device"),
         evidence=tuple(evidence), remedy="; ".join(remedies),
         covers=("batchnorm_per_rank",) if bn_off else (),
-        # a per-rank BatchNorm alone, with the gradient within BN_GRAD_TOLERATED: the approximation DDP users
-        # accept at a larger per-rank batch; the verdict only when it changes the outcome (as the BatchNorm finding)
-        approximate=bool(bn_off) and not own and largest <= BN_GRAD_TOLERATED)
+        # a per-rank BatchNorm alone, with the gradient within BN_GRAD_TOLERATED or each rank normalising at least
+        # BN_RANK_BATCH_OK samples: the approximation DDP users accept (the standard recipe); the verdict only when
+        # it changes the outcome (as the BatchNorm finding)
+        approximate=bool(bn_off) and not own and (largest <= BN_GRAD_TOLERATED
+                                                  or (ev.rank_batch or 0) >= BN_RANK_BATCH_OK))
 
 
 DETECTORS = (loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, batchnorm_per_rank)

@@ -18,3 +18,4 @@ class RankEvidence:
     # per step, the same as the step's first forward ends (a buffer equal before it and not after: set per rank)
     buffers_after: list[dict[str, float]] = field(default_factory=list)
     draws: dict | None = None  # from step 1: {"layers", "same_on_every_rank"} (modules drawing unshared numbers)
+    rank_batch: int | None = None  # the samples each rank's slice holds (the global batch / the world size)

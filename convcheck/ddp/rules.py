@@ -26,10 +26,12 @@ def ddp_setup(ev: Evidence) -> Verdict | None:
     envelope, or there is no envelope to tell) - and then only when it changes the outcome beyond what the
     envelope's own runs reach (final loss, convergence: ``Evidence.outcome_changed``) or drifts more than
     DRIFT_NOTE_MAX times the envelope's spread (``Evidence.drift_far``); else it is a note of the ``ok``
-    verdict. Sub-cause ``ddp``."""
+    verdict. A per-rank BatchNorm (the standard DDP recipe at ``BN_RANK_BATCH_OK`` samples a rank or more) is
+    judged by the outcome alone: it trains another model from the first step, so its drift is always far.
+    Sub-cause ``ddp``."""
     beyond = ev.drift is None or ev.drift.name == S.DRIFT or bool(ev.target_symptoms)
     found = [f for f in ev.executor_findings if isinstance(f, DDPFinding)
-             and (f.exact or (beyond and (ev.outcome_changed(f.arm) or ev.drift_far)))]
+             and (f.exact or (beyond and (ev.outcome_changed(f.arm) or (ev.drift_far and not f.explains_drift))))]
     if not found:
         return None
     main = found[0]
@@ -38,3 +40,4 @@ def ddp_setup(ev: Evidence) -> Verdict | None:
         evidence, {"summary": main.summary}, remedies=list(dict.fromkeys(f.remedy for f in found)), target=main.arm,
         layer=main.layers[0] if main.layers else None, sub_cause="ddp",
         symptoms=list(dict.fromkeys(k for f in found for k in (f.kind, *f.covers))))
+

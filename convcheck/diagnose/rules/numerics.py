@@ -74,8 +74,9 @@ def drift_is_a_note(ev: Evidence) -> bool:
     the envelope's own runs: rounding injected at every step, which a one-time one-ulp perturbation
     underestimates; a note of the ``ok`` verdict, not a verdict - unless it is more than DRIFT_NOTE_MAX times
     the envelope's spread."""
-    if ev.drift_far:
-        return False  # orders of magnitude beyond the envelope is no reduction order's rounding
+    if ev.drift_far and not any(getattr(f, "explains_drift", False) for f in ev.executor_findings):
+        return False  # orders of magnitude beyond the envelope is no reduction order's rounding (unless an
+        # executor's finding says what trains another model from the first step: a per-rank BatchNorm)
     return ev.same_precision() and not any(ev.outcome_changed(n) for n in ev.targets if n != ev.judge)
 
 
