@@ -271,7 +271,8 @@ def measure_parity(plan: Plan, batch, targets: Sequence[Target] | None = None, *
         progress("parity", 0, 1)
     parity = run_parity(plan.build, batch, list(cfg.targets if targets is None else targets),
                         tolerances=cfg.tolerances, judge=cfg.judge, seed=cfg.seed, loss_fn=plan.recipe.loss,
-                        progress=(lambda done, total: progress("parity", done, total)) if progress else None)
+                        progress=(lambda done, total: progress("parity", done, total)) if progress else None,
+                        repeat=cfg.repeat)
     if progress:
         progress("parity", 1, 1)
     if hasattr(progress, "keep"):

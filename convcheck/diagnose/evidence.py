@@ -85,6 +85,10 @@ class Evidence:
     # --- parity facts
     stochastic_layers: tuple[str, ...] = ()
     self_difference: Mapping[str, float] = field(default_factory=dict)
+    # where a target that differs from itself first does (``measure/parity/localise``), and the targets
+    # rerun from the same state at all (``--repeat 2`` reruns every one)
+    self_difference_at: Mapping[str, dict] = field(default_factory=dict)
+    repeated: tuple[str, ...] = ()
     flagged_layers: Mapping[str, str | None] = field(default_factory=dict)  # first flagged, per target
     closest_layers: tuple[LayerMargin, ...] = ()
     # flagged layers whose own error stays below min_error on a target with no other symptom
@@ -204,6 +208,8 @@ def gather(result) -> Evidence:
                                                  judge, result.model.num_classes, lr))
         + tuple(recipe_problems(result)) + _judge_producer(result),
         stochastic_layers=tuple(parity.stochastic_layers), self_difference=named(parity.self_difference),
+        self_difference_at=named(getattr(parity, "self_difference_at", {}) or {}),
+        repeated=tuple(str(t) for t in getattr(parity, "repeated", ()) or ()),
         flagged_layers=named(parity.first_flagged), closest_layers=_closest_layers(parity.layers),
         findings=tuple(result.findings or ()), executor_findings=_executor_findings(training, parity),
     )

@@ -58,11 +58,15 @@ class CompareConfig:
     # one training run of one arm (the first remedy only), True every remedy that fits, False nothing.
     verify: bool | None = None
     threads: int | None = None  # torch's intra-op threads; None: the caller's setting, else the faster of 1 and the default
+    # 2: rerun every target of this process from the same state at the parity step, documented-deterministic
+    # kernels too; a difference is localised to its layer and op, none means differences are not chance
+    repeat: int = 1
 
     def __post_init__(self):
         _need_int("steps", self.steps, 1, STEPS_MAX)
         _need_int("batch size", self.batch_size, 1, BATCH_MAX)
         _need_int("envelope", self.envelope, 0, ENVELOPE_MAX)
+        _need_int("repeat", self.repeat, 1, 2)
         _need_int("seed", self.seed, 0)
         if self.seed > SEED_MAX:
             raise UsageError(f"seed must be at most 2^63-1, got {self.seed}")

@@ -17,7 +17,7 @@ from convcheck.plan.config import OPTIMIZERS, CompareConfig, default, with_optio
 OPTION_NAMES = ("targets", "judge", "steps", "batch-size", "seed", "envelope", "data", "workers", "bound-factor",
                 "min-error",
                 "loss", "optimizer", "lr", "momentum", "nesterov", "weight-decay", "betas", "eps", "schedule",
-                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "verify", "threads")
+                "warmup", "clip-grad-norm", "ddp-sync-bn", "ddp-no-broadcast-buffers", "verify", "threads", "repeat")
 
 
 # An option set in [tool.convcheck] can be switched back off on the command line: each takes an explicit
@@ -95,6 +95,10 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "(scikit-learn's 8x8 digits, upsampled), or FILE.py:factory returning a Dataset or an "
              "iterable of batches")
     opt("workers", type=int, metavar="N", help="DataLoader workers for a Dataset (default %(default)s)")
+    opt("repeat", type=int, metavar="N",
+        help="2: run every target twice from the same state at the first step, deterministic kernels too; a "
+             "bitwise difference is named with its layer and op, none means the targets' differences are not "
+             "chance (default %(default)s)")
     opt("threads", type=int, metavar="N",
         help="torch's CPU threads for every arm and the judge (default: OMP_NUM_THREADS / MKL_NUM_THREADS or "
              "torch.set_num_threads where set, else the faster of 1 and torch's default, timed on the first batch)")

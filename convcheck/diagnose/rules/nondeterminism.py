@@ -41,7 +41,20 @@ def self_difference(ev: Evidence) -> Verdict | None:
     for name, diff in ev.self_difference.items():
         if diff > ev.tolerances.min_error:
             return self_difference.verdict(
-                [f"two identical forward/backward runs of {name} differ by {diff:.2e} (relative L2)"],
+                [f"two identical forward/backward runs of {name} differ by {diff:.2e} (relative L2)"]
+                + where_lines(ev, name),
                 {"target": name, "diff": diff},
                 target=name, sub_cause="nondeterministic kernels", symptoms=[S.SELF_DIFFERENCE])
     return None
+
+
+def where_lines(ev: Evidence, name: str) -> list[str]:
+    """Where two runs of ``name`` from the same state first differ, when the rerun localised it."""
+    at = ev.self_difference_at.get(name)
+    if not at:
+        return []
+    op = f", op {at['op']}" if at.get("op") else ""
+    kind = "its own code, " if at.get("kind") == "own code" else ""
+    line = (f"the first bitwise difference between two runs of {name} from the same state: layer '{at['layer']}' "
+            f"({kind}{at['direction']}{op})")
+    return [line + (f": {at['detail']}" if at.get("detail") else "")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.rules.lines import layer_note_lines, training_lines
+from convcheck.diagnose.rules.nondeterminism import where_lines
 from convcheck.diagnose.verdict import Verdict
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 
@@ -37,8 +38,12 @@ def ok_verdict(ev: Evidence) -> Verdict:
                  "(final loss, convergence)" for f in ev.executor_findings]
     evidence += [f"{f.id}: {f.message}" for f in ev.findings if getattr(f, "severity", "") in ("critical", "warn")]
     min_error = ev.tolerances.min_error
-    evidence += [f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)"
-                 for n, d in ev.self_difference.items() if d > 0]
+    for n, d in ev.self_difference.items():
+        if d > 0:
+            evidence.append(f"{n} differs from itself run to run by {d:.2e} (below {min_error:g}: benign)")
+            evidence += where_lines(ev, n)
+    evidence += [f"{n} ran twice from the same state at the first step: bitwise identical, so the differences "
+                 "between the targets are not chance" for n in ev.repeated if ev.self_difference.get(n, 0.0) == 0.0]
     judge = ev.judge_outcome
     if ev.judgeable and judge is not None and not judge.converged:
         evidence.append(f"the float64 judge has not converged in {ev.steps} steps either (loss {judge.first_loss:.4g} -> "

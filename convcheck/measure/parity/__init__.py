@@ -45,6 +45,7 @@ from convcheck.measure.parity.known import RandomDraws, probe_needed
 from convcheck.measure.parity.result import COLUMNS, ParityResult
 from convcheck.measure.parity.target_pass import TargetPass
 from convcheck.targets.runners import cross_entropy
+from convcheck.measure.parity.localise import first_difference
 from convcheck.seeding import seed_all
 from convcheck.targets.spec import CPU_JUDGE, Target
 from convcheck.numerics.tolerances import DEFAULT_TOLERANCES, Tolerances
@@ -64,11 +65,14 @@ def run_parity(
     seed: int = 0,
     loss_fn=cross_entropy,
     progress: Callable[[int, int], None] | None = None,
+    repeat: int = 1,
 ) -> ParityResult:
     """One forward/backward step of every target against the judge.
 
     ``build(target)`` returns the model with the shared initial weights, cast
-    and moved to ``target``, in training mode.
+    and moved to ``target``, in training mode. ``repeat=2`` reruns every target run here from the same
+    state (``--repeat 2``), documented-deterministic kernels included; a rerun that differs is localised
+    (``localise.first_difference``).
     """
     others = [t for t in targets if t != judge]
     total = 2 + 2 * len(others)  # judge pass, stochastic probe, each target's pass, each target's rerun
@@ -97,7 +101,7 @@ def run_parity(
         # from the judge's, as they would on another device.
         seed_all(seed + 1 + i)
         tp = TargetPass(str(target), target.runner, judge.runner, (calls, judge_grads), tolerances, stochastic, seed)
-        tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device), i == last
+        tp.rerun_needed, tp.release = rerun_needed(ops, target.torch_device) or repeat >= 2, i == last
         loss, first_run = tp.run(build(target), batch, loss_fn)
         tick(3 + others.index(target))
         if tp.rerun_needed:
@@ -118,9 +122,12 @@ def run_parity(
             selfdiff[target] = measured.self_difference
     del calls, judge_grads  # every target has used the judge's record: the reruns run without it
     selfdiff = _self_differences(reruns, selfdiff, others, build, batch, seed, loss_fn, tick)
+    # where a target that differs from itself begins to: two more runs from the same state, compared bitwise
+    where = {t: at for t, d in selfdiff.items() if d > 0 and (at := first_difference(build, t, batch, seed, loss_fn))}
     tick(total)
     return ParityResult.from_rows(rows, others, tolerances, judge_loss, losses=losses, stochastic_layers=stochastic,
-                                  self_difference=selfdiff, judge=str(judge))
+                                  self_difference=selfdiff, judge=str(judge), self_difference_at=where,
+                                  repeated=tuple(t for _, t, _ in reruns))
 
 
 def _self_differences(reruns: list, selfdiff: dict, others: list, build, batch, seed: int, loss_fn, tick) -> dict:

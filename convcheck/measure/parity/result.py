@@ -35,16 +35,22 @@ class ParityResult:
     # (same seed, same input) of its forward/backward - nondeterministic kernels.
     self_difference: Mapping[Target, float] = field(default_factory=dict)
     judge: str = "cpu:float64"
+    # Per target that differs from itself: where two runs from the same state first differ
+    # (``localise.first_difference``: layer, direction, op); and the targets that were rerun at all.
+    self_difference_at: Mapping[Target, dict] = field(default_factory=dict)
+    repeated: tuple = ()
 
     @classmethod
     def from_rows(cls, rows: list[dict], targets: list[Target], tolerances: Tolerances, judge_loss: float, *,
                   losses: Mapping[Target, float], stochastic_layers=(), self_difference: Mapping[Target, float],
-                  judge: str) -> ParityResult:
+                  judge: str, self_difference_at: Mapping[Target, dict] | None = None,
+                  repeated: tuple = ()) -> ParityResult:
         """The result of ``rows`` (``ParityRow`` dicts, every target's, in order): the table and each
         target's first flagged layer are made here, for the live run and the rebuilt one alike."""
         mine = {t: [r for r in rows if r["target"] == str(t)] for t in targets}
         return cls(frame(ParityRow, rows), {t: first_flagged(mine[t]) for t in targets}, tolerances, judge_loss,
-                   dict(losses), tuple(stochastic_layers), dict(self_difference), judge)
+                   dict(losses), tuple(stochastic_layers), dict(self_difference), judge,
+                   dict(self_difference_at or {}), tuple(repeated))
 
     @property
     def targets(self) -> tuple[Target, ...]:
