@@ -111,6 +111,9 @@ RANK_CASES = {
              "in A, rank 1 parts from rank 0 at step 2: its gradients differ where DDP makes them equal", "A", None),
     "W202": (replace(RANKS, findings=(SAME_DATA,)), "setup",
              "in B, ranks 0 and 1 trained on the same batches at every step", "B", None),
+    "W203": (replace(RANKS, findings=(RankFinding("B", 0, 0, 4, "epoch order", "the same batches in the same order "
+                                                  "every epoch"),)), "setup",
+             "in B, every epoch trains on the same batches in the same order (epochs of 4 steps)", "B", None),
 }
 CASES = {**PAIR_CASES, **RUN_CASES, **RANK_CASES}
 QUIET = {PairEvidence: CLEAN, RunEvidence: RUN, RankEvidence: RANKS}

@@ -66,6 +66,9 @@ UNSYNCED_REMEDIES = ["wrap the model in DistributedDataParallel on every rank an
                      "no_sync() only on the micro-batches before the last of an accumulated step",
                      "a parameter the forward does not use on some step: DistributedDataParallel(..., "
                      "find_unused_parameters=True)"]
+SET_EPOCH_REMEDIES = ["call sampler.set_epoch(epoch) at the start of every epoch: a DistributedSampler(shuffle=True) "
+                      "draws its order from the seed and the epoch, so without it every epoch repeats the first one's "
+                      "order (the model sees the same sequence of batches again and again)"]
 UNSHARDED_REMEDIES = ["give the DataLoader a DistributedSampler(dataset) (and call sampler.set_epoch(epoch)) so "
                       "that each rank trains on its own share of the data"]
 

@@ -96,7 +96,7 @@ class RankFinding:
     rank: int
     reference: int
     step: int | None
-    kind: str  # "gradients", "parameters", "lr", "steps" or "same data"
+    kind: str  # "gradients", "parameters", "lr", "steps", "same data" or "epoch order"
     text: str
 
     def line(self) -> str:

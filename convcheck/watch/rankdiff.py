@@ -103,12 +103,31 @@ def against(ref: WatchedRun, other: WatchedRun, run: str) -> list[RankFinding]:
     return found
 
 
+def epoch_repeat(run: WatchedRun) -> int | None:
+    """The length of an epoch when the run's batches repeat in the same order epoch after epoch: the smallest
+    P whose first P batches are all different and every step k's batches are step k+P's (at least one whole
+    epoch repeated); None otherwise."""
+    hashes = [tuple(s["batch_sha256"]) for s in run.steps]
+    n = len(hashes)
+    for p in (k for k in range(2, n // 2 + 1) if hashes[k] == hashes[0] and hashes[0]):
+        if len(set(hashes[:p])) == p and all(hashes[k] == hashes[k + p] for k in range(n - p)):
+            return p
+    return None
+
+
 def across(runs: list[WatchedRun], label: str) -> list[RankFinding]:
-    """Every rank of one DDP run against rank 0 (the first of ``runs``)."""
+    """Every rank of one DDP run against rank 0 (the first of ``runs``); and rank 0's epochs in one order."""
     worlds = {_distributed(r)["world_size"] for r in runs}
     if len(worlds) != 1:
         raise UsageError(f"{label}: its ranks report different world sizes ({', '.join(map(str, sorted(worlds)))})")
-    return [f for r in runs[1:] for f in against(runs[0], r, label)]
+    found = [f for r in runs[1:] for f in against(runs[0], r, label)]
+    p = epoch_repeat(runs[0])
+    if p is not None:
+        r0 = _distributed(runs[0])["rank"]
+        found.append(RankFinding(label, r0, r0, p, "epoch order",
+                                 f"the same batches in the same order every epoch: steps {p}.. repeat steps 0..{p - 1} "
+                                 "(its sampler does not reshuffle between epochs)"))
+    return found
 
 
 @dataclass(frozen=True)

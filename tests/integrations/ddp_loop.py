@@ -4,7 +4,8 @@
 
 BUG plants a real DDP mistake: ``no_sync`` (every step inside ``model.no_sync()``: the gradients are never
 averaged, the ranks' models part) or ``unsharded`` (no DistributedSampler: every rank trains on the same
-batches); ``none`` is a correct run."""
+batches) or ``no_set_epoch`` (three epochs without ``sampler.set_epoch``: every epoch in one order; ``epochs``
+is the same three epochs done right); ``none`` is a correct run."""
 
 import contextlib
 import sys
@@ -20,7 +21,7 @@ import convcheck
 
 
 def train(out: str, bug: str = "none", steps: int = 3) -> None:
-    if bug not in ("none", "no_sync", "unsharded"):
+    if bug not in ("none", "no_sync", "unsharded", "no_set_epoch", "epochs"):
         raise SystemExit(f"ddp_loop.py: unknown bug {bug!r}")
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
@@ -29,14 +30,18 @@ def train(out: str, bug: str = "none", steps: int = 3) -> None:
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
     sampler = None if bug == "unsharded" else DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
+    epochs = 3 if bug in ("no_set_epoch", "epochs") else 1
     with convcheck.watch(model, opt, out=out) as w:
-        for _, (x, y) in zip(range(steps), loader):
-            with model.no_sync() if bug == "no_sync" else contextlib.nullcontext():
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-            opt.step()
-            w.step(loss)
+        for epoch in range(epochs):
+            if bug == "epochs":
+                sampler.set_epoch(epoch)
+            for _, (x, y) in zip(range(steps if epochs == 1 else len(loader)), loader):
+                with model.no_sync() if bug == "no_sync" else contextlib.nullcontext():
+                    loss = F.cross_entropy(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                opt.step()
+                w.step(loss)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_lin
 def ddp_runs(tmp_path_factory):
     """One torchrun launch of 2 gloo ranks: a correct run twice, one with no_sync left on, one unsharded."""
     tmp = tmp_path_factory.mktemp("ddp")
-    runs = {"good": "none", "good_again": "none", "no_sync": "no_sync", "unsharded": "unsharded"}
+    runs = {"good": "none", "good_again": "none", "no_sync": "no_sync", "unsharded": "unsharded",
+            "epochs": "epochs", "no_set_epoch": "no_set_epoch"}
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def launch():
@@ -133,6 +134,17 @@ def test_every_rank_on_the_same_batches_is_named(ddp_runs, capsys):
     assert code == 1
     assert "verdict: setup: in B, ranks 0 and 1 trained on the same batches at every step" in out
     assert "DistributedSampler" in out
+
+
+@pytest.mark.slow
+def test_epochs_in_one_order_name_set_epoch(ddp_runs, capsys):
+    """Three epochs of 4 steps a rank without sampler.set_epoch: every epoch repeats the first one's order."""
+    code, out, _ = diff(capsys, ddp_runs / "epochs", ddp_runs / "no_set_epoch")
+    assert code == 1
+    assert ("verdict: setup: in B, every epoch trains on the same batches in the same order (epochs of 4 steps): "
+            "the sampler is not told the epoch") in out
+    assert "call sampler.set_epoch(epoch) at the start of every epoch" in out
+    assert "epoch order" not in diff(capsys, ddp_runs / "epochs", ddp_runs / "epochs")[1]
 
 
 def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(one_rank, tmp_path, capsys):

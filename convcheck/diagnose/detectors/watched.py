@@ -196,6 +196,24 @@ def _ratio_text(r: float) -> str:
     return f"{r:.4g}x"
 
 
+def _world_size(run) -> int | None:
+    d = run.manifest.get("distributed")
+    w = d.get("world_size") if isinstance(d, dict) else None
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 1 else None
+
+
+def _world_factor(a, b, scale: float, spread: float) -> str:
+    """``: the world size of B's DDP run (2) ...`` when one factor between the runs' gradients is a run's world
+    size: a loss multiplied (or divided) by the world size, which DDP's gradient averaging already accounts for."""
+    for run, factor, how in ((b, scale, "multiplied by"), (a, 1 / scale, "multiplied by")):
+        w = _world_size(run)
+        if w is not None and abs(factor / w - 1) <= spread:
+            side = "B" if run is b else "A"
+            return (f": the world size of {side}'s data-parallel run ({w}) - its loss {how} the world size, which "
+                    "DistributedDataParallel's gradient averaging already divides out")
+    return ""
+
+
 def recipe_difference(a, b, tol: float) -> S.Symptom | None:
     """Step 0 of two runs with the same weights and batch (the caller's check): the losses differ beyond
     ``tol`` (relative), or every parameter's gradient norm differs by one common factor (a loss scale).
@@ -225,7 +243,7 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
     if scale is not None:
         lines.append(f"step-0 gradient norms: B's are {_ratio_text(scale)} A's for all {len(names)} parameters "
                      f"(within {spread:.3g}): one factor multiplies the whole "
-                     "backward")
+                     "backward" + _world_factor(a, b, scale, spread))
     elif names:
         worst = max(names, key=lambda n: abs(math.log(gb[n] / ga[n])))
         lines.append(f"step-0 gradient norms differ parameter by parameter (largest: {worst}, B/A = "

@@ -8,13 +8,14 @@ id   prio name             category fires on
 W201 10   ranks-unsynced   setup    a rank whose parameters, averaged gradients or learning rates part
                                     from rank 0's where DDP makes them equal
 W202 20   ranks-same-data  setup    two ranks that trained on the same batches at every step
+W203 30   ranks-epoch-order setup   every epoch in the same order (``sampler.set_epoch`` not called)
 ==== ==== ================ ======== ==============================================================
 """
 
 from __future__ import annotations
 
 from convcheck.diagnose.registry import verdict_rule
-from convcheck.diagnose.remedies import UNSHARDED_REMEDIES, UNSYNCED_REMEDIES
+from convcheck.diagnose.remedies import SET_EPOCH_REMEDIES, UNSHARDED_REMEDIES, UNSYNCED_REMEDIES
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import RankEvidence
 
@@ -43,6 +44,18 @@ def ranks_same_data(ev: RankEvidence) -> Verdict | None:
         return None
     return ranks_same_data.verdict([x.line() for x in ev.findings], vars(f), target=f.run,
                                    sub_cause="data not sharded")
+
+
+@verdict_rule("W203", "ranks-epoch-order", priority=30, category="setup", reads=RankEvidence,
+              headline="in {run}, every epoch trains on the same batches in the same order (epochs of {step} "
+                       "steps): the sampler is not told the epoch", remedies=tuple(SET_EPOCH_REMEDIES))
+def ranks_epoch_order(ev: RankEvidence) -> Verdict | None:
+    """A DDP run whose epochs repeat one order: ``DistributedSampler.set_epoch`` never called."""
+    f = next((f for f in ev.findings if f.kind == "epoch order"), None)
+    if f is None:
+        return None
+    return ranks_epoch_order.verdict([x.line() for x in ev.findings], vars(f), target=f.run,
+                                     sub_cause="sampler.set_epoch missing")
 
 
 def ranks_otherwise(ev: RankEvidence) -> Verdict:
