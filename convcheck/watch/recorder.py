@@ -136,6 +136,7 @@ class Watch(ProducerHooks):
         self.handles.clear()
         if getattr(self, "spy", None) is not None:
             self.spy.remove()
+            self.notes += self.spy.notes()
         if self.pending:
             self._end_step(loss=None)
         if self.layers or self.hashes:

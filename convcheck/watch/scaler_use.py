@@ -23,6 +23,7 @@ class ScalerSpy:
         self.inside_step = False
         self.clipped_scaled = False  # a clip ran on scaled gradients this step
         self.saved: list[tuple] = []
+        self.optimizers: dict[int, str] = {}  # the optimizers this scaler stepped (id -> class name)
 
     def install(self) -> "ScalerSpy":
         s = self.scaler
@@ -56,6 +57,9 @@ class ScalerSpy:
 
     def _step(self, fn):
         def step(*args, **kwargs):
+            opt = args[0] if args else kwargs.get("optimizer")
+            if opt is not None:
+                self.optimizers[id(opt)] = type(opt).__name__
             self.inside_step = True
             try:
                 return fn(*args, **kwargs)
@@ -72,6 +76,14 @@ class ScalerSpy:
         clip.__wrapped__ = fn
         clip.__name__ = getattr(fn, "__name__", "clip")
         return clip
+
+    def notes(self) -> list[str]:
+        """What the manifest says of the scaler's use beyond each step's record."""
+        if len(self.optimizers) < 2:
+            return []
+        return [f"one GradScaler stepped {len(self.optimizers)} optimizers ({', '.join(self.optimizers.values())}): "
+                "each skips its step only when its own gradients hold Inf/NaN, and they share one scale (the AMP "
+                "recipe for several optimizers: scaler.step on each, scaler.update once per iteration)"]
 
     def end_step(self) -> dict:
         """This step's record (``{"clip_before_unscale": True}`` or nothing), then a fresh step."""

@@ -73,3 +73,24 @@ def test_the_watch_leaves_the_scaler_and_torch_as_they_were(tmp_path):
         assert torch.nn.utils.clip_grad_norm_ is not clip
     assert torch.nn.utils.clip_grad_norm_ is clip
     assert "unscale_" not in vars(scaler) and "step" not in vars(scaler)
+
+
+def test_one_scaler_stepping_two_optimizers_is_named(tmp_path):
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 8), nn.Linear(8, 2)
+    model = nn.Sequential(body, head)
+    opt_body, opt_head = torch.optim.SGD(body.parameters(), lr=0.1), torch.optim.Adam(head.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with convcheck.watch(model, opt_body, out=tmp_path / "run", scaler=scaler) as w:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            opt_body.zero_grad()
+            opt_head.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt_body)
+            scaler.step(opt_head)
+            scaler.update()
+            w.step(loss)
+    notes = open_watched(tmp_path / "run")["notes"]
+    assert any(n.startswith("one GradScaler stepped 2 optimizers (SGD, Adam)") for n in notes)
