@@ -66,6 +66,7 @@ class WatchDiff:
     pair: tuple = ()  # what only the pair shows: a recipe difference at step 0, a gradient underflow (Symptoms)
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (max_bytes), or None
     compiled: tuple = (None, None)  # each run's ``hidden_layers`` line when torch.compile hid its layers, or None
+    scaler_notes: tuple = ((), ())  # each run's notes of its GradScaler's use (``scaler_use.py``)
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -75,6 +76,7 @@ class WatchDiff:
         out += [stopped_line(side, s) for side, s in zip("AB", self.stopped) if s is not None]
         out += [f"truncated: {side}'s {note}" for side, note in zip("AB", self.truncated) if note]
         out += [f"compiled: {side}'s {note}" for side, note in zip("AB", self.compiled) if note]
+        out += [f"note: {side}: {n}" for side, notes in zip("AB", self.scaler_notes) for n in notes]
         out.append("data: " + ("the same batches at every aligned step" if self.data_step is None else
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
@@ -151,6 +153,7 @@ class WatchJudge:
     stopped: dict | None = None
     own: tuple = ()  # the run's own findings (``diagnose.detectors.watched.run_findings``)
     compiled: str | None = None  # ``hidden_layers``: torch.compile hid the run's layers
+    notes: tuple = ()  # ``scaler_notes``
 
     def __bool__(self) -> bool:
         return self.verdict.category == "ok"
@@ -161,6 +164,7 @@ class WatchJudge:
             out.append(stopped_line("-", self.stopped))
         if self.compiled:
             out.append(f"compiled: the run's {self.compiled}")
+        out += [f"note: {n}" for n in self.notes]
         out.append("first non-finite: " + ("none" if self.producer is None else producer_text(self.producer)))
         out += judge_lines((self.replay,), sides="-")
         out += [f"on its own: {s.label}: {s.evidence}" for s in self.own]
@@ -172,6 +176,14 @@ class WatchJudge:
         return {"schema": WATCH_DIFF_SCHEMA, "run": self.run, "steps": self.steps, "first_nonfinite": self.producer,
                 "judge_replay": self.replay.to_dict(), "stopped": self.stopped, "compiled": self.compiled,
                 "own_findings": [symptom_dict(s) for s in self.own], "verdict": self.verdict.to_dict()}
+
+
+SCALER_NOTES = ("the learning rate moved on after", "one GradScaler stepped")
+
+
+def scaler_notes(run: WatchedRun) -> tuple[str, ...]:
+    """The run's notes on how its loop used the GradScaler (a scheduler on skipped steps, several optimizers)."""
+    return tuple(n for n in run.manifest.get("notes", []) if n.startswith(SCALER_NOTES))
 
 
 def hidden_layers(run: WatchedRun) -> str | None:
@@ -205,7 +217,8 @@ def judge_watched(path, judge: str) -> WatchJudge:
     replay = replay_run(run, judge)
     own = tuple(run_findings(run, "the run"))
     return WatchJudge(str(run.path), len(run.steps), first_nonfinite(run), replay, decide_single(run, replay, own),
-                      stopped=run.manifest.get("stopped"), own=own, compiled=hidden_layers(run))
+                      stopped=run.manifest.get("stopped"), own=own, compiled=hidden_layers(run),
+                      notes=scaler_notes(run))
 
 
 def _rel(x: float, y: float, scale: float) -> float:
@@ -401,6 +414,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                        loss_tol=loss_tolerance(a, b), loss_wander=wander,
                        own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),
                        truncated=(size_cap(a), size_cap(b)), compiled=(hidden_layers(a), hidden_layers(b)),
+                       scaler_notes=(scaler_notes(a), scaler_notes(b)),
                        pair=tuple(x for x in pair if x is not None))
     if judge is None:
         from convcheck.targets.spec import default_judge

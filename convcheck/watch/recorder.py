@@ -195,6 +195,8 @@ class Watch(ProducerHooks):
         if torch.is_grad_enabled() and not self.model.training and not self.truncated:
             self.eval_forwards += 1  # not recorded (a validation pass without no_grad) unless it is all the step had
         if self._recording():
+            if getattr(self, "spy", None) is not None:
+                self.spy.start(self._lrs())
             self.hash_batch(args, kwargs)
             self.leaves_before = self.leaf_calls
             if self.taker is not None and not self.taker.params:
@@ -310,7 +312,7 @@ class Watch(ProducerHooks):
         if self.scaler is not None:
             record["scale"] = float(self.scaler.get_scale())
             record["skipped"] = not self.stepped
-            record.update(self.spy.end_step() if getattr(self, "spy", None) is not None else {})
+            record.update(self.spy.end_step(not self.stepped) if getattr(self, "spy", None) is not None else {})
         if not self.hashes and self.eval_forwards and self.stepped:
             # the optimizer stepped on forwards run in eval mode only: training with BatchNorm's running
             # statistics and Dropout off - said once, and marked on every such step

@@ -24,6 +24,10 @@ class ScalerSpy:
         self.clipped_scaled = False  # a clip ran on scaled gradients this step
         self.saved: list[tuple] = []
         self.optimizers: dict[int, str] = {}  # the optimizers this scaler stepped (id -> class name)
+        # the learning rates as each step's first forward began, to see a scheduler step on a skipped step
+        self.lr_first: list | None = None
+        self.prev: tuple | None = None  # (skipped, lr_first) of the step before
+        self.skips = self.moved_after_skip = 0
 
     def install(self) -> "ScalerSpy":
         s = self.scaler
@@ -77,16 +81,31 @@ class ScalerSpy:
         clip.__name__ = getattr(fn, "__name__", "clip")
         return clip
 
+    def start(self, lrs: list) -> None:
+        """A step's first forward: the learning rates it starts with."""
+        if self.lr_first is None:
+            self.lr_first = list(lrs)
+
     def notes(self) -> list[str]:
         """What the manifest says of the scaler's use beyond each step's record."""
+        out = []
+        if self.moved_after_skip:
+            out.append(f"the learning rate moved on after {self.moved_after_skip} of the {self.skips} steps the "
+                       "GradScaler skipped: the scheduler stepped although the optimizer did not (step it only when "
+                       "the optimizer stepped: the scale did not drop in scaler.update())")
         if len(self.optimizers) < 2:
-            return []
-        return [f"one GradScaler stepped {len(self.optimizers)} optimizers ({', '.join(self.optimizers.values())}): "
+            return out
+        return out + [f"one GradScaler stepped {len(self.optimizers)} optimizers ({', '.join(self.optimizers.values())}): "
                 "each skips its step only when its own gradients hold Inf/NaN, and they share one scale (the AMP "
                 "recipe for several optimizers: scaler.step on each, scaler.update once per iteration)"]
 
-    def end_step(self) -> dict:
+    def end_step(self, skipped: bool = False) -> dict:
         """This step's record (``{"clip_before_unscale": True}`` or nothing), then a fresh step."""
         out = {"clip_before_unscale": True} if self.clipped_scaled else {}
         self.unscaled = self.clipped_scaled = False
+        if self.prev is not None and self.prev[0] and self.prev[1] is not None and self.lr_first is not None \
+                and self.lr_first != self.prev[1]:
+            self.moved_after_skip += 1  # the step before was skipped, and this one began at another lr
+        self.skips += bool(skipped)
+        self.prev, self.lr_first = (bool(skipped), self.lr_first), None
         return out

@@ -94,3 +94,52 @@ def test_one_scaler_stepping_two_optimizers_is_named(tmp_path):
             w.step(loss)
     notes = open_watched(tmp_path / "run")["notes"]
     assert any(n.startswith("one GradScaler stepped 2 optimizers (SGD, Adam)") for n in notes)
+
+
+def test_a_scheduler_that_steps_on_skipped_steps_is_named(tmp_path):
+    """A GradScaler whose first scale overflows float16 skips the first steps; the loop steps its scheduler
+    anyway (the warning PyTorch prints once), so the schedule runs ahead of the optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # overflows float16: skipped steps at first
+    with convcheck.watch(model, opt, out=tmp_path / "run", scaler=scaler) as w:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            w.step(loss)
+            sched.step()
+    run = open_watched(tmp_path / "run")
+    skipped = sum(bool(s.get("skipped")) for s in run.steps)
+    assert skipped >= 1
+    assert any(n.startswith("the learning rate moved on after") for n in run["notes"])
+
+
+def test_the_diff_says_it_and_a_loop_that_skips_its_scheduler_with_the_step_is_not_named(tmp_path, capsys):
+    for name, guard in (("ahead", False), ("guarded", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+        with convcheck.watch(model, opt, out=tmp_path / name, scaler=scaler) as w:
+            for _ in range(5):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 8)).float().square().mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scale = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                w.step(loss)
+                if not guard or scaler.get_scale() >= scale:  # the scale dropped: the step was skipped
+                    sched.step()
+    assert not any(n.startswith("the learning rate moved on") for n in open_watched(tmp_path / "guarded")["notes"])
+    capsys.readouterr()
+    main(["diff", str(tmp_path / "ahead"), "--judge", "cpu:float64"])
+    assert "note: the learning rate moved on after" in capsys.readouterr().out
