@@ -48,7 +48,7 @@ EXACT = ("loss_scale", "same_data", "buffers_not_broadcast", "dropout_per_rank",
 
 @dataclass(frozen=True)
 class DDPFinding:
-    kind: str  # "loss_scale" | "same_data" | "buffers_not_broadcast" | "dropout_per_rank" | "gradient_apart" | "batchnorm_per_rank"
+    kind: str  # loss_scale, same_data, buffers_not_broadcast, dropout_per_rank, gradient_apart, batchnorm_per_rank
     arm: str
     summary: str
     evidence: tuple[str, ...] = ()
@@ -66,9 +66,8 @@ class DDPFinding:
 
     @property
     def explains_drift(self) -> bool:
-        """Per-rank BatchNorm alone (plain BatchNorm under DDP, or the step-0 gradient it explains): it trains
-        another model from the first step, so its drift is always far beyond the envelope; the outcome judges it
-        (``diagnose.rules.numerics.drift_is_a_note`` and rule V009 read this)."""
+        """Per-rank BatchNorm alone (or the step-0 gradient it explains): its drift is always far, the outcome
+        judges it (``diagnose.rules.numerics.drift_is_a_note``, rule V009)."""
         return self.kind == "batchnorm_per_rank" or (self.kind == "gradient_apart" and self.approximate)
 
     @property
