@@ -21,10 +21,8 @@ support is category ``setup``, sub-cause ``ddp`` (rule V009, ``rules``).
   forward (``F.dropout``...), which the shared masks do not cover: each rank
   draws its own mask for its slice (and, seeded alike, the same numbers).
 
-``loss_scale``, ``same_data``, ``buffers_not_broadcast`` and ``dropout_per_rank``
-are exact evidence of a setup difference (``EXACT``): the verdict names them
-even when the drift stays inside the envelope; ``batchnorm_per_rank`` only when
-the data-parallel arm leaves it.
+``loss_scale``, ``same_data``, ``buffers_not_broadcast`` and ``dropout_per_rank`` are exact evidence
+(``EXACT``): the verdict names them whatever the drift; per-rank BatchNorm by the outcome alone.
 """
 
 from __future__ import annotations
