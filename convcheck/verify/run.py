@@ -18,6 +18,7 @@ import time
 from typing import Sequence
 
 from convcheck.diagnose.detectors import training as S
+from convcheck.measure.parity.localise import first_difference, location_text
 from convcheck.diagnose.target_symptoms import _loss_scale
 from convcheck.diagnose.verdict import Verdict
 from convcheck.measure.train import TrainConfig, TrainResult, converged, run_training
@@ -106,6 +107,10 @@ def verify_verdict(verdict: Verdict | None, *, build, data, recipe, steps: int, 
         # no re-run with another learning rate reaches, says nothing against the diagnosis
         line = (f"{attempts[0].line}; a 10x lower learning rate is the one remedy convcheck can apply here, so "
                 "this is not verified either way: the other remedies are yours to try")
+    elif len(attempts) == 1 and attempts[0].kind == "deterministic" and "still differs from itself" in attempts[0].line:
+        # the difference is measured twice over, the remedy does not reach the op: the diagnosis stands
+        line = (f"{attempts[0].line}; torch's deterministic algorithms do not cover that op (a custom or third-party "
+                "kernel): make its reduction order fixed in its own code")
     elif len(attempts) == 1:
         line = f"{attempts[0].line}; no other remedy convcheck can apply: the diagnosis may be wrong (low confidence)"
     else:
@@ -290,6 +295,10 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
                                   tolerances=tolerances)
             if with_judge:
                 judge_losses = _losses(result, str(judge))
+            # deterministic algorithms answer a target that differs from itself: run it twice more from the same
+            # state with them on; the remedy is verified only if the two agree bitwise
+            still = (first_difference(action.wrap_build(build, config), t, data.first(), seed, recipe.loss)
+                     if action.deterministic and hasattr(data, "first") else None)
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - an action that cannot run on this model is not a verified remedy
@@ -306,7 +315,9 @@ def _attempt(action: Action, target: Target, judge: Target, is_judge: bool, buil
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     judge_conv = converged(judge_losses, tolerances)
     cause, by_optimizer = _cause(result, t) if bad is not None else ("", False)
-    if bad is not None:
+    if still is not None:
+        ok, why = False, f"{name} still differs from itself run to run: {location_text(still)}"
+    elif bad is not None:
         ok, why = False, f"{name} still goes NaN/Inf at step {bad}" + (f": {cause}" if cause else "")
     elif is_judge:
         ok = conv

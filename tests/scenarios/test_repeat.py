@@ -34,3 +34,13 @@ def test_a_deterministic_pair_repeated_is_never_nondeterminism_and_says_why(caps
 def test_repeat_takes_1_or_2(capsys):
     assert main(["compare", "--model", "lenet", "--repeat", "5", *FAST]) == 2
     assert "repeat must be at most 2, got 5" in capsys.readouterr().err
+
+
+def test_deterministic_algorithms_are_not_called_a_fix_for_a_kernel_they_do_not_reach(capsys):
+    """The remedy re-run measures the difference again (it said "verified" from the loss curve alone)."""
+    code = main(["compare", *SCATTER, "--steps", "6", "--envelope", "0", "--no-save"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert ("not verified: with deterministic algorithms, cpu still differs from itself run to run: layer 'pool' "
+            "(forward, op shuffled_index_add)") in out
+    assert "torch's deterministic algorithms do not cover that op" in out
