@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from convcheck.cli.main import main
@@ -77,10 +78,14 @@ def test_an_older_fingerprint_without_the_section_loads_and_diffs_nothing_of_it(
     assert not [d for d in diff(collect(), fp) if d.field.startswith(("SDPA", "Triton", "NCCL", "TORCH", "CUDA"))]
 
 
-def test_a_variable_that_changes_no_number_is_recorded_but_not_a_difference(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_MODULE_LOADING",
+                                  "NCCL_VERSION", "PYTORCH_VERSION"])
+def test_a_variable_that_changes_no_number_is_recorded_but_not_a_difference(monkeypatch, name):
+    """torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING in every worker, containers export versions: recorded,
+    never a "version" finding."""
+    monkeypatch.setenv(name, "0")
     here = collect()
     other = here.to_dict()
-    other["dispatch"]["env"] = [v.replace("CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=3") for v in other["dispatch"]["env"]]
-    assert "CUDA_VISIBLE_DEVICES=0" in here.dispatch.env
-    assert not [d for d in diff(here, Fingerprint.from_dict(other)) if d.field == "CUDA_VISIBLE_DEVICES"]
+    other["dispatch"]["env"] = [v.replace(f"{name}=0", f"{name}=3") for v in other["dispatch"]["env"]]
+    assert f"{name}=0" in here.dispatch.env
+    assert not [d for d in diff(here, Fingerprint.from_dict(other)) if d.field == name]

@@ -19,9 +19,10 @@ from convcheck.env.fingerprint import GPU, Fingerprint, Host, MathFlags, TorchBu
 from convcheck.env.tables import capability_from_name
 
 
-def collect(nvml=None, torch_module=None, environ=None) -> Fingerprint:
+def collect(nvml=None, torch_module=None, environ=None, device: str | None = None) -> Fingerprint:
     """Fingerprint this machine. ``nvml``/``torch_module``/``environ`` replace
-    ``pynvml``/``torch``/``os.environ`` (tests pass fakes)."""
+    ``pynvml``/``torch``/``os.environ`` (tests pass fakes); ``device``: where the SDPA probe runs (a watched
+    model's device; default the current CUDA GPU, else the CPU)."""
     environ = os.environ if environ is None else environ
     torch = torch_module if torch_module is not None else _import_torch()
     driver, gpus = _nvml.probe(nvml)
@@ -35,7 +36,7 @@ def collect(nvml=None, torch_module=None, environ=None) -> Fingerprint:
         driver=driver,
         gpus=gpus,
         math=probe_math(torch, environ),
-        dispatch=probe_dispatch(torch, environ),
+        dispatch=probe_dispatch(torch, environ, device),
     )
 
 

@@ -29,15 +29,21 @@ SDPA_BACKENDS = (("flash", "flash"), ("efficient", "mem_efficient"), ("cudnn", "
 TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu")
 
 
-# recorded, but no difference in them changes a number: which GPU, logging, caches, paths, the allocator
-NOT_NUMERIC = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF",
-               "PYTORCH_ALLOC_CONF", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_CPP_LOG_LEVEL")
-NOT_NUMERIC_PARTS = ("DEBUG", "LOG", "_DIR", "_PATH", "_HOME", "CACHE", "TRACE", "PORT", "ADDR", "IFNAME")
+# Every variable of ENV_PREFIXES is recorded; these alone are compared (``env --against``, ``diff``): each one
+# documented to change what a kernel computes or which kernel runs. The rest (which GPU, error handling, logging,
+# caches, versions a container exports) changes no number, and a difference in them is no finding.
+NUMERIC_VARS = (
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT",
+    "TORCH_CUDNN_V8_API_DISABLED", "TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "TORCH_CUDNN_SDPA_ENABLED",
+    "TORCHINDUCTOR_FALLBACK_RANDOM", "TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
+    "TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
+    "NVIDIA_TF32_OVERRIDE")
 
 
 def steers_numerics(name: str) -> bool:
     """Whether a recorded variable can change results (``env --against`` and ``diff`` compare only these)."""
-    return name not in NOT_NUMERIC and not any(part in name for part in NOT_NUMERIC_PARTS)
+    return name in NUMERIC_VARS
 
 
 def numerics_env(environ) -> tuple[str, ...]:
@@ -66,8 +72,9 @@ def _enabled(torch, name: str) -> bool | None:
     return v if isinstance(v, bool) else None
 
 
-def sdpa_dispatch(torch) -> tuple[str | None, str | None]:
-    """``(the call probed, the backend it reached)`` on this machine's first CUDA GPU, else on the CPU."""
+def sdpa_dispatch(torch, device: str | None = None) -> tuple[str | None, str | None]:
+    """``(the call probed, the backend it reached)`` on ``device`` (a watched model's: its own GPU, so no other
+    GPU gets a CUDA context), by default this machine's current CUDA GPU, else the CPU."""
     try:
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -80,26 +87,28 @@ def sdpa_dispatch(torch) -> tuple[str | None, str | None]:
                 self.names.append(str(func))
                 return func(*args, **(kwargs or {}))
 
-        cuda = bool(torch.cuda.is_available())
-        device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
+        if device is None:
+            device = "cuda" if bool(torch.cuda.is_available()) else "cpu"
+        cuda = str(device).startswith("cuda")
+        dtype = torch.float16 if cuda else torch.float32
         q = torch.full((2, 4, 128, 64), 0.5, device=device, dtype=dtype)  # no random draw: the caller's state kept
         with torch.no_grad(), _Ops() as ops:
             torch.nn.functional.scaled_dot_product_attention(q, q, q)
     except Exception:  # noqa: BLE001 - an old torch, a broken device: not known
         return None, None
-    probe = f"{device} {str(dtype).replace('torch.', '')} (2, 4, 128, 64)"
+    probe = f"{str(device).split(':')[0]} {str(dtype).replace('torch.', '')} (2, 4, 128, 64)"
     sdpa = [n for n in ops.names if "scaled_dot_product" in n]
     for key, label in SDPA_BACKENDS:
         if any(key in n for n in sdpa):
-            return probe, label + (" (CPU)" if device == "cpu" else "")
+            return probe, label + ("" if cuda else " (CPU)")
     return probe, "math" if ops.names else None
 
 
-def probe_dispatch(torch, environ) -> Dispatch:
+def probe_dispatch(torch, environ, device: str | None = None) -> Dispatch:
     env = numerics_env(dict(environ))
     if torch is None:
         return Dispatch(recorded=True, triton=triton_version(), env=env)
-    probe, dispatched = sdpa_dispatch(torch)
+    probe, dispatched = sdpa_dispatch(torch, device)
     return Dispatch(recorded=True, sdpa_flash=_enabled(torch, "flash"),
                     sdpa_mem_efficient=_enabled(torch, "mem_efficient"), sdpa_math=_enabled(torch, "math"),
                     sdpa_cudnn=_enabled(torch, "cudnn"), sdpa_probe=probe, sdpa_dispatched=dispatched,

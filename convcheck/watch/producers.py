@@ -62,12 +62,12 @@ BACKWARD_OVERFLOWING = {"DivBackward0": "div", "ReciprocalBackward0": "reciproca
                         "PowBackward2": "pow", "NormBackward1": "norm", "LinalgVectorNormBackward0": "norm"}
 
 
-def backward_op(start, stops, limit: int = 512) -> str | None:
-    """The one op that can overflow in a backward (``BACKWARD_OVERFLOWING``) on the autograd graph from
-    ``start`` (a module's output node) down to ``stops`` (its children's output nodes); None when the walk finds
-    none, several kinds, or runs past ``limit`` nodes. Reads node types only."""
+def backward_op(start, stops, limit: int = 512) -> set[str]:
+    """The ops that can overflow in a backward (``BACKWARD_OVERFLOWING``) on the autograd graph from ``start``
+    (a module's output node) down to ``stops`` (its children's output nodes); empty when the walk finds none or
+    runs past ``limit`` nodes. Reads node types only."""
     if start is None:
-        return None
+        return set()
     seen, todo, found = set(), [start], set()
     while todo and len(seen) < limit:
         node = todo.pop()
@@ -77,7 +77,7 @@ def backward_op(start, stops, limit: int = 512) -> str | None:
         if type(node).__name__ in BACKWARD_OVERFLOWING:
             found.add(BACKWARD_OVERFLOWING[type(node).__name__])
         todo += [n for n, _ in node.next_functions]
-    return found.pop() if len(found) == 1 and len(seen) < limit else None
+    return found if len(seen) < limit else set()
 
 
 def closure(args, kwargs) -> bool:
@@ -123,10 +123,13 @@ class ProducerHooks:
             owner = hit[0]
         if owner is None:
             owner = name.rpartition(".")[0] or self.names[self.model]
-        op = backward_op(self.out_nodes.get(owner), self.leaf_nodes)
-        if op is None:  # own code with nothing that overflows in a backward (a ReLU, a reshape) handed it on:
+        ops = backward_op(self.out_nodes.get(owner), self.leaf_nodes)
+        if not ops:  # own code with nothing that overflows in a backward (a ReLU, a reshape) handed it on:
             return self._next_leaf(name)  # the layer that ran after ``name`` made it, its input gradient unhooked
-        found = {"layer": owner, "kind": "own code", "op": op}
+        # one op: it and its line; several (x / (sqrt(...) + eps)): all of them, and the forward's line
+        names = sorted(ops)
+        op = names[0] if len(names) == 1 else None
+        found = {"layer": owner, "kind": "own code", "op": op or " or ".join(names)}
         module = self.by_name.get(owner)
         src = op_line(module, op) if module is not None else None
         if src is not None:
@@ -188,6 +191,26 @@ class ProducerHooks:
                                        budget=self._budget())
             self.snapshot_steps.add(self.step_index)
 
+    def _scaler_skip(self) -> None:
+        """A GradScaler skipped this step: the Inf/NaN in its scaled gradients is how it finds its scale (it
+        skips and lowers it), not the run's first non-finite value; a backward producer found at this step is
+        let go, with the partial snapshot begun for it. Counted for a note."""
+        p = self.producer
+        if self.scaler is None or self.stepped or p is None or p["step"] != self.step_index \
+                or p["direction"] != "backward":
+            return
+        self.producer = None
+        if self.taker is not None and self.taker.partial:
+            self.taker.drop()
+            self.taker = None
+            self.snapshot_steps.discard(self.step_index)
+        self.scaled_infs = getattr(self, "scaled_infs", 0) + 1
+
+    def producer_notes(self) -> list[str]:
+        n = getattr(self, "scaled_infs", 0)
+        return [f"the scaled gradients held Inf/NaN at {n} steps the GradScaler skipped (how it lowers its scale): "
+                "not taken as the run's first non-finite value"] if n else []
+
     def _resolve(self) -> None:
         """The step's one read of its device-side statistics (``deferred.py``): rows, norms, the producer."""
         buf = self.buffer
@@ -199,7 +222,9 @@ class ProducerHooks:
             self.layers[n] = _stats.merge(self.layers.get(n), row)
         if norms is not None:
             self.grad_norms = norms
-        if found is not None and self.producer is None:
+        skipped = self.scaler is not None and not self.stepped and found is not None and found["direction"] == "backward"
+        self.scaled_infs = getattr(self, "scaled_infs", 0) + (skipped and self.producer is None)
+        if found is not None and self.producer is None and not skipped:
             extra = {k: v for k, v in found.items() if k not in ("layer", "direction", "kind", "detail")}
             self._found(found["layer"], found["direction"], found["kind"], found["detail"], ended=True)
             self.producer.update(extra)

@@ -121,12 +121,14 @@ def across(runs: list[WatchedRun], label: str) -> list[RankFinding]:
     if len(worlds) != 1:
         raise UsageError(f"{label}: its ranks report different world sizes ({', '.join(map(str, sorted(worlds)))})")
     found = [f for r in runs[1:] for f in against(runs[0], r, label)]
-    p = epoch_repeat(runs[0])
+    sampler = runs[0].manifest.get("sampler")
+    told_no_epoch = isinstance(sampler, dict) and sampler.get("shuffle") is True and len(sampler.get("epochs") or []) <= 1
+    p = epoch_repeat(runs[0]) if told_no_epoch else None  # shuffle=False repeats its order by choice
     if p is not None:
         r0 = _distributed(runs[0])["rank"]
         found.append(RankFinding(label, r0, r0, p, "epoch order",
-                                 f"the same batches in the same order every epoch: steps {p}.. repeat steps 0..{p - 1} "
-                                 "(its sampler does not reshuffle between epochs)"))
+                                 f"the same batches in the same order every epoch: steps {p}.. repeat steps 0..{p - 1}; "
+                                 "its DistributedSampler shuffles but was told one epoch only"))
     return found
 
 

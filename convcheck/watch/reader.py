@@ -89,6 +89,11 @@ def _check_manifest(m) -> None:
             bundle_reader.get_field(stopped, key, kind, "stopped")
         if not 0 <= stopped["step"] <= 10**8:
             raise _Bad(f"stopped.step = {stopped['step']} is outside 0..10^8")
+    sampler = bundle_reader.get_field(m, "sampler", dict, "manifest", optional=True)  # older runs: none
+    if sampler is not None:
+        bundle_reader.get_field(sampler, "shuffle", bool, "sampler")
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in bundle_reader.get_field(sampler, "epochs", list, "sampler")):
+            raise _Bad("sampler.epochs holds a non-integer")
     compiled = bundle_reader.get_field(m, "compiled", dict, "manifest", optional=True)  # older runs: none
     if compiled is not None:
         bundle_reader.get_field(compiled, "how", str, "compiled", optional=True)

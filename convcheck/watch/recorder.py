@@ -33,6 +33,7 @@ from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import ProducerHooks, closure, floats, loss_op
 from convcheck.watch.ranks import rank_out
+from convcheck.watch.sampler_use import SamplerSpy
 from convcheck.watch.scaler_use import ScalerSpy
 from convcheck.watch.selection import selection, unmatched
 
@@ -120,7 +121,7 @@ class Watch(ProducerHooks):
         prepare_out(self.out, self.force)
         from convcheck.env.collector import collect
 
-        self.fingerprint = collect().to_dict()
+        self.fingerprint = collect(device=self.device).to_dict()  # its SDPA probe on the model's own device
         self.flags = math_flags()
         self.settings = optimizer_settings(self.optimizer)
         # the folder claimed before anything is written: a second watch started on it at once stops here
@@ -128,6 +129,7 @@ class Watch(ProducerHooks):
         self._write_manifest(complete=False)
         self._install()
         self.spy = ScalerSpy(self.scaler).install() if self.scaler is not None else None  # clip before unscale_?
+        self.sampler = SamplerSpy().install()  # a DistributedSampler told no epoch?
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -137,6 +139,9 @@ class Watch(ProducerHooks):
         if getattr(self, "spy", None) is not None:
             self.spy.remove()
             self.notes += self.spy.notes()
+        if getattr(self, "sampler", None) is not None:
+            self.sampler.remove()
+        self.notes += self.producer_notes()
         if self.pending:
             self._end_step(loss=None)
         if self.layers or self.hashes:
@@ -303,6 +308,7 @@ class Watch(ProducerHooks):
 
     def _end_step(self, loss) -> None:
         self._resolve()
+        self._scaler_skip()
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
                   "batch_rounded": self.rounded,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,

@@ -56,4 +56,5 @@ def hidden_layers(run: WatchedRun) -> str | None:
     if not c.get("layers_hidden"):
         return None
     return (f"layers ran inside a compiled graph ({c.get('how') or 'torch.compile'}): its layer boundaries are not "
-            "seen; compared its loss, its parameters' gradients and the model's output (as one layer)")
+            "seen; compared its loss and its parameters' gradients (the model's output, recorded as one layer, only "
+            "against another compiled run)")

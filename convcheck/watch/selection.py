@@ -5,7 +5,8 @@ Every step is still a line of ``steps.jsonl`` - its loss, learning rates, gradie
 two runs stay aligned step by step - but the per-layer hooks record only the chosen layers on the chosen
 steps while not paused (a step left out has ``"layers_recorded": false``); a layer left out gets no hook.
 
-    CONVCHECK_WATCH_LAYERS=layer4.*,fc      fnmatch patterns over module names (``model.named_modules()``)
+    CONVCHECK_WATCH_LAYERS=layer4,fc        fnmatch patterns over module names (``model.named_modules()``); a
+                                            module with children stands for every layer inside it
     CONVCHECK_WATCH_STEPS=0-99,500          steps, or inclusive windows, comma-separated
     CONVCHECK_WATCH_EVERY=10                every 10th step (0, 10, 20, ...)
     CONVCHECK_WATCH_SYNC=step|layer|auto    read statistics once a step (``deferred.py``) or as each layer
@@ -38,7 +39,13 @@ class Selection:
     sync: str = "auto"
 
     def layer_chosen(self, name: str) -> bool:
-        return self.layers is None or any(fnmatch.fnmatchcase(name, p) for p in self.layers)
+        """A layer whose name, or the name of a module it is inside, matches a pattern (``layer4`` is all of
+        ResNet's fourth stage)."""
+        if self.layers is None:
+            return True
+        parts = name.split(".")
+        names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(n, p) for n in names for p in self.layers)
 
     def step_chosen(self, step: int) -> bool:
         if step % self.every:

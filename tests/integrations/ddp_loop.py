@@ -5,7 +5,8 @@
 BUG plants a real DDP mistake: ``no_sync`` (every step inside ``model.no_sync()``: the gradients are never
 averaged, the ranks' models part) or ``unsharded`` (no DistributedSampler: every rank trains on the same
 batches) or ``no_set_epoch`` (three epochs without ``sampler.set_epoch``: every epoch in one order; ``epochs``
-is the same three epochs done right); ``none`` is a correct run."""
+is the same three epochs done right, ``ordered`` three epochs of a sampler that does not shuffle, by choice);
+``none`` is a correct run."""
 
 import contextlib
 import sys
@@ -21,16 +22,16 @@ import convcheck
 
 
 def train(out: str, bug: str = "none", steps: int = 3) -> None:
-    if bug not in ("none", "no_sync", "unsharded", "no_set_epoch", "epochs"):
+    if bug not in ("none", "no_sync", "unsharded", "no_set_epoch", "epochs", "ordered"):
         raise SystemExit(f"ddp_loop.py: unknown bug {bug!r}")
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
-    sampler = None if bug == "unsharded" else DistributedSampler(data, shuffle=True, seed=0)
+    sampler = None if bug == "unsharded" else DistributedSampler(data, shuffle=bug != "ordered", seed=0)
     loader = DataLoader(data, batch_size=8, sampler=sampler)
-    epochs = 3 if bug in ("no_set_epoch", "epochs") else 1
+    epochs = 3 if bug in ("no_set_epoch", "epochs", "ordered") else 1
     with convcheck.watch(model, opt, out=out) as w:
         for epoch in range(epochs):
             if bug == "epochs":

@@ -78,7 +78,7 @@ def ddp_runs(tmp_path_factory):
     """One torchrun launch of 2 gloo ranks: a correct run twice, one with no_sync left on, one unsharded."""
     tmp = tmp_path_factory.mktemp("ddp")
     runs = {"good": "none", "good_again": "none", "no_sync": "no_sync", "unsharded": "unsharded",
-            "epochs": "epochs", "no_set_epoch": "no_set_epoch"}
+            "epochs": "epochs", "no_set_epoch": "no_set_epoch", "ordered": "ordered"}
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def launch():
@@ -145,6 +145,9 @@ def test_epochs_in_one_order_name_set_epoch(ddp_runs, capsys):
             "the sampler is not told the epoch") in out
     assert "call sampler.set_epoch(epoch) at the start of every epoch" in out
     assert "epoch order" not in diff(capsys, ddp_runs / "epochs", ddp_runs / "epochs")[1]
+    # a sampler that does not shuffle repeats its order by choice: not named
+    code, out, _ = diff(capsys, ddp_runs / "ordered", ddp_runs / "ordered")
+    assert code == 0 and "same order" not in out
 
 
 def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(one_rank, tmp_path, capsys):

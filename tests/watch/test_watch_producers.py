@@ -82,3 +82,45 @@ def test_a_layers_backward_overflow_handed_on_by_a_relu_is_the_layers(tmp_path):
     assert (p["layer"], p["kind"], p["direction"], p["detail"]) == ("fc2", "module", "backward",
                                                                      "gradient into fc1's output")
     assert p["source"]["code"] == "return self.fc2(h)"
+
+
+class L2Norm(nn.Module):
+    """x / (sqrt(sum x^2) + eps), written by hand: at float16 the squares of small activations are 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.act(x)
+        n = torch.sqrt((h * h).sum(-1, keepdim=True))
+        return h / (n + 1e-7)
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = L2Norm(), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def test_own_code_with_two_ops_that_can_overflow_in_backward_is_the_parents_code_not_the_next_layer(tmp_path):
+    torch.manual_seed(0)
+    model = NormNet()
+    with torch.no_grad():
+        model.embed.act.weight.mul_(1e-4)
+        model.embed.act.bias.zero_()
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with convcheck.watch(model, opt, out=tmp_path / "run") as w:
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(torch.randn(4, 8).half()).float(), torch.tensor([0, 1, 2, 0]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    p = open_watched(tmp_path / "run")["first_nonfinite"]
+    assert (p["layer"], p["kind"], p["direction"], p["op"]) == ("embed", "own code", "backward", "div or sqrt")
+    assert p["source"]["code"] == "def forward(self, x):"

@@ -143,3 +143,28 @@ def test_the_diff_says_it_and_a_loop_that_skips_its_scheduler_with_the_step_is_n
     capsys.readouterr()
     main(["diff", str(tmp_path / "ahead"), "--judge", "cpu:float64"])
     assert "note: the learning rate moved on after" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sync", ["layer", "step"])
+def test_a_grad_scaler_calibrating_its_scale_is_not_a_nonfinite_finding(tmp_path, sync):
+    """float16 AMP whose first scale is too large: the GradScaler skips steps while it lowers the scale (its
+    design); the watch called that the run's first non-finite value ("numerics ... in the loss")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=tmp_path / "run", scaler=scaler, sync=sync) as w:
+        for _ in range(12):
+            x, y = torch.randn(8, 16, generator=g) * 30, torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            w.step(loss)
+    run = open_watched(tmp_path / "run")
+    assert any(s.get("skipped") for s in run.steps)
+    assert run["first_nonfinite"] is None
+    assert any(n.startswith("the scaled gradients held Inf/NaN at") for n in run["notes"])

@@ -186,3 +186,11 @@ def test_a_selective_run_diffs_against_a_full_one(tmp_path, capsys):
     assert "verdict: ok" in capsys.readouterr().out
     m = json.loads((tmp_path / "some" / "manifest.json").read_text())
     assert m["selection"]["layers"] == ["head"]
+
+
+def test_a_pattern_naming_a_block_records_every_layer_inside_it(tmp_path):
+    """`layers=["blocks.1"]` (ResNet's "layer4") matched a module with children and recorded nothing."""
+    torch.manual_seed(0)
+    _loop(Deep(3), tmp_path / "run", n=2, layers=["blocks.1"])
+    run = open_watched(tmp_path / "run")
+    assert list(run.steps[0]["layers"]) == ["blocks.1.0", "blocks.1.1"]
