@@ -168,3 +168,26 @@ def test_a_grad_scaler_calibrating_its_scale_is_not_a_nonfinite_finding(tmp_path
     assert any(s.get("skipped") for s in run.steps)
     assert run["first_nonfinite"] is None
     assert any(n.startswith("the scaled gradients held Inf/NaN at") for n in run["notes"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GradScaler targets (amp-fp16) are CUDA's")
+def test_compares_own_training_clips_the_unscaled_gradients(monkeypatch):
+    """`compare --clip-grad-norm` with a float16 GradScaler target: convcheck's own step unscales before it clips
+    (runners.base.train_backward), so compare cannot make the mistake it finds in a user's loop. The norms the
+    clip sees are the true ones, not 4096x them (this run's first scale)."""
+    import convcheck.measure.train.arm_state as arm_state
+
+    seen = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def clip(params, max_norm, *args, **kwargs):
+        params = list(params)
+        seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in params
+                                                                 if p.grad is not None]))))
+        return real(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(arm_state.torch.nn.utils, "clip_grad_norm_", clip)
+    result = convcheck.compare("lenet", "cuda,cuda:amp-fp16", steps=3, envelope=0, clip_grad_norm=0.5, verify=False)
+    assert seen and max(seen) < 100  # unscaled: O(1); scaled by the GradScaler they would be ~1e4 and more
+    assert result.verdict is not None
