@@ -36,7 +36,7 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 
 
 def run_diff(args) -> int:
-    from convcheck.cli.diff_watched import _watch_judge, _watched, run_watched_diff, run_watched_judge
+    from convcheck.cli.diff_watched import run_watched, run_watched_diff, run_watched_judge, watch_judge
     from convcheck.errors import UsageError
     from convcheck.watch.rankdiff import is_ranked_pair
     from convcheck.watch.reader import schema_of
@@ -59,8 +59,8 @@ def run_diff(args) -> int:
                              "each run for its table, e.g. convcheck diff RUN_A/rank0 RUN_B/rank0 --csv PATH")
 
         # rank by rank (each pair with --judge's replay) and across ranks, shown as any watched diff
-        judge = _watch_judge(args.judge)
-        return _watched(args, "watch_diff.json", lambda: diff_ranked(args.run_a, args.run_b, judge=judge))
+        judge = watch_judge(args.judge)
+        return run_watched(args, "watch_diff.json", lambda: diff_ranked(args.run_a, args.run_b, judge=judge))
     kinds = [schema_of(p) for p in (args.run_a, args.run_b)]
     if any(k == "convcheck.watch/1" for k in kinds):
         return run_watched_diff(args, kinds)
@@ -78,7 +78,7 @@ def run_diff(args) -> int:
     if not args.no_save:
         folder = RunFolder.explicit(args.out, force=args.force) if args.out else None
     try:
-        with _removed_if_empty(folder):  # a bundle refused (or not paired): the --out folder this run made goes too
+        with removed_if_empty(folder):  # a bundle refused (or not paired): the --out folder this run made goes too
             result, fps, differences = diff_bundles(args.run_a, args.run_b, judge=args.judge)
     except DifferentInputs as found:  # a finding, as for watched runs: the verdict, exit 1, nothing paired
         return _show_inputs(found.verdict, args.run_a, args.run_b, args.json)
@@ -122,7 +122,7 @@ def not_a_run(path, *, strict: bool = True) -> str | None:
     return f"diff: {path}: not a watched run or a recorded bundle (its manifest.json is not a convcheck run's)"
 
 
-class _removed_if_empty:
+class removed_if_empty:
     def __init__(self, folder):
         self.folder = folder
 
@@ -237,7 +237,7 @@ def _against(args, spec, recorded, cfg, shape, classes, folder) -> int:
     from convcheck.bundle.record import record_run
     from convcheck.errors import UsageError
 
-    with _removed_if_empty(folder), tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
+    with removed_if_empty(folder), tempfile.TemporaryDirectory(prefix="convcheck-against-") as tmp:
         here = Path(tmp) / "here"
         here.mkdir()
         record_run(recorded["model"]["spec"], spec, cfg, here, snapshot_steps=None, input_shape=shape,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-from convcheck.cli.diff import _removed_if_empty, not_a_run
+from convcheck.cli.diff import not_a_run, removed_if_empty
 
 
-def _watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -> int:
+def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -> int:
     """A watched diff (``compute()``) with its ``--out`` checked (and made) first; the folder goes again,
     if this run made it, when ``compute`` fails. ``pair``: two watched runs whose tables
     (``watch/tables.py``) go into the folder (``report/watch_report.py``) and to ``csv`` (``--csv``, checked
@@ -17,7 +17,7 @@ def _watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -
     from convcheck.report.watch_report import REPORT_FILES
 
     folder = _watched_out(args, name, also=REPORT_FILES if pair else ())
-    with _removed_if_empty(folder):
+    with removed_if_empty(folder):
         result = compute()
         tables = None
         if pair and (folder is not None or csv is not None):
@@ -120,12 +120,12 @@ def run_watched_diff(args, kinds) -> int:
         raise UsageError("diff: one run is watched (convcheck.watch) and the other recorded (convcheck record); "
                          "diff two of the same kind")
     csv = _csv_file(args) if getattr(args, "csv", None) is not None else None  # before any work
-    judge = _watch_judge(args.judge)
-    return _watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge),
+    judge = watch_judge(args.judge)
+    return run_watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge),
                     pair=(args.run_a, args.run_b), csv=csv)
 
 
-def _watch_judge(spec):
+def watch_judge(spec):
     """``--judge`` for watched runs: a float64 target spec (a recorded judge bundle is for recorded runs)."""
     from convcheck.errors import UsageError
     from convcheck.targets.spec import parse_judge
@@ -151,8 +151,8 @@ def run_watched_judge(args) -> int:
     if kind != "convcheck.watch/1":
         raise UsageError(f"diff: {args.run_a} is not a watched run (convcheck.watch); a recorded run needs a "
                          "second one: convcheck diff RUN_A RUN_B")
-    judge = _watch_judge(args.judge) or str(default_judge()[0])
-    return _watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge))
+    judge = watch_judge(args.judge) or str(default_judge()[0])
+    return run_watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge))
 
 
 def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> int:

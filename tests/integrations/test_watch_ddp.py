@@ -63,6 +63,7 @@ def test_under_a_process_group_the_watch_writes_its_rank_folder(one_rank, capsys
     assert "verdict: ok: every rank agrees with its counterpart within rounding" in out
 
 
+@pytest.mark.slow  # the one-rank gloo fixture: ~4 s
 def test_a_ddp_run_against_a_single_process_run_or_a_gap_in_the_ranks_is_one_line(one_rank, tmp_path, capsys):
     ddp_copy(one_rank, tmp_path)
     code, _, err = diff(capsys, tmp_path / "ddp", tmp_path / "ddp" / "rank0")
@@ -150,6 +151,7 @@ def test_epochs_in_one_order_name_set_epoch(ddp_runs, capsys):
     assert code == 0 and "same order" not in out
 
 
+@pytest.mark.slow  # the one-rank gloo fixture
 def test_a_rank_folder_whose_manifest_lies_about_its_rank_is_refused(one_rank, tmp_path, capsys):
     ddp_copy(one_rank, tmp_path)
     shutil.copytree(tmp_path / "ddp" / "rank0", tmp_path / "ddp" / "rank1")  # rank1/ says it is rank 0

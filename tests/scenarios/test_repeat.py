@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from convcheck.cli.main import main
 
 FAST = ["--steps", "6", "--envelope", "0", "--no-save", "--no-verify"]
@@ -36,6 +38,7 @@ def test_repeat_takes_1_or_2(capsys):
     assert "repeat must be at most 2, got 5" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~4 s: a compare and its remedy's re-run
 def test_deterministic_algorithms_are_not_called_a_fix_for_a_kernel_they_do_not_reach(capsys):
     """The remedy re-run measures the difference again (it said "verified" from the loss curve alone)."""
     code = main(["compare", *SCATTER, "--steps", "6", "--envelope", "0", "--no-save"])
