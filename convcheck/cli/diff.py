@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from convcheck.cli.run_paths import not_a_run, removed_if_empty
+
 
 def add_diff_parser(sub, run) -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="diagnose two recorded runs (bundles from 'convcheck record' or runs from "
@@ -84,55 +86,6 @@ def run_diff(args) -> int:
         return _show_inputs(found.verdict, args.run_a, args.run_b, args.json)
     result = _mark_diff(result, args.run_a, args.run_b)
     return _finish(result, fps, differences, folder, args)
-
-
-_REPORTS = ("summary.json", "watch_diff.json", "watch_judge.json")
-
-
-def not_a_run(path, *, strict: bool = True) -> str | None:
-    """What is wrong with ``path`` as a run to diff (its manifest names no run's schema), in one line: missing, a
-    plain file, a report folder, a folder without a manifest. ``strict=False`` (neither side watched: the
-    bundle reader says the rest, "not a readable bundle zip", "manifest.json cannot be opened"): only a missing
-    path, a device or FIFO, and a report folder."""
-    import os
-    import stat
-    from pathlib import Path
-
-    runs = "diff reads what convcheck.watch or convcheck record wrote"
-    try:
-        mode = os.stat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return f"diff: {path}: no such folder"
-    except OSError as exc:
-        return f"diff: {path}: cannot be read ({exc.strerror or exc})"
-    p = Path(path)
-    if stat.S_ISREG(mode):
-        if not strict:  # the bundle reader: "not a readable bundle zip"
-            return None
-        return f"diff: {path}: not a watched run or a recorded bundle ({runs})"
-    if not stat.S_ISDIR(mode):
-        return f"diff: {path}: not a watched run or a recorded bundle (it is not a folder or a file; {runs})"
-    has_manifest = os.path.lexists(p / "manifest.json")
-    if not has_manifest and any(os.path.lexists(p / r) for r in _REPORTS):
-        return f"diff: {path}: a report folder (what compare or diff wrote), not a run; {runs}"
-    if not strict:
-        return None
-    if not has_manifest:
-        return f"diff: {path}: not a watched run or a recorded bundle (no manifest.json in it; {runs})"
-    return f"diff: {path}: not a watched run or a recorded bundle (its manifest.json is not a convcheck run's)"
-
-
-class removed_if_empty:
-    def __init__(self, folder):
-        self.folder = folder
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        if kind is not None and self.folder is not None:
-            self.folder.discard_if_empty()
-        return False
 
 
 def _show_inputs(verdict, run_a, run_b, as_json: bool) -> int:

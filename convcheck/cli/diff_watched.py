@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from convcheck.cli.diff import not_a_run, removed_if_empty
+from convcheck.cli.run_paths import not_a_run, removed_if_empty
 
 
 def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -> int:

@@ -31,7 +31,7 @@ def manifest_of(w, complete: bool) -> dict:
         "distributed": w.distributed, "stopped": getattr(w, "stopped", None),
         "selection": w.selection.to_dict(),  # the layers and steps recorded (``selection.py``)
         # a DistributedSampler's shuffle and the epochs it was told (``sampler_use.py``), None without one
-        "sampler": w.sampler.record() if getattr(w, "sampler", None) is not None else None,
+        "sampler": w.sampler.record() if w.sampler is not None else None,
         # how the model was compiled (None: not, so far as the watch knew at the start), and whether its
         # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
         "compiled": {"how": w.compiled, "layers_hidden": w.hidden, "fallback_random": fallback_random()},

@@ -204,10 +204,10 @@ class ProducerHooks:
             self.taker.drop()
             self.taker = None
             self.snapshot_steps.discard(self.step_index)
-        self.scaled_infs = getattr(self, "scaled_infs", 0) + 1
+        self.scaled_infs = self.scaled_infs + 1
 
     def producer_notes(self) -> list[str]:
-        n = getattr(self, "scaled_infs", 0)
+        n = self.scaled_infs
         return [f"the scaled gradients held Inf/NaN at {n} steps the GradScaler skipped (how it lowers its scale): "
                 "not taken as the run's first non-finite value"] if n else []
 
@@ -223,7 +223,7 @@ class ProducerHooks:
         if norms is not None:
             self.grad_norms = norms
         skipped = self.scaler is not None and not self.stepped and found is not None and found["direction"] == "backward"
-        self.scaled_infs = getattr(self, "scaled_infs", 0) + (skipped and self.producer is None)
+        self.scaled_infs = self.scaled_infs + (skipped and self.producer is None)
         if found is not None and self.producer is None and not skipped:
             extra = {k: v for k, v in found.items() if k not in ("layer", "direction", "kind", "detail")}
             self._found(found["layer"], found["direction"], found["kind"], found["detail"], ended=True)

@@ -25,7 +25,7 @@ from convcheck.watch.batches import batch_hash, rounded_hashes
 from convcheck.errors import UsageError
 from convcheck.watch import deferred as _deferred
 from convcheck.watch.compiled import HIDDEN, outside_graphs, tracing, unwrap
-from convcheck.watch.settings import check_optimizer, math_flags, optimizer_settings, step_loss
+from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
 from convcheck.watch.snapshots import SnapshotTaker
@@ -49,6 +49,8 @@ class Watch(ProducerHooks):
         # torch.compile(model): the model inside is watched, the wrapper's own (eager) call carries the root hooks
         model, self.outer, self.compiled = unwrap(model)
         self.hidden = False  # a forward whose leaves ran inside a compiled graph (the watch saw none of them)
+        self.spy = self.sampler = None  # how the loop uses its GradScaler and DistributedSampler (from __enter__)
+        self.scaled_infs = 0  # steps a GradScaler skipped whose scaled backward held Inf/NaN (``producers``)
         self.from_env = from_env()  # CONVCHECK_SNAPSHOT_STEPS / CONVCHECK_WATCH_MAX_BYTES win over the script's
         self.selection, chosen_by_env = selection(layers, steps, every, sync)  # CONVCHECK_WATCH_LAYERS, ... too
         self.from_env.update(chosen_by_env)
@@ -136,10 +138,10 @@ class Watch(ProducerHooks):
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        if getattr(self, "spy", None) is not None:
+        if self.spy is not None:
             self.spy.remove()
             self.notes += self.spy.notes()
-        if getattr(self, "sampler", None) is not None:
+        if self.sampler is not None:
             self.sampler.remove()
         self.notes += self.producer_notes()
         if self.pending:
@@ -200,8 +202,8 @@ class Watch(ProducerHooks):
         if torch.is_grad_enabled() and not self.model.training and not self.truncated:
             self.eval_forwards += 1  # not recorded (a validation pass without no_grad) unless it is all the step had
         if self._recording():
-            if getattr(self, "spy", None) is not None:
-                self.spy.start(self._lrs())
+            if self.spy is not None:
+                self.spy.start(learning_rates(self.optimizer))
             self.hash_batch(args, kwargs)
             self.leaves_before = self.leaf_calls
             if self.taker is not None and not self.taker.params:
@@ -270,7 +272,7 @@ class Watch(ProducerHooks):
         return row
 
     def _pre_step(self, optimizer, args, kwargs):
-        self.lr_used = self._lrs()  # what this step used: a scheduler may change it before w.step
+        self.lr_used = learning_rates(self.optimizer)  # what this step used: a scheduler may change it before w.step
         if closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
             return None
         self._read_grads()
@@ -309,7 +311,7 @@ class Watch(ProducerHooks):
     def _end_step(self, loss) -> None:
         self._resolve()
         self._scaler_skip()
-        record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else self._lrs(), "batch_sha256": self.hashes,
+        record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else learning_rates(self.optimizer), "batch_sha256": self.hashes,
                   "batch_rounded": self.rounded,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
@@ -318,7 +320,7 @@ class Watch(ProducerHooks):
         if self.scaler is not None:
             record["scale"] = float(self.scaler.get_scale())
             record["skipped"] = not self.stepped
-            record.update(self.spy.end_step(not self.stepped) if getattr(self, "spy", None) is not None else {})
+            record.update(self.spy.end_step(not self.stepped) if self.spy is not None else {})
         if not self.hashes and self.eval_forwards and self.stepped:
             # the optimizer stepped on forwards run in eval mode only: training with BatchNorm's running
             # statistics and Dropout off - said once, and marked on every such step
@@ -341,12 +343,6 @@ class Watch(ProducerHooks):
                 self.recorded = self.step_index + 1
         self.step_index += 1
         self._reset()
-
-    def _lrs(self) -> list[float]:
-        if self.optimizer is None:
-            return []
-        return [float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].detach())
-                for g in self.optimizer.param_groups if "lr" in g]
 
     def _write_snapshot(self) -> None:
         size = self.taker.nbytes()

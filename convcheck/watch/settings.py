@@ -110,3 +110,11 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def learning_rates(optimizer) -> list[float]:
+    """Each parameter group's learning rate now (a tensor lr read as a number); none without an optimizer."""
+    if optimizer is None:
+        return []
+    return [float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].detach())
+            for g in optimizer.param_groups if "lr" in g]
