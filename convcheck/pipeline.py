@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from convcheck.targets import executors
 from convcheck.plan.builder import ModelBuilder, initial_state, model_builder  # noqa: F401 - re-exported
 from convcheck.plan.config import CompareConfig, with_options
@@ -24,7 +26,7 @@ from convcheck.plan.recipe import Recipe
 from convcheck.stages import (ModelArg, audit_environment, caller_rng_kept, decide_verdict, guarded,
                               measure_loss_reduction, measure_parity, measure_training,
                               measure_weight_decay,
-                              out_of_memory_explained, plan, threads_chosen, verify)
+                              out_of_memory_explained, plan, threads_chosen, threads_given, verify)
 from convcheck.targets.spec import Target
 from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, make_arms
 
@@ -107,17 +109,21 @@ def compare(
     if targets is not None:
         options["targets"] = targets
     cfg = with_options(config or CompareConfig(), **options)
-    with caller_rng_kept(), guarded(progress, cfg.steps) as stage, executors.released():
+    with caller_rng_kept(), threads_given(cfg.threads), guarded(progress, cfg.steps) as stage, \
+            executors.released():
         check_arguments(input_shape, num_classes, env_findings, fingerprint)
         run = plan(model, cfg, input_shape=input_shape, num_classes=num_classes)
         cfg = run.config
         timings = {"setup_s": run.setup_s}
         with contextlib.ExitStack() as chosen:  # one thread count for the measures and the verification
             with out_of_memory_explained():
+                made_at = torch.get_num_threads()
                 first = run.data.first()
                 t0 = time.perf_counter()
                 threads = chosen.enter_context(threads_chosen(run, first))
                 timings["threads_s"] = time.perf_counter() - t0
+                if threads.threads != made_at:  # measured: made again at the count every arm trains at, so
+                    first = run.data.first()    # user data whose bits follow the count is one batch throughout
                 parity = _timed(timings, "parity_s", lambda: measure_parity(run, first, progress=stage))
                 loss_ratio = measure_loss_reduction(run, first)
                 decay = measure_weight_decay(run)

@@ -237,6 +237,20 @@ def _resolved_model(model: ModelArg, input_shape, num_classes, need_io: bool, da
 
 
 @contextlib.contextmanager
+def threads_given(threads: int | None) -> Iterator[None]:
+    """``--threads N`` in force from the start of a run, before the model is built or a batch is made, so that
+    nothing the run computes depends on the caller's count; the caller's count is put back afterwards.
+    ``None`` changes nothing (the count is measured later, on the first batch: ``threads_chosen``)."""
+    caller = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
+
+
+@contextlib.contextmanager
 def threads_chosen(plan: Plan, batch, targets: Sequence[Target] | None = None) -> Iterator[ThreadChoice]:
     """torch's intra-op threads for the measuring stages, the same for every arm and the judge: the
     user's setting (``--threads``, ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, ``torch.set_num_threads``),

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from convcheck.plan.seeded_data import check_labels, sample_source
+from convcheck.plan.threads import single_threaded
 from convcheck.errors import UsageError
 from convcheck.plan.user_code import load_callable, one_line
 
@@ -107,8 +108,9 @@ def digits_source(*, input_shape, num_classes: int, batch_size: int, steps: int,
     c, h, w = input_shape
     d = load_digits()
     x = torch.from_numpy(d.images.astype(np.float64))[:, None] / 16.0  # N, 1, 8, 8 in 0..1
-    x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).expand(-1, c, -1, -1)
-    x = ((x - x.mean()) / x.std()).contiguous().numpy()
+    with single_threaded():  # the same bits at any thread count (issue 44)
+        x = F.interpolate(x, size=(h, w), mode="bilinear", align_corners=False).expand(-1, c, -1, -1)
+        x = ((x - x.mean()) / x.std()).contiguous().numpy()
     y = d.target.astype(np.int64)
     check_labels(y, num_classes, "digits")
     note, open_iter = sample_source(x, y, "digits", batch_size, steps, seed, False)

@@ -6,8 +6,11 @@ Sources (the ``source`` string of :func:`load_batches`):
   random prototype (low-resolution noise upsampled bilinearly, seeded from
   ``(seed, class)``); a sample is its prototype plus white Gaussian noise,
   scaled to roughly zero mean and unit std. Prototypes are made lazily, only
-  for the classes that occur. When the model has more than
-  ``SYNTHETIC_MAX_CLASSES`` classes (ImageNet's 1000), labels are drawn from a
+  for the classes that occur, at one thread (``threads.single_threaded``): the
+  upsampling's and the std's last bits would otherwise depend on the thread
+  count, and the batches must be the same bits at any count. The rest is
+  exact elementwise arithmetic (a sum, a product), the same at any count.
+  When the model has more than ``SYNTHETIC_MAX_CLASSES`` classes (ImageNet's 1000), labels are drawn from a
   seeded subset of that many classes, so that a few dozen steps can learn them.
 * ``"mnist:DIR"``: MNIST IDX files (raw or gzipped) in DIR, normalised with the
   usual mean 0.1307 / std 0.3081.
@@ -35,6 +38,7 @@ import torch
 from convcheck.batch import batch_hash as _batch_hash
 from convcheck.errors import UsageError
 from convcheck.plan.data_files import read_mnist, read_npz
+from convcheck.plan.threads import single_threaded
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -180,8 +184,9 @@ def _prototype(shape: tuple[int, int, int], seed: int, label: int) -> torch.Tens
     c, h, w = shape
     g = seeded_generator(seed, "prototype", label)
     coarse = torch.randn(1, c, _coarse(h), _coarse(w), generator=g, dtype=torch.float64)
-    p = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
-    return (p - p.mean()) / p.std().clamp_min(1e-12)
+    with single_threaded():  # the upsampling and the std round differently at each thread count (issue 44)
+        p = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[0]
+        return (p - p.mean()) / p.std().clamp_min(1e-12)
 
 
 def _synthetic(shape, num_classes, batch_size, num_batches, seed) -> Batches:

@@ -8,7 +8,8 @@
   a smooth nonlinearity and a little noise, (N, outputs) float64: mean squared error.
 
 Both are made on the CPU in float64 from generators seeded by ``(seed, ...)``,
-batch after batch, without end.
+batch after batch, without end, at one thread (``threads.single_threaded``): the
+same bits at any thread count.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from convcheck.plan.seeded_data import check_args, seeded_generator
+from convcheck.plan.threads import single_threaded
 from convcheck.errors import UsageError
 
 SEGMENTATION_NOISE = 0.3
@@ -39,16 +41,18 @@ def _segmentation(shape, num_classes: int, batch_size: int, seed: int):
     c, h, w = shape
     g = seeded_generator(seed, "segmentation")
     while True:
-        coarse = torch.randn(batch_size, 1, max(2, h // 8), max(2, w // 8), generator=g, dtype=torch.float64)
-        field = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[:, 0]
-        # equal-probability bands of a standard normal field: class k in the k-th band
-        edges = torch.distributions.Normal(0.0, 0.6).icdf(
-            torch.linspace(0, 1, num_classes + 1, dtype=torch.float64)[1:-1])
-        mask = torch.bucketize(field, edges).to(torch.int64)
-        level = mask.to(torch.float64) / max(1, num_classes - 1) * 2 - 1
-        x = level[:, None].expand(-1, c, -1, -1) + SEGMENTATION_NOISE * torch.randn(
-            batch_size, c, h, w, generator=g, dtype=torch.float64)
-        yield x.contiguous(), mask.contiguous()
+        with single_threaded():
+            coarse = torch.randn(batch_size, 1, max(2, h // 8), max(2, w // 8), generator=g, dtype=torch.float64)
+            field = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)[:, 0]
+            # equal-probability bands of a standard normal field: class k in the k-th band
+            edges = torch.distributions.Normal(0.0, 0.6).icdf(
+                torch.linspace(0, 1, num_classes + 1, dtype=torch.float64)[1:-1])
+            mask = torch.bucketize(field, edges).to(torch.int64)
+            level = mask.to(torch.float64) / max(1, num_classes - 1) * 2 - 1
+            x = level[:, None].expand(-1, c, -1, -1) + SEGMENTATION_NOISE * torch.randn(
+                batch_size, c, h, w, generator=g, dtype=torch.float64)
+            x, mask = x.contiguous(), mask.contiguous()
+        yield x, mask
 
 
 def _regression(features: int, outputs: int, batch_size: int, seed: int):
@@ -56,7 +60,8 @@ def _regression(features: int, outputs: int, batch_size: int, seed: int):
     weight = torch.randn(features, outputs, generator=g, dtype=torch.float64) / features**0.5
     g = seeded_generator(seed, "regression")
     while True:
-        x = torch.randn(batch_size, features, generator=g, dtype=torch.float64)
-        y = x @ weight + 0.5 * torch.sin(x[:, :1]) + REGRESSION_NOISE * torch.randn(
-            batch_size, outputs, generator=g, dtype=torch.float64)
+        with single_threaded():  # the matrix product's blocking may follow the thread count
+            x = torch.randn(batch_size, features, generator=g, dtype=torch.float64)
+            y = x @ weight + 0.5 * torch.sin(x[:, :1]) + REGRESSION_NOISE * torch.randn(
+                batch_size, outputs, generator=g, dtype=torch.float64)
         yield x, y

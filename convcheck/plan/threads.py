@@ -14,6 +14,7 @@ exactly with ``--threads N``.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import statistics
@@ -50,6 +51,23 @@ class ThreadChoice:
     def to_dict(self) -> dict:
         return {"count": self.threads, "reason": self.reason, "source": self.source,
                 "probe_step_s": {str(n): s for n, s in self.step_s.items()}}
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """torch at one intra-op thread inside, the count before put back after: for numbers that must not depend
+    on the thread count (the seeded data: a threaded kernel splits its work by the count, and a chunk's
+    vectorised body and scalar tail round differently, so the last bits of an upsampling or a reduction move
+    with the count). Cheap enough around a prototype or a small batch; not for training."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def torch_default_threads() -> int | None:
