@@ -19,6 +19,17 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def data_tensors(args, kwargs, made=()) -> list[torch.Tensor]:
+    """The tensors of a call that are *data*: every tensor of ``args`` and ``kwargs`` but those the process made
+    with the model - one with an autograd history (a generator's fakes, an earlier output), or one sharing
+    memory with an output of the model's previous call (``made``, held alive until now: a recurrent state
+    carried over with ``.detach()``). Those differ between two runs whenever the runs' numerics do; they are
+    not "different data"."""
+    ptrs = {t.untyped_storage().data_ptr() for t in made if t.numel()}
+    return [t for t in _tensors(args) + _tensors(kwargs)
+            if t.grad_fn is None and not (t.numel() and t.untyped_storage().data_ptr() in ptrs)]
+
+
 def batch_hash(args, kwargs) -> str:
     """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
     are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
@@ -31,14 +42,14 @@ def batch_hash(args, kwargs) -> str:
     return h.hexdigest()
 
 
-ROUNDED = ("bfloat16", "float16")  # the 16-bit formats a cast model's batch is also hashed in
+ROUNDED = ("bfloat16", "float16", "float32")  # the formats a cast model's batch is also hashed in (float32: a float64 twin)
 ROUNDED_SAMPLE = 1 << 18  # the most elements of one floating tensor ``rounded_hashes`` reads
 
 
 def rounded_hashes(args, kwargs) -> dict[str, str] | None:
-    """``{"bfloat16": sha, "float16": sha}``: SHA-256 of the batch with every floating tensor rounded to
+    """``{"bfloat16": sha, "float16": sha, "float32": sha}``: SHA-256 of the batch with every floating tensor rounded to
     that format (its dtype hashed as "float"; other tensors as ``batch_hash`` does), so that a model cast
-    to bfloat16 or float16, fed ``x.to(dtype)``, is seen to receive the same data as a float32 run of it.
+    to bfloat16 or float16 (or a float64 twin of a float32 run), fed ``x.to(dtype)``, is seen to receive the same data as a float32 run of it.
     A floating tensor of more than ``ROUNDED_SAMPLE`` elements is read at that many evenly spaced ones
     (its shape hashed whole): another shuffle, seed or augmentation changes nearly every element, and
     runs of one dtype are still compared element by element by ``batch_hash``; an ImageNet batch of 64

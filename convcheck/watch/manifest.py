@@ -24,6 +24,7 @@ def manifest_of(w, complete: bool) -> dict:
                   "layer_types": {w.names[m]: type(m).__name__ for m in w.names if m in w.leaves}},
         "optimizer": type(w.optimizer).__name__ if w.optimizer is not None else None,
         "optimizer_settings": getattr(w, "settings", None),
+        "recipe": getattr(w, "recipe", None),  # the recipe whole (``recipe.recipe_of``), diffed before any tensor
         "scaler": w.scaler is not None, "fingerprint": w.fingerprint, "math_flags": w.flags,
         "first_nonfinite": w.producer, "snapshots": w.snapshot_index, "notes": list(w.notes),
         "max_bytes": w.max_bytes, "truncated": w.truncated, "skipped_snapshots": w.skipped,

@@ -183,7 +183,22 @@ def _check_step(rec, i: int) -> dict:
         if row["dtype"] not in STORAGE:
             raise _Bad(f"{where}.layers[{name!r:.40}].dtype is {row['dtype']!r:.40}, not a floating dtype")
     bundle_reader.get_field(rec, "scale", _NUM, where, optional=True)
+    _check_recipe_fields(rec, where)
     return rec
+
+
+def _check_recipe_fields(rec: dict, where: str) -> None:
+    """The step's recipe fields (``recipe.py``; runs before them have none): the autocast dtype, the modules in
+    another training mode, a few entries of each gradient."""
+    autocast = bundle_reader.get_field(rec, "autocast", (str, type(None)), where, optional=True)
+    if autocast is not None and autocast not in STORAGE:
+        raise _Bad(f"{where}.autocast is {autocast!r:.40}, not a floating dtype")
+    modes = bundle_reader.get_field(rec, "modes_differ", list, where, optional=True) or []
+    if not all(isinstance(m, str) for m in modes):
+        raise _Bad(f"{where}.modes_differ holds a non-name")
+    for n, v in (bundle_reader.get_field(rec, "grad_sample", dict, where, optional=True) or {}).items():
+        if not isinstance(v, list) or not all(isinstance(x, _NUM) and not isinstance(x, bool) for x in v):
+            raise _Bad(f"{where}.grad_sample[{n!r:.40}] is not a list of numbers")
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""What the watch records of the run's *recipe*: what a person would call the way the model is trained, whole
+and structured, so that ``diff`` compares two runs' recipes field by field before any tensor.
+
+As the block starts (``recipe_of``): every parameter group's hyperparameters with the names of the parameters in
+it, the parameters that train (``requires_grad``) and those no optimizer group holds, the dtypes the weights are
+kept in, the wrapper the model came in. At each step's first forward (``forward_state``): the autocast dtype the
+forward ran under, if any, and the leaves whose training mode is not the model's (a BatchNorm frozen in eval
+mode). After each backward (``grad_sample``): a few fixed entries of every parameter's gradient, so that ``diff``
+can tell gradients that accumulate across steps (no ``zero_grad``) from gradients that merely differ.
+
+Names are the user's layer names: a wrapper's prefix (``module.`` of DataParallel/DistributedDataParallel,
+``_orig_mod.`` of ``torch.compile``, ``_fsdp_wrapped_module.``) is dropped (``user_name``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from convcheck.watch.settings import optimizer_settings
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+SAMPLES = 4  # gradient entries kept per parameter per step (evenly spaced, the same indices every step)
+
+
+def user_name(name: str) -> str:
+    """``name`` without the wrappers' prefixes, wherever they occur in the dotted path."""
+    for p in WRAPPER_PREFIXES:
+        name = name.replace("." + p, ".")
+        while name.startswith(p):
+            name = name[len(p):]
+    return name
+
+
+def recipe_of(model: torch.nn.Module, optimizer, outer: torch.nn.Module | None = None) -> dict:
+    """The recipe as the block starts (see the module's docstring)."""
+    names = {id(p): user_name(n) for n, p in model.named_parameters()}
+    groups, held = [], set()
+    settings = optimizer_settings(optimizer) or []
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        for g, s in zip(optimizer.param_groups, settings):
+            members = [names[id(p)] for p in g["params"] if id(p) in names]
+            held.update(id(p) for p in g["params"])
+            groups.append({"parameters": members, "settings": s})
+    trainable = [names[id(p)] for _, p in model.named_parameters() if p.requires_grad]
+    wrappers = [type(m).__name__ for m in (outer,) if m is not None and m is not model]
+    return {"optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "param_groups": groups, "trainable": trainable,
+            "not_in_optimizer": [] if optimizer is None else
+            [names[id(p)] for _, p in model.named_parameters() if p.requires_grad and id(p) not in held],
+            "weights_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
+            "wrappers": wrappers}
+
+
+def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
+    """The state a step's forward ran in: the autocast dtype (None without autocast) and the modules whose
+    training mode differs from the model's (sorted names)."""
+    kind = device.split(":")[0]
+    try:
+        autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.") \
+            if torch.is_autocast_enabled(kind) else None
+    except (RuntimeError, TypeError, AttributeError):  # a device type autocast does not know
+        autocast = None
+    odd = sorted(user_name(names[m]) for m in names if m is not model and m.training != model.training)
+    return {"autocast": autocast, "modes_differ": odd}
+
+
+def grad_sample(params) -> dict[str, list[float]]:
+    """``SAMPLES`` evenly spaced entries of every parameter's gradient (flattened), read in one transfer."""
+    picked, keys = [], []
+    for n, p in params:
+        g = p.grad
+        if g is None or g.is_sparse or not g.numel():
+            continue
+        flat = g.detach().reshape(-1)
+        stride = max(1, flat.numel() // SAMPLES)
+        picked.append(flat[::stride][:SAMPLES].double())
+        keys.append(n)
+    if not picked:
+        return {}
+    values = torch.cat([t.to(picked[0].device) for t in picked]).tolist()
+    out, i = {}, 0
+    for n, t in zip(keys, picked):
+        out[user_name(n)] = values[i:i + t.numel()]
+        i += t.numel()
+    return out
