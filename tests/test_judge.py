@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import traceback
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import convcheck
 import convcheck.stages as stages
 from convcheck.cli.main import main
 from convcheck.errors import TargetUnavailable, UsageError
@@ -96,7 +98,10 @@ class _Float64Conversions(TorchDispatchMode):
     (which own every placement, the judge's included) and the metrics (which compare in the
     reference's dtype on the reference's device)."""
 
-    ALLOWED = ("/convcheck/targets/runners/", "/convcheck/numerics/metrics.py")
+    # convcheck's own files by the package's real location, never by a folder name: a clone in a folder named
+    # convcheck holds torch under convcheck/.venv/ (issue 44)
+    PACKAGE = os.path.join(os.path.dirname(os.path.abspath(convcheck.__file__)), "")
+    ALLOWED = (os.path.join(PACKAGE, "targets", "runners", ""), os.path.join(PACKAGE, "numerics", "metrics.py"))
 
     def __init__(self):
         super().__init__()
@@ -107,9 +112,8 @@ class _Float64Conversions(TorchDispatchMode):
         if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float64
                 and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.float64):
             # the convcheck code nearest the conversion made it
-            mine = [f for f in traceback.extract_stack() if "/convcheck/" in f.filename
-                    and "/tests/" not in f.filename]
-            if not mine or not any(a in mine[-1].filename for a in self.ALLOWED):
+            mine = [f for f in traceback.extract_stack() if os.path.abspath(f.filename).startswith(self.PACKAGE)]
+            if not mine or not os.path.abspath(mine[-1].filename).startswith(self.ALLOWED):
                 self.outside.append(f"{mine[-1].filename}:{mine[-1].lineno}" if mine else "outside convcheck")
         return func(*args, **kwargs)
 
