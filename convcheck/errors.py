@@ -34,3 +34,13 @@ class RunFailed(ConvcheckError):
     """The run itself could not complete (out of memory, disk full, interrupted)."""
 
     exit_code = 3
+
+
+def did_you_mean(word: str, choices, cutoff: float = 0.7) -> str | None:
+    """The one of ``choices`` nearest ``word`` when it is a near typo of it (``bf17`` -> ``bf16``,
+    ``lenett`` -> ``lenet``; difflib's ratio at least ``cutoff``), else None: a usage error offers it
+    instead of listing every choice."""
+    import difflib
+
+    found = difflib.get_close_matches(str(word).lower(), [str(c) for c in choices], n=1, cutoff=cutoff)
+    return found[0] if found else None

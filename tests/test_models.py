@@ -115,8 +115,9 @@ def test_zoo_overrides_reach_the_model():
 
 def test_unknown_zoo_name_lists_the_known_ones():
     assert _usage_error("lenett") == (
-        "unknown model 'lenett'; known models: cifar_cnn, lenet, mlp_regression, resnet18, resnet34, resnet50, unet; "
-        "for your own model pass package.module:factory or path/to/file.py:factory")
+        "unknown model 'lenett'; did you mean 'lenet'? Known models: cifar_cnn, lenet, mlp_regression, resnet18, "
+        "resnet34, resnet50, unet; for your own model pass package.module:factory or path/to/file.py:factory")
+    assert "did you mean" not in _usage_error("transformer")  # nothing near: the list alone
 
 
 @pytest.mark.parametrize("bad", [0, -3, "10", True])

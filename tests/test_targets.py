@@ -130,6 +130,28 @@ def test_malformed_specs_name_the_wrong_part(spec, wrong_part):
     assert "\n" not in msg
 
 
+@pytest.mark.parametrize("spec, offered", [
+    ("cpu:bf17", "did you mean 'cpu:bf16'?"),          # a near typo: the near mode, not the twelve
+    ("cuda:1:tf23", "did you mean 'cuda:1:tf32'?"),
+    ("cpu:emulate-tf31", "did you mean 'cpu:emulate-tf32'?"),
+    ("ddp:cpu:2:bf17", "did you mean 'ddp:cpu:2:bf16'?"),
+    ("cpuu", "did you mean 'cpu'?"),
+    ("gpu:tf32", "did you mean 'cuda'?"),
+])
+def test_a_near_typo_is_offered_its_nearest_spelling(spec, offered):
+    with pytest.raises(UsageError) as info:
+        Target.parse(spec)
+    msg = str(info.value)
+    assert offered in msg and "\n" not in msg
+    assert "expected one of float32" not in msg
+
+
+def test_a_far_mode_lists_every_mode():
+    with pytest.raises(UsageError, match="expected one of float32, ") as info:
+        Target.parse("cpu:int4")
+    assert "did you mean" not in str(info.value)
+
+
 def test_cuda_only_mode_message_says_cuda():
     with pytest.raises(UsageError, match="only on cuda"):
         Target.parse("cpu:tf32")

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from convcheck.errors import ConvcheckError, UsageError
+from convcheck.errors import ConvcheckError, UsageError, did_you_mean
 from convcheck.plan.user_code import import_module, load_file, one_line
 
 # Square image sizes tried, smallest first, when a model does not declare its
@@ -130,12 +130,14 @@ def check_input_shape(model: nn.Module, input_shape: tuple[int, ...], num_classe
 # --- zoo -----------------------------------------------------------------------
 
 def _resolve_zoo(name: str, input_shape, num_classes) -> ResolvedModel:
-    from reference_models import UnknownModelError, get_spec
+    from reference_models import UnknownModelError, get_spec, list_models
 
     try:
         spec = get_spec(name)
     except UnknownModelError as exc:
-        raise UsageError(f"{exc}; for your own model pass package.module:factory "
+        near = did_you_mean(name, list_models())  # a near typo (resnet19) offered first
+        said = str(exc).replace("; known models:", f"; did you mean {near!r}? Known models:", 1) if near else exc
+        raise UsageError(f"{said}; for your own model pass package.module:factory "
                          f"or path/to/file.py:factory") from None
     factory = spec.factory
     if num_classes is not None and num_classes != spec.num_classes:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convcheck.errors import UsageError
+from convcheck.errors import UsageError, did_you_mean
 from convcheck.targets.runners import ALIASES, Runner, known_modes, runnable_specs, runner_class
 from convcheck.targets.runners.emulation import EmulateTF32, round_to_tf32  # noqa: F401 - re-exported
 from convcheck.targets.runners.flags import preserved_global_flags, snapshot_global_flags  # noqa: F401 - re-exported
@@ -46,7 +46,9 @@ class Target:
             return cls._parse_ddp(spec, text)
         device, *rest = text.split(":")
         if device not in DEVICES:
-            raise UsageError(f"target {spec!r}: unknown device {device!r} (expected one of {', '.join(DEVICES)})")
+            near = "cuda" if device == "gpu" else did_you_mean(device, DEVICES, cutoff=0.75)
+            hint = f"; did you mean {near!r}?" if near else ""
+            raise UsageError(f"target {spec!r}: unknown device {device!r}{hint} (expected one of {', '.join(DEVICES)})")
         index: int | None = None
         mode: str | None = None
         for part in rest:
@@ -59,6 +61,11 @@ class Target:
                 continue
             name = ALIASES.get(part, part)
             if name not in known_modes():
+                near = did_you_mean(part, [*known_modes(), *ALIASES])
+                if near:  # a near typo (cpu:bf17): the one mode it is near, not the whole list
+                    raise UsageError(f"target {spec!r}: unknown mode {part!r}; did you mean "
+                                     f"{':'.join([device, *rest[:rest.index(part)], near])!r}? "
+                                     "('convcheck targets' lists every mode)")
                 raise UsageError(f"target {spec!r}: unknown mode {part!r} (expected one of "
                                  f"{', '.join(known_modes())})")
             if mode is not None:
@@ -79,7 +86,13 @@ class Target:
             raise UsageError(f"{usage} (N, the number of processes, is a whole number >= 1; got {parts[2]!r})")
         if len(parts) == 4 and parts[3].isascii() and parts[3].isdigit():
             raise UsageError(f"target {spec!r}: ddp:cuda:N runs on GPUs 0..N-1; it takes no device index")
-        inner = cls.parse(":".join([parts[1]] + parts[3:]))
+        inner_text = ":".join([parts[1]] + parts[3:])
+        try:
+            inner = cls.parse(inner_text)
+        except UsageError as exc:  # said of the spec as given: ddp:cpu:2:bf17, did you mean 'ddp:cpu:2:bf16'?
+            said = str(exc).replace(f"target {inner_text!r}", f"target {spec!r}", 1)
+            raise UsageError(said.replace(f"did you mean '{parts[1]}:", f"did you mean 'ddp:{parts[1]}:{parts[2]}:",
+                                          1)) from None
         if inner.mode == "float64":
             raise UsageError(f"target {spec!r}: the judge (float64) runs on one device, not data-parallel")
         return cls(device=inner.device, index=None, mode=inner.mode, world=int(parts[2]))
