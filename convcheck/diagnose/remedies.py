@@ -16,6 +16,15 @@ LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimize
 INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
                  "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
                  "then diff again"]
+GROUP_REMEDIES = ["build both optimizers with the same parameter groups: each parameter in the group with the same "
+                  "settings on both sides (e.g. weight decay off for the norms and biases in both, or in neither), "
+                  "then diff again"]
+FREEZE_REMEDIES = ["train the same parameters on both sides: the same requires_grad for each (and unfreeze at the same "
+                   "step), every trained parameter in the optimizer and reached by the loss, then diff again"]
+ACCUMULATION_REMEDIES = ["call optimizer.zero_grad() once per optimizer step (before backward()): without it every "
+                         "step's gradient is added to the ones before it"]
+BACKWARD_REMEDIES = ["make both sides run the same backward: the same loss.backward() calls per step, no gradient "
+                     "hook or manual change of .grad on one side only, then diff again"]
 TRAIN_MODE_REMEDIES = ["call model.train() before training again after an evaluation (model.eval() switches BatchNorm "
                        "to its running statistics and Dropout off), then diff again"]
 SCALER_REMEDIES = ["give both runs the same GradScaler settings (init_scale, growth_interval), then diff again: a "

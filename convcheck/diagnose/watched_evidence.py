@@ -69,6 +69,7 @@ class PairEvidence:
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (``max_bytes``), or None
     random_layers: tuple = ()  # the layers that draw random numbers (Dropout...), in A's model
     compiled_random: str | None = None  # one run compiled, the other eager, its random layers drawing differently
+    outcome: object | None = None  # how the runs end against their own noise (``detectors/watched_causal.Outcome``)
 
 
 @dataclass(frozen=True)

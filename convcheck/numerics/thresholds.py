@@ -208,3 +208,18 @@ BN_RANK_BATCH_OK = 8
 # order only) before the row is flagged; and by at least DDP_GRAD_MIN_U units of roundoff.
 DDP_GRAD_FACTOR = 10.0
 DDP_GRAD_MIN_U = 100.0
+
+# --- the watched diff's causal walk and outcome (issue 42; diagnose/detectors/watched_causal.py) ------------------
+# Gradients (sampled entries, or a parameter's norm) differ "far beyond rounding" past GRAD_APART relative: a
+# float32/bfloat16 pair's gradients differ by about 1e-2, a missing zero_grad's by the size of a whole gradient.
+GRAD_APART = 0.05
+# One run's step-k gradient is its step-(k-1) one plus the other run's step-k one when that sum fits its entries
+# to within ACCUMULATION_FIT of the plain difference (accumulation explains at least 90% of it).
+ACCUMULATION_FIT = 0.1
+# Two runs end alike when their final losses (the means of the last OUTCOME_TAIL share of the aligned steps, at
+# least 3) are within NOISE_FACTOR x the larger run's batch-to-batch spread around its trend there (a seed
+# change's estimate: a seed moves a final loss by about its per-batch spread) plus the precision's loss
+# tolerance; fewer than OUTCOME_MIN_STEPS aligned steps are too few to judge convergence.
+OUTCOME_TAIL = 0.2
+NOISE_FACTOR = 3.0
+OUTCOME_MIN_STEPS = 10

@@ -33,6 +33,9 @@ class StepBuffer:
         self.calls: list[tuple] = []  # (kind, name, the leaf's dtype / the container's leaf call, [piece, ...])
         self.norm_names: list[str] = []
         self.norm_index: int | None = None
+        self.sample_keys: tuple = ([], [])  # the sampled gradient entries' names and sizes (``recipe.sample_parts``)
+        self.sample_index: int | None = None
+        self.sampled: dict | None = None  # their values, once ``resolve`` has read the buffer
 
     def _put(self, t: torch.Tensor | None) -> int | None:
         if t is None:
@@ -60,6 +63,11 @@ class StepBuffer:
     def norms(self, names: list[str], norms: torch.Tensor) -> None:
         """Every parameter's gradient norm (float64, one device), read with the rest."""
         self.norm_names, self.norm_index = list(names), self._put(norms.double())
+
+    def samples(self, keys: list[str], sizes: list[int], values: torch.Tensor | None) -> None:
+        """A few entries of every parameter's gradient (``recipe.sample_parts``), read with the rest."""
+        if values is not None:
+            self.sample_keys, self.sample_index = (keys, sizes), self._put(values.double())
 
     def read(self) -> list[list[float]]:
         """Each piece's values: one transfer per device (one in all on a model on one device)."""
@@ -106,6 +114,10 @@ def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
         elif backward is None and bad(idx[0]):  # a gradient into a leaf's output (``extra``: its reference)
             backward = {**consumer(name, extra), "direction": "backward", "detail": f"gradient into {name}'s output"}
         outs_bad.append(out_bad)
+    if buf.sample_index is not None:
+        from convcheck.watch.recipe import samples_of
+
+        buf.sampled = samples_of(*buf.sample_keys, values[buf.sample_index])
     norms = None
     if buf.norm_index is not None:
         norms = dict(zip(buf.norm_names, values[buf.norm_index]))

@@ -28,6 +28,8 @@ from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, cli
                                                         initial_weights_difference, lr_difference,
                                                         optimizer_difference, scaler_difference,
                                                         settings_difference)
+from convcheck.diagnose.detectors.watched_causal import Outcome, accumulation, outcome
+from convcheck.diagnose.detectors.watched_recipe import has_recipe, precision_policy, recipe_differences
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import Parting, producer_text
 from convcheck.env.diff import diff as env_diff
@@ -68,6 +70,8 @@ class WatchDiff:
     truncated: tuple = (None, None)  # each run's size-cap note when its record was cut (max_bytes), or None
     compiled: tuple = (None, None)  # each run's ``hidden_layers`` line when torch.compile hid its layers, or None
     scaler_notes: tuple = ((), ())  # each run's notes of its GradScaler's use (``scaler_use.py``)
+    outcome: Outcome | None = None  # how the runs end, against their own noise (``watched_causal.outcome``)
+    policy: tuple = ()  # how the runs' precision policies differ (``watched_recipe.precision_policy``)
 
     def __bool__(self) -> bool:
         return self.verdict is not None and self.verdict.category == "ok"
@@ -82,6 +86,10 @@ class WatchDiff:
                                f"different data from step {self.data_step} (batch hashes differ)"))
         out.append("parting: " + ("none beyond rounding" if self.parting is None else
                                   f"step {self.parting.step}, layer {self.parting.layer}: {self.parting.why}"))
+        if self.policy:
+            out.append("precision: " + "; ".join(self.policy))
+        if self.outcome is not None:
+            out.append("outcome: " + self.outcome.text())
         out += [f"setup: {f.headline}" for f in self.setup]
         out += [f"{s.arm} on its own: {s.label}: {s.evidence}" for side in self.own for s in side]
         out += [f"pair: {s.label}: {s.evidence}" for s in self.pair]
@@ -105,7 +113,12 @@ class WatchDiff:
                 "setup": [{"headline": f.headline, "sub_cause": f.sub_cause, "step": f.step} for f in self.setup],
                 "stopped": list(self.stopped), "truncated": list(self.truncated), "compiled": list(self.compiled),
                 "own_findings": [[symptom_dict(s) for s in side] for side in self.own],
-                "pair_findings": [symptom_dict(s) for s in self.pair], "verdict": self.verdict.to_dict()}
+                "pair_findings": [symptom_dict(s) for s in self.pair],
+                "precision_policy": list(self.policy),
+                "outcome": None if self.outcome is None else {"alike": self.outcome.alike,
+                                                               "final": list(self.outcome.final),
+                                                               "noise": self.outcome.noise},
+                "verdict": self.verdict.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -177,17 +190,21 @@ def _rel(x: float, y: float, scale: float) -> float:
     return abs(x - y) / scale if scale > 0 else math.inf
 
 
-def layer_distance(ra: dict, rb: dict) -> tuple[float, str]:
-    """``(distance in units of the coarser dtype's roundoff, why)`` between one layer's two rows."""
+def layer_distance(ra: dict, rb: dict, computed: str | None = None) -> tuple[float, str]:
+    """``(distance in units of the coarser dtype's roundoff, why)`` between one layer's two rows; ``computed``: the
+    coarser format a run computed in (its autocast dtype), when coarser than the rows' storage dtypes."""
     if (ra["nan"] + ra["inf"] > 0) != (rb["nan"] + rb["inf"] > 0):
         side = "A" if ra["nan"] + ra["inf"] else "B"
         return math.inf, f"non-finite values in {side} only"
     u = max(unit_roundoff_of(ra["dtype"]), unit_roundoff_of(rb["dtype"]))
+    coarser = _coarser(ra, rb)
+    if computed is not None and unit_roundoff_of(computed) > u:
+        u, coarser = unit_roundoff_of(computed), f"{computed} (autocast)"
     scale = max(ra["std"], rb["std"]) or max(ra["max_abs"], rb["max_abs"])
     parts = {"max |x|": _rel(ra["max_abs"], rb["max_abs"], max(ra["max_abs"], rb["max_abs"])),
              "mean": _rel(ra["mean"], rb["mean"], scale), "std": _rel(ra["std"], rb["std"], scale)}
     what, d = max(parts.items(), key=lambda kv: kv[1])
-    return d / u, f"{what} differs by {d:.3g} (relative), {d / u:.3g}x the roundoff of {_coarser(ra, rb)}"
+    return d / u, f"{what} differs by {d:.3g} (relative), {d / u:.3g}x the roundoff of {coarser}"
 
 
 def _coarser(ra: dict, rb: dict) -> str:
@@ -235,12 +252,19 @@ def first_parting(a: WatchedRun, b: WatchedRun, steps: int) -> Parting | None:
             if found is not None:
                 return found
         la, lb = a.steps[k]["layers"], b.steps[k]["layers"]
+        computed = autocast_at(a, b, k)
         for name in la:
             if name in lb:
-                d, why = layer_distance(la[name], lb[name])
+                d, why = layer_distance(la[name], lb[name], computed)
                 if d > PART_FACTOR:
                     return Parting(k, name, why)
     return None
+
+
+def autocast_at(a: WatchedRun, b: WatchedRun, k: int) -> str | None:
+    """The coarser autocast dtype either run's step ``k`` ran under (None without autocast)."""
+    fmts = [f for f in (a.steps[k].get("autocast"), b.steps[k].get("autocast")) if f]
+    return coarsest_dtype(fmts) if fmts else None
 
 
 def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
@@ -271,6 +295,7 @@ def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | No
 def _loss_unit(a: WatchedRun, b: WatchedRun) -> float:
     """The unit roundoff of the coarser of the two runs' precisions (their layers' output dtypes at step 0)."""
     dtypes = {r["dtype"] for run in (a, b) if run.steps for r in run.steps[0]["layers"].values()}
+    dtypes |= {run.steps[0]["autocast"] for run in (a, b) if run.steps and run.steps[0].get("autocast")}
     return max((unit_roundoff_of(t) for t in dtypes), default=FLOAT32.unit_roundoff)
 
 
@@ -301,7 +326,8 @@ def ends_alike(ea: float, eb: float, x0: float, y0: float, tol: float) -> bool:
     return (same_sign and hi <= ENDS_ALIKE_RATIO * lo) or gap <= tol * hi or gap <= ENDS_ALIKE_FALL * fall
 
 
-def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int) -> tuple[int | None, tuple | None]:
+def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int, end: Outcome | None = None,
+                  policy: tuple = ()) -> tuple[int | None, tuple | None]:
     """``(step, wander)``: the first step whose losses differ beyond ``loss_tolerance`` (None when none, or
     when two runs at different precisions end alike: ``ends_alike``, no spike above ``LOSS_SPIKE``); and,
     when they wandered apart but end alike, ``(first step apart, A's final, B's final)`` for the ok verdict to
@@ -313,8 +339,10 @@ def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int) -> tuple[int | None,
         if x is not None and y is not None and x != y and not (abs(x - y) <= tol * max(abs(x), abs(y))):
             first = k
             break
-    if first is None or _loss_unit(a, b) <= FLOAT32.unit_roundoff:
+    if first is None or (_loss_unit(a, b) <= FLOAT32.unit_roundoff and not policy):
         return first, None
+    if end is not None and end.alike is not None:  # measured against the runs' own noise (issue 42)
+        return (None, (first, *end.final)) if end.alike else (first, None)
     ea, eb = _final_losses(a, steps), _final_losses(b, steps)
     x0, y0 = a.steps[0]["loss"], b.steps[0]["loss"]
     if ea is None or eb is None or x0 is None or y0 is None or not math.isfinite(x0 + y0):
@@ -342,13 +370,18 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     env = env_diff(Fingerprint.from_dict(a["fingerprint"]), Fingerprint.from_dict(b["fingerprint"]))
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
-    setup = tuple(f for f in (optimizer_difference(a, b), settings_difference(a, b), lr_difference(a, b, steps),
+    # the recipe first, parameter by parameter (``watched_recipe``); runs recorded before it group by group
+    recipe = recipe_differences(a, b, steps) if has_recipe(a, b) else [settings_difference(a, b),
+                                                                        lr_difference(a, b, steps)]
+    setup = tuple(f for f in (optimizer_difference(a, b), *recipe, accumulation(a, b, steps),
                               # a clip on scaled gradients first: it is why that run's norm is pinned
                               clip_before_unscale(a, "A"), clip_before_unscale(b, "B"),
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               scaler_difference(a, b, steps),
                               initial_weights_difference(a, b)) if f is not None)
-    loss_step, wander = _loss_parting(a, b, steps)
+    policy = tuple(precision_policy(a, b))
+    end = outcome(a, b, steps, loss_tolerance(a, b))
+    loss_step, wander = _loss_parting(a, b, steps, end, policy)
     data_step = _first_data_difference(a, b, steps)
     parting = first_parting(a, b, steps)
     pair = []
@@ -365,7 +398,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                        own=(tuple(run_findings(a, "A")), tuple(run_findings(b, "B"))),
                        truncated=(size_cap(a), size_cap(b)), compiled=(hidden_layers(a), hidden_layers(b)),
                        scaler_notes=(scaler_notes(a), scaler_notes(b)),
-                       pair=tuple(x for x in pair if x is not None))
+                       pair=tuple(x for x in pair if x is not None), outcome=end, policy=policy)
     if judge is None:
         from convcheck.targets.spec import default_judge
 

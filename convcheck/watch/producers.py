@@ -222,6 +222,8 @@ class ProducerHooks:
             self.layers[n] = _stats.merge(self.layers.get(n), row)
         if norms is not None:
             self.grad_norms = norms
+        if buf.sampled is not None:
+            self.grad_sample = buf.sampled
         skipped = self.scaler is not None and not self.stepped and found is not None and found["direction"] == "backward"
         self.scaled_infs = self.scaled_infs + (skipped and self.producer is None)
         if found is not None and self.producer is None and not skipped:

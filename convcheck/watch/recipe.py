@@ -44,6 +44,7 @@ def recipe_of(model: torch.nn.Module, optimizer, outer: torch.nn.Module | None =
     trainable = [names[id(p)] for _, p in model.named_parameters() if p.requires_grad]
     wrappers = [type(m).__name__ for m in (outer,) if m is not None and m is not model]
     return {"optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "parameters": [user_name(n) for n, _ in model.named_parameters()],
             "param_groups": groups, "trainable": trainable,
             "not_in_optimizer": [] if optimizer is None else
             [names[id(p)] for _, p in model.named_parameters() if p.requires_grad and id(p) not in held],
@@ -64,8 +65,9 @@ def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
     return {"autocast": autocast, "modes_differ": odd}
 
 
-def grad_sample(params) -> dict[str, list[float]]:
-    """``SAMPLES`` evenly spaced entries of every parameter's gradient (flattened), read in one transfer."""
+def sample_parts(params) -> tuple[list[str], list[int], torch.Tensor | None]:
+    """``(names, sizes, values)``: ``SAMPLES`` evenly spaced entries of every parameter's gradient (flattened), as
+    one float64 tensor on the gradients' device (read now by ``grad_sample``, or with a deferred step's buffer)."""
     picked, keys = [], []
     for n, p in params:
         g = p.grad
@@ -74,12 +76,21 @@ def grad_sample(params) -> dict[str, list[float]]:
         flat = g.detach().reshape(-1)
         stride = max(1, flat.numel() // SAMPLES)
         picked.append(flat[::stride][:SAMPLES].double())
-        keys.append(n)
+        keys.append(user_name(n))
     if not picked:
-        return {}
-    values = torch.cat([t.to(picked[0].device) for t in picked]).tolist()
+        return [], [], None
+    return keys, [t.numel() for t in picked], torch.cat([t.to(picked[0].device) for t in picked])
+
+
+def samples_of(keys: list[str], sizes: list[int], values: list[float]) -> dict[str, list[float]]:
     out, i = {}, 0
-    for n, t in zip(keys, picked):
-        out[user_name(n)] = values[i:i + t.numel()]
-        i += t.numel()
+    for n, k in zip(keys, sizes):
+        out[n] = values[i:i + k]
+        i += k
     return out
+
+
+def grad_sample(params) -> dict[str, list[float]]:
+    """Every parameter's sampled gradient entries (``sample_parts``), read in one transfer."""
+    keys, sizes, t = sample_parts(params)
+    return {} if t is None else samples_of(keys, sizes, t.tolist())

@@ -21,7 +21,8 @@ def pair_evidence(d, a, b) -> PairEvidence:
     return PairEvidence(
         steps=d.steps, data_step=d.data_step, parting=d.parting, loss_step=d.loss_step, loss_tol=d.loss_tol,
         loss_wander=d.loss_wander, producers=d.producers, replays=d.replays, setup=tuple(d.setup),
-        stopped=d.stopped, env=tuple(d.env), precision=precision_difference(a, b, d.flags), own=d.own,
+        stopped=d.stopped, env=tuple(d.env), own=d.own, outcome=d.outcome,
+        precision=precision_difference(a, b, d.flags) or ("; ".join(d.policy) if d.policy else None),
         pair=d.pair, divergence=(divergence(a), divergence(b)),
         scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
         truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a),

@@ -197,6 +197,12 @@ def _parting(ev: PairEvidence) -> Parting | None:
     return None
 
 
+def _precision_explains(ev: PairEvidence) -> bool:
+    """A parting between runs at different precisions (or thread counts) whose losses end alike against their own
+    noise: drift the precision explains, with no effect on the outcome - a note of ok, not a verdict."""
+    return ev.precision is not None and ev.outcome is not None and ev.outcome.alike is True
+
+
 def _where(part: Parting) -> str:
     return f"the runs part at step {part.step} in {part.layer}"
 
@@ -211,9 +217,10 @@ def _own_divergence(ev: PairEvidence) -> list[str]:
 def watched_precision(ev: PairEvidence) -> Verdict | None:
     """A parting beyond rounding between runs at different precisions (layer dtypes or TF32 switches)."""
     part = _parting(ev)
-    if part is None or ev.precision is None:
+    if part is None or ev.precision is None or _precision_explains(ev):
         return None
-    return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision] + _own_divergence(ev),
+    end = [ev.outcome.text()] if ev.outcome is not None and ev.outcome.alike is not None else []
+    return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision] + end + _own_divergence(ev),
                                      {"step": part.step, "layer": part.layer}, remedies=list(PRECISION_PARTING),
                                      layer=part.layer, sub_cause="precision")
 
@@ -223,7 +230,7 @@ def watched_precision(ev: PairEvidence) -> Verdict | None:
 def watched_stack(ev: PairEvidence) -> Verdict | None:
     """A parting beyond rounding between runs whose fingerprints differ."""
     part = _parting(ev)
-    if part is None or not ev.env:
+    if part is None or not ev.env or _precision_explains(ev):
         return None
     return watched_stack.verdict([f"{_where(part)}: {part.why}"]
                                  + [f"{x.field}: {x.left} | {x.right} ({x.why})" for x in ev.env] + _own_divergence(ev),
@@ -250,7 +257,7 @@ def watched_compiled_random(ev: PairEvidence) -> Verdict | None:
 def watched_unexplained(ev: PairEvidence) -> Verdict | None:
     """A parting beyond rounding that nothing recorded explains."""
     part = _parting(ev)
-    if part is None:
+    if part is None or _precision_explains(ev):
         return None
     remedies = list(DETERMINISM_REMEDIES)
     if ev.random_layers:  # a Dropout's masks differ between two seeds: the seed, not the kernels
@@ -292,6 +299,13 @@ def watched_stopped(ev: PairEvidence) -> Verdict | None:
 def watched_ok(ev: PairEvidence) -> Verdict:
     """No rule fired: the runs agree within rounding (what was let pass, and why, as evidence)."""
     extra = _compared(ev)
+    part = _parting(ev)
+    if part is not None and _precision_explains(ev):  # drift the precision explains, said with how far it went
+        extra = [x for x in extra if not x.endswith("within the coarser precision's rounding")]
+        return Verdict("ok", f"the two watched runs end alike: they part at step {part.step} in {part.layer}, as their "
+                       "precisions explain, and their losses end within their own noise",
+                       evidence=extra + [f"{_where(part)}: {part.why}", f"precision: {ev.precision}",
+                                         ev.outcome.text()])
     if ev.loss_wander is not None:  # not "at every step": say what was let pass, and why
         k, ea, eb = ev.loss_wander
         return Verdict("ok", "the two watched runs agree within rounding: their losses wander apart from step "

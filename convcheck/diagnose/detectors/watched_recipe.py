@@ -1,0 +1,259 @@
+"""Two watched runs' recipes diffed field by field, before any tensor (issue 42): the first place a difference can
+exist. Each finding is a ``watched_evidence.Setup`` named in the user's words - which parameters, which setting,
+A's value and B's ("weight_decay 0.005 on bn1.weight, bn1.bias in B; A: 0").
+
+Read from the manifest's ``recipe`` (``watch/recipe.py``; runs recorded before it have none and are left to
+``watched_setup.py``'s group-by-group checks) and from ``steps.jsonl``: the learning rate each parameter's group
+used at each step, which parameters got a gradient at all, the modules that ran in another training mode.
+
+What a precision policy is (the autocast dtype, the weights' dtype, the TF32 switches, the thread count) is said by
+``precision_policy``: two runs that differ only there are a *precision pair*, judged by their outcome
+(``watched_causal.outcome``), never a setup difference."""
+
+from __future__ import annotations
+
+from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
+                                         TRAIN_MODE_REMEDIES)
+from convcheck.diagnose.watched_evidence import Setup
+from convcheck.numerics.thresholds import LR_RTOL
+
+SHOWN_NAMES = 4  # parameter names spelled out before "and N more"
+
+
+def recipe(run) -> dict | None:
+    r = run.manifest.get("recipe")
+    return r if isinstance(r, dict) and isinstance(r.get("param_groups"), list) else None
+
+
+def names_text(names, every: list[str]) -> str:
+    """``names`` as a person writes them: a module's parameters all named as ``module.*``, the rest listed."""
+    names = [n for n in every if n in set(names)]
+    out, done = [], set()
+    for n in names:
+        if n in done:
+            continue
+        prefix = n.rsplit(".", 1)[0] if "." in n else None
+        while prefix:  # the widest module whose every parameter is in ``names``
+            under = [m for m in every if m.startswith(prefix + ".")]
+            if not all(m in names for m in under):
+                break
+            wider = prefix.rsplit(".", 1)[0] if "." in prefix else None
+            if wider is None or not all(m in names for m in every if m.startswith(wider + ".")):
+                break
+            prefix = wider
+        under = [m for m in every if prefix and m.startswith(prefix + ".")]
+        if prefix and len(under) > 1 and all(m in names for m in under):
+            out.append(prefix + ".*")
+            done.update(under)
+        else:
+            out.append(n)
+            done.add(n)
+    shown = ", ".join(out[:SHOWN_NAMES])
+    return shown + (f" and {len(out) - SHOWN_NAMES} more" if len(out) > SHOWN_NAMES else "")
+
+
+def _every(run) -> list[str]:
+    r = recipe(run)
+    return list(r.get("trainable") or []) if r else []
+
+
+def _all_params(run) -> list[str]:
+    """Every parameter's name as the recipe records them (the user's names, wrappers' prefixes dropped)."""
+    r = recipe(run)
+    names = (r or {}).get("parameters")
+    return list(names) if isinstance(names, list) else [p["name"] for p in run.manifest["model"]["parameters"]]
+
+
+def _group_of(r: dict) -> dict[str, int]:
+    return {n: g for g, grp in enumerate(r["param_groups"]) for n in grp.get("parameters", [])}
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float):
+        return x == y or abs(x - y) <= LR_RTOL * max(abs(x), abs(y))
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+def _show(v) -> str:
+    return "none" if v is None else (f"{v:g}" if isinstance(v, float) else repr(v))
+
+
+def _by_values(pairs: dict) -> list[tuple[tuple, list[str]]]:
+    """``{name: (a, b)}`` grouped by the value pair, the largest group first."""
+    groups: dict = {}
+    for n, ab in pairs.items():
+        groups.setdefault(repr(ab), (ab, []))[1].append(n)
+    return sorted(groups.values(), key=lambda g: -len(g[1]))
+
+
+def settings_per_parameter(a, b) -> Setup | None:
+    """Every optimizer hyperparameter as each *parameter* gets it (its group's), A against B: one group against
+    two with the same values is the same recipe; weight decay on the norms in B only is named as such."""
+    ra, rb = recipe(a), recipe(b)
+    if ra is None or rb is None or ra.get("optimizer") != rb.get("optimizer"):
+        return None
+    ga, gb = _group_of(ra), _group_of(rb)
+    every = _all_params(a)
+    diffs: dict[str, dict] = {}
+    for n in every:
+        if n not in ga or n not in gb:
+            continue
+        sa, sb = ra["param_groups"][ga[n]].get("settings") or {}, rb["param_groups"][gb[n]].get("settings") or {}
+        for key in sorted(set(sa) | set(sb)):
+            if not _same(sa.get(key), sb.get(key)):
+                diffs.setdefault(key, {})[n] = (sa.get(key), sb.get(key))
+    if not diffs:
+        return None
+    key = max(diffs, key=lambda k: len(diffs[k]))  # the setting most parameters get differently
+    lines = []
+    for k, per in diffs.items():
+        for (va, vb), names in _by_values(per):
+            lines.append(f"{k} {_show(vb)} on {names_text(names, every)} in B; A: {_show(va)}")
+    (va, vb), names = _by_values(diffs[key])[0]
+    if len(names) == len([n for n in every if n in ga and n in gb]):  # every parameter: the optimizer's setting
+        head = f"different {ra.get('optimizer') or 'optimizer'} settings: A's {key} is {va!r}, B's is {vb!r}"
+    else:
+        head = (f"different optimizer settings per parameter: {key} {_show(vb)} on {names_text(names, every)} in B; "
+                f"A: {_show(va)}")
+    return Setup(head, "optimizer", evidence=[f"the recipes' parameter groups: {x}" for x in lines],
+                 remedies=list(GROUP_REMEDIES), step=0)
+
+
+def unheld(a, b) -> Setup | None:
+    """Parameters that train in one run but that run's optimizer holds in no group (they never move)."""
+    ra, rb = recipe(a), recipe(b)
+    if ra is None or rb is None:
+        return None
+    na, nb = set(ra.get("not_in_optimizer") or []), set(rb.get("not_in_optimizer") or [])
+    if na == nb:
+        return None
+    side, names = ("B", nb - na) if nb - na else ("A", na - nb)
+    text = names_text(names, _all_params(a))
+    return Setup(f"{text} {'is' if len(names) == 1 else 'are'} in no parameter group of {side}'s optimizer: "
+                 f"{'it never trains' if len(names) == 1 else 'they never train'} in {side}", "parameter groups",
+                 evidence=[f"the recipes: {side}'s optimizer holds none of {text} (requires_grad True)"],
+                 remedies=list(GROUP_REMEDIES), step=0)
+
+
+def frozen(a, b, steps: int) -> Setup | None:
+    """Parameters that train in one run only: ``requires_grad`` False as the block starts, or never given a
+    gradient over the aligned steps (a backbone never unfrozen, a branch the loss does not reach)."""
+    every = _all_params(a)
+    ta, tb = recipe(a), recipe(b)
+    if ta is not None and tb is not None:
+        fa, fb = set(ta.get("trainable") or []), set(tb.get("trainable") or [])
+        if fa != fb:
+            side, names = ("B", fa - fb) if fa - fb else ("A", fb - fa)
+            text = names_text(names, every)
+            return Setup(f"{text} frozen in {side} (requires_grad False) and trained in {_other(side)}", "frozen",
+                         evidence=[f"the recipes' trainable parameters: {text} in {_other(side)} only"],
+                         remedies=list(FREEZE_REMEDIES), step=0)
+    got = [set(), set()]
+    first = [{}, {}]
+    for k in range(steps):
+        for i, run in enumerate((a, b)):
+            for n in run.steps[k].get("grad_norms") or {}:
+                got[i].add(n)
+                first[i].setdefault(n, k)
+    if not got[0] or not got[1] or got[0] == got[1]:
+        return None
+    side, names = ("B", got[0] - got[1]) if got[0] - got[1] else ("A", got[1] - got[0])
+    other = 0 if side == "B" else 1
+    text = names_text(names, every)
+    since = min(first[other][n] for n in names)
+    return Setup(f"{text} never get a gradient in {side}; in {_other(side)} they do from step {since}", "frozen",
+                 evidence=[f"steps.jsonl grad_norms: no gradient for {text} at any of {side}'s {steps} aligned steps"],
+                 remedies=list(FREEZE_REMEDIES), step=since)
+
+
+def _other(side: str) -> str:
+    return "A" if side == "B" else "B"
+
+
+def lr_per_parameter(a, b, steps: int) -> Setup | None:
+    """The first aligned step where a parameter's learning rate (its group's) differs: a schedule off by one, a
+    group given another lr; groups that differ only in how the parameters are split are the same recipe."""
+    ra, rb = recipe(a), recipe(b)
+    if ra is None or rb is None:
+        return None
+    ga, gb = _group_of(ra), _group_of(rb)
+    every = _all_params(a)
+    for k in range(steps):
+        la, lb = a.steps[k]["lr"], b.steps[k]["lr"]
+        per = {n: (float(la[ga[n]]), float(lb[gb[n]])) for n in every
+               if n in ga and n in gb and ga[n] < len(la) and gb[n] < len(lb)}
+        apart = {n: v for n, v in per.items() if not _same(*v)}
+        if not apart:
+            continue
+        (va, vb), names = _by_values(apart)[0]
+        where = "" if len(apart) == len(per) else f" on {names_text(names, every)}"
+        before = f" (the same before: {_lrs(a.steps[k - 1]['lr'])})" if k and all(
+            _same(*v) for v in _lr_at(a, b, ga, gb, every, k - 1)) else ""
+        return Setup(f"different learning rates: B's learning rate{where} is {vb!r} where A's is {va!r} from step "
+                     f"{k}{before}",
+                     "learning rate", evidence=[f"steps.jsonl lr at step {k}: {la} | {lb}"],
+                     remedies=list(LR_REMEDIES), step=k)
+    return None
+
+
+def _lrs(lr: list) -> str:
+    return repr(float(lr[0])) if len(lr) == 1 else "[" + ", ".join(repr(float(v)) for v in lr) + "]"
+
+
+def _lr_at(a, b, ga, gb, every, k):
+    la, lb = a.steps[k]["lr"], b.steps[k]["lr"]
+    return [(float(la[ga[n]]), float(lb[gb[n]])) for n in every if n in ga and n in gb and ga[n] < len(la)
+            and gb[n] < len(lb)]
+
+
+def modes_difference(a, b, steps: int) -> Setup | None:
+    """Modules that run in another training mode than the model in one run only (a BatchNorm or Dropout left in
+    eval mode, or put back in train mode), from the first step it shows."""
+    for k in range(steps):
+        ma, mb = set(a.steps[k].get("modes_differ") or []), set(b.steps[k].get("modes_differ") or [])
+        if ma == mb:
+            continue
+        side, names = ("B", mb - ma) if mb - ma else ("A", ma - mb)
+        every = sorted(ma | mb)
+        return Setup(f"{names_text(names, every)} run{'s' if len(names) == 1 else ''} in another training mode than "
+                     f"the model in {side} (eval mode while training) from step {k}", "module mode",
+                     evidence=[f"steps.jsonl modes_differ at step {k}: {sorted(ma)} | {sorted(mb)}"],
+                     remedies=list(TRAIN_MODE_REMEDIES), step=k)
+    return None
+
+
+def recipe_differences(a, b, steps: int) -> list[Setup]:
+    """Every recipe difference, in the order a step uses them: which parameters train, their groups, their
+    settings, their learning rates, the modules' modes."""
+    found = (unheld(a, b), frozen(a, b, steps), settings_per_parameter(a, b), lr_per_parameter(a, b, steps),
+             modes_difference(a, b, steps))
+    return [f for f in found if f is not None]
+
+
+def has_recipe(a, b) -> bool:
+    return recipe(a) is not None and recipe(b) is not None
+
+
+def _autocast(run) -> str | None:
+    return next((s.get("autocast") for s in run.steps if s.get("autocast")), None)
+
+
+def precision_policy(a, b) -> list[str]:
+    """How the two runs' precision policies differ, in words (empty when they do not): autocast, the weights'
+    dtypes, the TF32 switches, the CPU thread count (another split of every reduction)."""
+    out = []
+    ca, cb = _autocast(a), _autocast(b)
+    if ca != cb:
+        out.append(f"autocast: {ca or 'off'} | {cb or 'off'}")
+    ra, rb = recipe(a), recipe(b)
+    wa = (ra or {}).get("weights_dtypes") or sorted({p.get("dtype") for p in a.manifest["model"]["parameters"]})
+    wb = (rb or {}).get("weights_dtypes") or sorted({p.get("dtype") for p in b.manifest["model"]["parameters"]})
+    if wa != wb:
+        out.append(f"weights kept in {', '.join(map(str, wa))} | {', '.join(map(str, wb))}")
+    fa, fb = a.manifest.get("math_flags") or {}, b.manifest.get("math_flags") or {}
+    for k in sorted(set(fa) | set(fb)):
+        if ("tf32" in k.lower() or "precision" in k or k == "threads") and fa.get(k) != fb.get(k):
+            out.append(f"{k}: {fa.get(k)} | {fb.get(k)}")
+    return out

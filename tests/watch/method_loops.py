@@ -1,0 +1,226 @@
+"""Training loops as people write them, for issue 42's method: each takes ``out`` and one switch that plants a fault
+(or a healthy change of precision). The data are made from a seeded generator, so both runs of a pair see the same
+batches; nothing here knows how convcheck decides."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import convcheck
+
+
+def _autocast(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16 * 4 * 4, 4)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+def image_batches(n: int, b: int = 32, seed: int = 3):
+    """Four classes of 16x16 images: a bright quadrant each, under noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        y = torch.randint(0, 4, (b,), generator=g)
+        x = 0.5 * torch.randn(b, 1, 16, 16, generator=g)
+        for i, c in enumerate(y.tolist()):
+            r, s = divmod(c, 2)
+            x[i, 0, r * 8:(r + 1) * 8, s * 8:(s + 1) * 8] += 1.0
+        out.append((x, y))
+    return out
+
+
+def cnn_run(out, precision: str = "fp32", zero_grad: bool = True, wd_on_norms: bool = False, steps: int = 40,
+            lr: float = 0.05):
+    """SGD with momentum; weight decay on the conv/linear weights only (two groups), or on every parameter in
+    one group when ``wd_on_norms``."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    if wd_on_norms:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-3)
+    else:
+        decay = [p for n, p in model.named_parameters() if n.endswith("weight") and not n.startswith("bn")]
+        rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and not n.startswith("bn"))]
+        opt = torch.optim.SGD([{"params": decay, "weight_decay": 5e-3}, {"params": rest, "weight_decay": 0.0}],
+                              lr=lr, momentum=0.9)
+    data = image_batches(steps)
+    with convcheck.watch(model, opt, out=out) as w:
+        for x, y in data:
+            if zero_grad:
+                opt.zero_grad()
+            with _autocast(precision):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+class Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(12, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.relu(self.l2(torch.relu(self.l1(x))))
+
+
+class FineTune(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone, self.head = Backbone(), nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def finetune_run(out, unfreeze_at: int | None = 5, steps: int = 20):
+    """Fine-tuning: the backbone frozen at first and unfrozen at step ``unfreeze_at`` (None: never)."""
+    torch.manual_seed(0)
+    model = FineTune()
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # every parameter, the frozen ones included
+    g = torch.Generator().manual_seed(5)
+    teacher = torch.randn(12, 3, generator=g)
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(steps):
+            if step == unfreeze_at:
+                for p in model.backbone.parameters():
+                    p.requires_grad_(True)
+            x = torch.randn(32, 12, generator=g)
+            loss = F.cross_entropy(model(x), (x @ teacher).argmax(1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+class VAE(nn.Module):
+    def __init__(self, d: int = 20, z: int = 4):
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(d, 32), nn.Linear(32, z), nn.Linear(32, z)
+        self.dec1, self.dec2 = nn.Linear(z, 32), nn.Linear(32, d)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.dec2(torch.relu(self.dec1(z))), mu, logvar
+
+
+def vae_run(out, kl_sign: float = 1.0, precision: str = "fp32", steps: int = 40):
+    """A VAE's ELBO: reconstruction + KL, the KL's sign as given (-1: the classic sign slip)."""
+    torch.manual_seed(0)
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(7)
+    basis = torch.randn(4, 20, generator=g)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            x = torch.sigmoid(torch.randn(64, 4, generator=g) @ basis)
+            with _autocast(precision):
+                recon, mu, logvar = model(x)
+                rec = F.binary_cross_entropy_with_logits(recon.float(), x, reduction="sum") / len(x)
+                kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / len(x)
+                loss = rec + kl_sign * kl
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+class CharLSTM(nn.Module):
+    def __init__(self, vocab: int = 12, h: int = 32):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(vocab, 16), nn.LSTM(16, h, batch_first=True), nn.Linear(h, vocab)
+
+    def forward(self, x, hidden):
+        y, hidden = self.rnn(self.emb(x), hidden)
+        return self.out(y), hidden
+
+
+def lstm_run(out, lr: float = 1.0, precision: str = "fp32", steps: int = 40):
+    """A language model trained on one long sequence in chunks, its hidden state carried over (detached) from
+    chunk to chunk as word_language_model does."""
+    torch.manual_seed(0)
+    model = CharLSTM()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(9)
+    text = (torch.arange(12).repeat(400) + torch.randint(0, 2, (4800,), generator=g)) % 12
+    stream = text[: (len(text) // 8) * 8].view(8, -1)
+    hidden = None
+    with convcheck.watch(model, opt, out=out) as w:
+        for k in range(steps):
+            x, y = stream[:, k * 10:(k + 1) * 10], stream[:, k * 10 + 1:(k + 1) * 10 + 1]
+            if hidden is not None:
+                hidden = tuple(h.detach() for h in hidden)
+            with _autocast(precision):
+                logits, hidden = model(x, hidden)
+                loss = F.cross_entropy(logits.reshape(-1, 12).float(), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            opt.step()
+            w.step(loss)
+
+
+class Generator(nn.Module):
+    def __init__(self, z: int = 8, d: int = 16):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(z, 32), nn.Linear(32, d)
+
+    def forward(self, z):
+        return self.l2(torch.relu(self.l1(z)))
+
+
+class Discriminator(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, 32), nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.l2(F.leaky_relu(self.l1(x), 0.2))
+
+
+def gan_run(out, steps: int = 60, precision: str = "fp32"):
+    """A GAN; the watch on the generator and its optimizer, the generator's adversarial loss handed to w.step
+    (it rises as the discriminator learns: by design, not divergence)."""
+    torch.manual_seed(0)
+    G, D = Generator(), Discriminator()
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), lr=2e-3, betas=(0.5, 0.999)), \
+        torch.optim.Adam(D.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    g = torch.Generator().manual_seed(11)
+    centre = torch.randn(16, generator=g)
+    bce = nn.BCEWithLogitsLoss()
+    with convcheck.watch(G, opt_g, out=out) as w:
+        for _ in range(steps):
+            real = centre + 0.3 * torch.randn(32, 16, generator=g)
+            z = torch.randn(32, 8, generator=g)
+            with _autocast(precision):
+                fake = G(z)
+                d_loss = bce(D(real), torch.ones(32, 1)) + bce(D(fake.detach()), torch.zeros(32, 1))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            with _autocast(precision):
+                g_loss = bce(D(fake), torch.ones(32, 1))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            w.step(g_loss)
