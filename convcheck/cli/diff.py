@@ -25,7 +25,9 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
                         "recorded with a float64 target; with one watched run, the judge it is diagnosed against "
                         "(e.g. cpu:float64)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
-    p.add_argument("--out", default=None, metavar="DIR", help="write the report files there (default: reports/...)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write the report files there (default: two bundles: a new folder "
+                        "reports/<UTC time, ms>-<model>/; watched runs: no files without --out)")
     p.add_argument("--csv", default=None, metavar="PATH",
                    help="with two watched runs: write the per-step, per-layer table (each output statistic's relative "
                         "error, B against A) to PATH as CSV, with --no-save too")

@@ -87,6 +87,10 @@ def _run_targets(args) -> int:
             spec = device if mode == "float32" else f"{device}:{mode}"
             mark = "here" if spec in here else ""
             print(f"{spec:<22} {mark:<5} {cls.descriptions.get(mode, mode)}")
+    from convcheck.targets.spec import DDP_DESCRIPTION, data_parallel_here
+
+    for form, runs in data_parallel_here().items():
+        print(f"{form:<22} {'here' if runs else '':<5} {DDP_DESCRIPTION}")
     return 0
 
 
@@ -150,11 +154,14 @@ def _run_env(args) -> int:
 # --- convcheck compare -----------------------------------------------------
 
 def _compare_epilog() -> str:
-    lines = ["targets: DEVICE[:INDEX][:MODE], e.g. cpu, cuda, cuda:1:tf32, cpu:amp-bf16 (MODE defaults to float32; "
-             "'convcheck targets' lists which run here)"]
+    from convcheck.targets.spec import DDP_DESCRIPTION, DDP_EXAMPLES, DDP_FORMS, DEVICES, SPEC_EXAMPLES, SPEC_FORM
+
+    lines = [f"targets: {SPEC_FORM}, e.g. {SPEC_EXAMPLES} (DEVICE: {', '.join(DEVICES)}; MODE defaults to "
+             "float32; 'convcheck targets' lists which run here)"]
     for mode, cls in _target_kinds():
         devices = ", ".join(f"{d}:{mode}" for d in cls.devices)
         lines.append(f"  {mode:<13} {cls.descriptions.get(mode, mode)}: {devices}")
+    lines.append(f"data-parallel targets: {' or '.join(DDP_FORMS)}, e.g. {DDP_EXAMPLES}: {DDP_DESCRIPTION}")
     return "\n".join(lines) + "\n\n" + _exit_codes_text()
 
 

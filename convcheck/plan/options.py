@@ -95,7 +95,7 @@ def declare_compare_options(addoption, prefix: str = "") -> None:
              "(scikit-learn's 8x8 digits, upsampled), or FILE.py:factory returning a Dataset or an "
              "iterable of batches")
     opt("workers", type=int, metavar="N", help="DataLoader workers for a Dataset (default %(default)s)")
-    opt("repeat", type=int, metavar="N",
+    opt("repeat", type=int, metavar="1|2",
         help="2: run every target twice from the same state at the first step, deterministic kernels too; a "
              "bitwise difference is named with its layer and op, none means the targets' differences are not "
              "chance (default %(default)s)")

@@ -27,6 +27,24 @@ from convcheck.targets.runners.flags import preserved_global_flags, snapshot_glo
 
 DEVICES = ("cpu", "cuda", "mps")
 
+# The forms of a spec, as 'compare --help' and 'convcheck targets' show them (README.md's "Targets" says the same;
+# tests/test_help_readme.py holds the two together). The modes come from the runner registry.
+SPEC_FORM = "DEVICE[:INDEX][:MODE]"
+SPEC_EXAMPLES = "cpu, cuda, cuda:1:tf32, cpu:amp-bf16, mps:bf16"
+DDP_FORMS = ("ddp:cpu:N[:MODE]", "ddp:cuda:N[:MODE]")
+DDP_EXAMPLES = "ddp:cpu:2, ddp:cpu:2:bf16, ddp:cuda:4:amp-bf16"
+DDP_DESCRIPTION = ("DistributedDataParallel over N processes (gloo on the cpu, NCCL on N GPUs), each rank running "
+                   "DEVICE[:MODE]; any mode but float64")
+
+
+def data_parallel_here() -> dict[str, bool]:
+    """``{form: runs here}`` of each data-parallel form (``DDP_FORMS``)."""
+    import torch.distributed as dist
+
+    ok = dist.is_available()
+    cuda = ok and torch.cuda.is_available() and dist.is_nccl_available()
+    return {DDP_FORMS[0]: ok, DDP_FORMS[1]: bool(cuda)}
+
 
 @dataclass(frozen=True)
 class Target:
