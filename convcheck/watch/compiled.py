@@ -34,6 +34,17 @@ def unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, st
     return model, model, None
 
 
+def parallel(model: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """``(inner, wrapper)``: the model inside a ``DataParallel`` / ``DistributedDataParallel`` (its class name the
+    wrapper; the user's layer names are the inner model's, without ``module.``), or the model itself and None.
+    The wrapper's own call carries the root hooks: it sees the whole batch and the gathered output."""
+    inner = getattr(model, "module", None)
+    if isinstance(inner, torch.nn.Module) and any(c.__name__ in ("DataParallel", "DistributedDataParallel")
+                                                  for c in type(model).__mro__):
+        return inner, type(model).__name__
+    return model, None
+
+
 def tracing() -> bool:
     """Whether dynamo is tracing the code calling this (a hook met inside a compiled region)."""
     return torch.compiler.is_compiling()

@@ -17,6 +17,8 @@ def manifest_of(w, complete: bool) -> dict:
         "steps_sha256": w.steps_sha.hexdigest(),
         "model": {"class": type(w.model).__name__, "module": module_of(type(w.model)),
                   "qualname": type(w.model).__qualname__, "device": w.device,
+                  # the DataParallel / DDP the model was given in (its layers named as the model's own), or None
+                  "wrapper": getattr(w, "wrapper", None),
                   "parameters": [{"name": n, "shape": list(p.shape), "dtype": _stats.dtype_name(p)}
                                  for n, p in w.params],
                   "layers": [w.names[m] for m in w.names if m in w.leaves],

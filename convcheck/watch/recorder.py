@@ -24,7 +24,8 @@ from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
 from convcheck.errors import UsageError
 from convcheck.watch import deferred as _deferred
-from convcheck.watch.compiled import HIDDEN, outside_graphs, tracing, unwrap
+from convcheck.watch import attach as _attach
+from convcheck.watch.compiled import HIDDEN, parallel, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
@@ -48,6 +49,10 @@ class Watch(ProducerHooks):
             raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
         # torch.compile(model): the model inside is watched, the wrapper's own (eager) call carries the root hooks
         model, self.outer, self.compiled = unwrap(model)
+        # DataParallel / DDP: the model inside is watched under its own layer names, the wrapper's call is the root
+        model, self.wrapper = parallel(model)
+        if self.wrapper is not None and self.compiled is None:
+            model, _, self.compiled = unwrap(model)
         self.hidden = False  # a forward whose leaves ran inside a compiled graph (the watch saw none of them)
         self.spy = self.sampler = None  # how the loop uses its GradScaler and DistributedSampler (from __enter__)
         self.scaled_infs = 0  # steps a GradScaler skipped whose scaled backward held Inf/NaN (``producers``)
@@ -64,9 +69,10 @@ class Watch(ProducerHooks):
         self.force = force
         self.snapshot_steps = {int(s) for s in snapshot_steps}
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
-        self.names = {m: (n or type(m).__name__) for n, m in model.named_modules()}
+        # the user's layer names: a compiled or FSDP-wrapped child's wrapper parts taken out (``attach.user_name``)
+        self.names = {m: (_attach.user_name(n) or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
-        wrong = unmatched(self.selection, [n for n, _ in model.named_modules() if n])
+        wrong = unmatched(self.selection, [n for m, n in self.names.items() if m is not model])
         if wrong:
             some = ", ".join(n for n, _ in list(model.named_modules())[1:6])
             raise UsageError(f"convcheck.watch: layers pattern {wrong[0]!r} matches no module of the model "
@@ -74,7 +80,8 @@ class Watch(ProducerHooks):
         self.paused = False
         self.by_name = {n: m for m, n in self.names.items()}
         self.call_lines: dict = {}  # each leaf's calling line in its parent's forward, from its first call
-        self.params = [(n, p) for n, p in model.named_parameters()]
+        self.params = [(_attach.user_name(n), p) for n, p in model.named_parameters()]
+        self.param_ids = {id(p) for _, p in self.params}  # an optimizer made inside the block is found by them
         self.device = str(self.params[0][1].device) if self.params else "cpu"
         # on an accelerator the step's statistics stay there until it ends, read once (``deferred.py``)
         self.defer = {"step": True, "layer": False}.get(self.selection.sync, self.device.split(":")[0] != "cpu")
@@ -163,15 +170,12 @@ class Watch(ProducerHooks):
     def _install(self) -> None:
         # the root's hooks never traced (they run at a compiled graph's edges); the others return at once
         # when traced, so a compiled graph holds nothing of the watch (``compiled.py``)
-        self.handles.append(self.outer.register_forward_pre_hook(outside_graphs(self._root_pre), with_kwargs=True))
-        self.handles.append(self.outer.register_forward_hook(outside_graphs(self._root_forward)))
+        # process-wide hooks routed by identity (``attach.py``): nothing is added to the model or the optimizer, so
+        # a pickle, a deep copy or an AveragedModel of either is what it is without the watch
         every_layer = self.selection.layers is None
-        for mod, name in self.names.items():
-            if mod is not self.model and (every_layer or mod in self.leaves and self.selection.layer_chosen(name)):
-                self.handles.append(mod.register_forward_hook(self._forward))
-        if self.optimizer is not None:
-            self.handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
-            self.handles.append(self.optimizer.register_step_post_hook(self._post_step))
+        layers = [mod for mod, name in self.names.items()
+                  if mod is not self.model and (every_layer or mod in self.leaves and self.selection.layer_chosen(name))]
+        self.handles.append(_attach.attach(self, [self.outer], layers, [self.optimizer] if self.optimizer else []))
 
     # --- hooks ------------------------------------------------------------------
     def _recording(self) -> bool:
@@ -196,7 +200,7 @@ class Watch(ProducerHooks):
         self.hashes.append(batch_hash(args, kwargs))
         self.rounded.append(rounded_hashes(args, kwargs))
 
-    def _root_pre(self, module, args, kwargs):
+    def _root_pre(self, module, args):
         if self.pending:
             self._end_step(loss=None)
         if torch.is_grad_enabled() and not self.model.training and not self.truncated:
@@ -204,15 +208,15 @@ class Watch(ProducerHooks):
         if self._recording():
             if self.spy is not None:
                 self.spy.start(learning_rates(self.optimizer))
-            self.hash_batch(args, kwargs)
             self.leaves_before = self.leaf_calls
             if self.taker is not None and not self.taker.params:
                 self.taker.take_params(self.params)
         return None
 
-    def _root_forward(self, module, args, output):
+    def _root_forward(self, module, args, kwargs, output):
         if not self._recording():
             return None
+        self.hash_batch(args, kwargs)  # at the call's end: a process-wide pre-hook is given no kwargs (``attach.py``)
         if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
             self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
             return None
@@ -270,6 +274,16 @@ class Watch(ProducerHooks):
         row = _stats.measure(outs[0])
         self.layers[name] = _stats.merge(self.layers.get(name), row)
         return row
+
+    def found_optimizer(self, optimizer) -> bool:
+        """An optimizer met stepping the watched parameters that the watch was not given (made inside the block,
+        or ``optimizer=None``): taken as the run's when it has none (``attach._adopt``), its settings as now."""
+        if self.optimizer is not None:
+            return False
+        self.optimizer, self.settings = optimizer, optimizer_settings(optimizer)
+        self.notes.append(f"optimizer {type(optimizer).__name__} found stepping the model's parameters at step "
+                          f"{self.step_index} (not passed to convcheck.watch)")
+        return True
 
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = learning_rates(self.optimizer)  # what this step used: a scheduler may change it before w.step

@@ -1,0 +1,213 @@
+"""The watch's hooks attached to nothing the user's objects carry (issue 45).
+
+A hook registered on a module lives in its ``_forward_hooks`` (an ``OrderedDict`` in the module's ``__dict__``):
+``torch.save(model)``, ``pickle``, ``copy.deepcopy`` and ``AveragedModel(model)`` copy it, and a bound method of
+the ``Watch`` drags the whole watch (its open file, its SHA-256 object) into the copy - they raised
+``PicklingError`` / ``cannot pickle '_hashlib.HASH'`` inside the block, and a copy made there was watched twice.
+
+Here the watch registers process-wide hooks instead (``torch.nn.modules.module.register_module_forward_pre_hook``,
+``register_module_forward_hook``, ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``), one
+set for all the watches open, each dispatching by identity to the watch that holds the module or optimizer
+called: nothing is added to a module's or an optimizer's ``__dict__``, so a pickle, a deep copy or an
+``AveragedModel`` of the model is exactly what it is without the watch, loads where convcheck is not installed,
+and a copy (another object) is never recorded. Every other module and optimizer of the process pays one dict
+lookup per call. The hooks are removed when the last watch closes.
+
+Order: a global hook runs before a module's own hooks, so the watch sees a layer's output before a hook of the
+user's that replaces it. Under dynamo (``torch.compile``) a layer's dispatch returns at once (nothing of the watch
+is traced into a graph); a root's runs eagerly at the graph's edge (``compiled.outside_graphs``).
+
+``user_name``: a module or parameter name with the wrappers' prefixes taken out (``module.`` of DataParallel /
+DistributedDataParallel at the front, ``_orig_mod.`` of ``torch.compile``, ``_fsdp_wrapped_module.`` of FSDP,
+``_checkpoint_wrapped_module.`` of activation checkpointing), so a wrapped run names its layers as an unwrapped
+one does.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.nn.modules import module as _module
+from torch.optim import optimizer as _optimizer
+
+from convcheck.watch.compiled import outside_graphs
+
+# id(object) -> (object, [watches]): the object held (the watch holds it anyway while open), checked by identity
+_ROOTS: dict[int, tuple] = {}
+_LAYERS: dict[int, tuple] = {}
+_OPTIMIZERS: dict[int, tuple] = {}
+_ROOT_IDS: frozenset = frozenset()  # what dynamo reads of the roots (a constant it can guard on)
+_WATCHES: list = []  # the watches open, innermost last (``current``)
+_HANDLES: list = []
+_SEEN_OPTIMIZERS: dict[int, object] = {}  # optimizers met stepping that are not the watches' (found once each)
+
+# a warning OptimizedModule gives on every call while any global module hook exists; the watch's are invisible
+_GLOBAL_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
+
+WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+PARALLEL = ("DataParallel", "DistributedDataParallel")
+
+
+def user_name(name: str, parallel: bool = False) -> str:
+    """``name`` as the user's model names it: the wrappers' parts taken out (``module.`` only at the front, and only
+    when the watched model was given inside a DataParallel/DDP, ``parallel``: a user's own child may be called
+    ``module``)."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
+    if parallel and parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def current():
+    """The innermost ``convcheck.watch`` block open in this process (None outside every block): ``w.step(loss)``
+    reachable from the user's functions without passing ``w`` down."""
+    return _WATCHES[-1] if _WATCHES else None
+
+
+def _add(table: dict, obj, w) -> None:
+    entry = table.get(id(obj))
+    if entry is None or entry[0] is not obj:
+        table[id(obj)] = (obj, [w])
+    elif w not in entry[1]:
+        entry[1].append(w)
+
+
+def _drop(table: dict, w) -> None:
+    for key, (obj, ws) in list(table.items()):
+        if w in ws:
+            ws.remove(w)
+        if not ws:
+            del table[key]
+
+
+def _watches(table: dict, obj) -> list:
+    entry = table.get(id(obj))
+    return entry[1] if entry is not None and entry[0] is obj else ()
+
+
+def attach(w, roots, layers, optimizers) -> "Attached":
+    """Route the calls of ``roots`` (the root hooks: ``w._root_pre``, ``w._root_forward``), ``layers``
+    (``w._forward``) and the steps of ``optimizers`` (``w._pre_step``, ``w._post_step``) to ``w``."""
+    global _ROOT_IDS
+    for m in roots:
+        _add(_ROOTS, m, w)
+    for m in layers:
+        _add(_LAYERS, m, w)
+    for o in optimizers:
+        _add(_OPTIMIZERS, o, w)
+    _ROOT_IDS = frozenset(_ROOTS)
+    _WATCHES.append(w)
+    if not _HANDLES:
+        _HANDLES.append(_module.register_module_forward_pre_hook(_pre))
+        _HANDLES.append(_module.register_module_forward_hook(_post, with_kwargs=True))
+        _HANDLES.append(_optimizer.register_optimizer_step_pre_hook(_opt_pre))
+        _HANDLES.append(_optimizer.register_optimizer_step_post_hook(_opt_post))
+        warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING)
+    return Attached(w)
+
+
+def add_optimizer(w, optimizer) -> None:
+    """An optimizer found stepping the watched parameters after the block opened: routed to ``w`` from now on."""
+    _add(_OPTIMIZERS, optimizer, w)
+
+
+class Attached:
+    """The handle ``attach`` returns: ``remove()`` routes nothing more to the watch (the hooks go with the last)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def remove(self) -> None:
+        global _ROOT_IDS
+        w, self.w = self.w, None
+        if w is None:
+            return
+        for table in (_ROOTS, _LAYERS, _OPTIMIZERS):
+            _drop(table, w)
+        _ROOT_IDS = frozenset(_ROOTS)
+        if w in _WATCHES:
+            _WATCHES.remove(w)
+        if not _WATCHES:
+            for h in _HANDLES:
+                h.remove()
+                # torch's handle leaves its id in the with_kwargs table (which makes ``_has_any_global_hook`` true
+                # for good: every OptimizedModule call would warn after the block)
+                getattr(_module, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
+            _HANDLES.clear()
+            _SEEN_OPTIMIZERS.clear()
+            warnings.filters[:] = [f for f in warnings.filters
+                                   if not (f[1] is not None and f[1].pattern == _GLOBAL_HOOK_WARNING)]
+
+
+# --- the process-wide hooks -------------------------------------------------------------------------------
+@outside_graphs
+def _root_pre_eager(module, args):
+    for w in list(_watches(_ROOTS, module)):
+        w._root_pre(module, args)
+
+
+@outside_graphs
+def _root_post_eager(module, args, kwargs, output):
+    for w in list(_watches(_ROOTS, module)):
+        w._root_forward(module, args, kwargs, output)
+
+
+def _pre(module, args):
+    if id(module) in _ROOT_IDS:
+        _root_pre_eager(module, args)
+    return None
+
+
+def _post(module, args, kwargs, output):
+    if id(module) in _ROOT_IDS:
+        _root_post_eager(module, args, kwargs, output)
+    if torch.compiler.is_compiling():  # a layer inside a compiled graph: nothing of the watch is traced into it
+        return None
+    entry = _LAYERS.get(id(module))
+    if entry is not None and entry[0] is module:
+        for w in list(entry[1]):
+            w._forward(module, args, output)
+    return None
+
+
+def _skip_frames(*fns) -> None:
+    """Dynamo never converts these functions as frames of their own (a compiled module's hooks are called as
+    separate frames under its dynamo context: an empty frame each, counted); traced inline, they still return at
+    once for a layer and break only at a root, as above."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # an older torch: its frames are converted, to nothing
+        return
+    for fn in fns:
+        skip_code(fn.__code__)
+
+
+_skip_frames(_pre, _post)
+
+
+def _opt_pre(optimizer, args, kwargs):
+    ws = _watches(_OPTIMIZERS, optimizer) or _adopt(optimizer)
+    for w in list(ws):
+        w._pre_step(optimizer, args, kwargs)
+    return None
+
+
+def _opt_post(optimizer, args, kwargs):
+    for w in list(_watches(_OPTIMIZERS, optimizer)):
+        w._post_step(optimizer, args, kwargs)
+    return None
+
+
+def _adopt(optimizer) -> list:
+    """An optimizer none of the watches was given, met at its first step: each open watch whose parameters it
+    holds (an optimizer made inside the block, or one not passed) takes it (``Watch.found_optimizer``)."""
+    key = id(optimizer)
+    if _SEEN_OPTIMIZERS.get(key) is optimizer:
+        return ()
+    _SEEN_OPTIMIZERS[key] = optimizer
+    held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
+    for w in list(_WATCHES):
+        if held & w.param_ids and w.found_optimizer(optimizer):
+            _add(_OPTIMIZERS, optimizer, w)
+    return _watches(_OPTIMIZERS, optimizer)
