@@ -42,12 +42,14 @@ def parse_snapshot_steps(text: str | None, steps: int, n_params: int) -> list[in
         return [steps]
     if text.strip().lower() == "none":
         return []
+    from convcheck.watch.selection import whole_number  # the one step parser (API, environment, command line)
+
     out = []
     for part in text.split(","):
         try:
-            k = int(part)
-        except ValueError:
-            raise UsageError(f"--snapshot-steps: {part!r} is not a step number (e.g. 0,10,30)") from None
+            k = whole_number(part, "--snapshot-steps")
+        except UsageError:
+            raise UsageError(f"--snapshot-steps: {part!r:.40} is not a step number (e.g. 0,10,30)") from None
         if not 0 <= k <= steps:
             raise UsageError(f"--snapshot-steps: step {k} is outside 0..{steps} (--steps {steps})")
         out.append(k)

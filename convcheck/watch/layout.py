@@ -30,7 +30,52 @@ ENV_MAX_BYTES = "CONVCHECK_WATCH_MAX_BYTES"
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 __all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "WATCH_SCHEMA",
-           "prepare_out", "claim"]
+           "prepare_out", "claim", "release", "take", "TAKEN"]
+
+
+TAKEN = ("is taken: it was claimed by another watched run starting at the same time, or one still running there; "
+         "give each run its own folder")
+
+
+def take(out: Path) -> int | None:
+    """``out`` made if missing and locked for this watch (``flock`` on the folder, held until ``release``), before
+    anything in it is removed or written: of watches started at once on one folder - ``force=True`` over an earlier
+    run included - one takes it, every other is refused in one line (``TAKEN``) and touches nothing. A symlinked
+    ``out`` is refused (as ``convcheck diff --out``: one policy, ``files.refuse_symlinked_folder``). None where the
+    system has no ``flock`` (Windows): ``claim``'s exclusive ``steps.jsonl`` is then the only guard."""
+    if path_kind(out) is None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)  # two at once: both find it made
+        except FileExistsError:
+            pass  # something else made there in between: its kind is named below
+        except OSError as exc:  # /proc/foo, a read-only disk, no permission: the user's path, one line
+            raise UsageError(f"convcheck.watch: out={out}: cannot create the folder ({exc.strerror or exc})") from None
+    kind = path_kind(out)
+    if kind != "directory":
+        raise UsageError(f"convcheck.watch: out={out} exists and is a {kind}, not a folder")
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    try:
+        fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise UsageError(f"convcheck.watch: out={out}: cannot open the folder ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UsageError(f"convcheck.watch: out={out} {TAKEN}") from None
+    return fd
+
+
+def release(fd: int | None) -> None:
+    """The folder ``take`` locked let go (closing the descriptor drops the lock); None is nothing to do."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def prepare_out(out: Path, force: bool) -> Path:
@@ -62,9 +107,9 @@ def prepare_out(out: Path, force: bool) -> Path:
             for f in os.listdir(p):
                 if path_kind(p / f) != "file":
                     raise UsageError(f"convcheck.watch: {p / f} is not a regular file; refusing to replace it")
-                (p / f).unlink()
+                (p / f).unlink(missing_ok=True)
         elif path_kind(p) == "file":
-            p.unlink()
+            p.unlink(missing_ok=True)
         else:
             raise UsageError(f"convcheck.watch: {p} is not a regular file; refusing to replace it")
     (out / SNAPSHOTS).mkdir(exist_ok=True)
@@ -78,8 +123,7 @@ def claim(out: Path) -> int:
     try:
         return os.open(out / STEPS, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except FileExistsError:
-        raise UsageError(f"convcheck.watch: out={out} was claimed by another watched run starting at the same "
-                         "time; give each run its own folder") from None
+        raise UsageError(f"convcheck.watch: out={out} {TAKEN}") from None
     except OSError as exc:
         raise UsageError(f"convcheck.watch: out={out}: cannot create {STEPS} ({exc.strerror or exc})") from None
 
@@ -96,17 +140,22 @@ def from_env(environ=None) -> dict:
         if text.lower() in ("", "none"):
             got["snapshot_steps"] = ()
         else:
+            from convcheck.watch.selection import whole_number
+
             parts = [p.strip() for p in text.split(",")]
-            if not all(p.isdigit() and len(p) <= 9 for p in parts):
+            if len(parts) > 10_000:
+                raise UsageError(f"{ENV_SNAPSHOT_STEPS} lists {len(parts)} steps; at most 10000")
+            try:
+                got["snapshot_steps"] = tuple(sorted({whole_number(p, ENV_SNAPSHOT_STEPS) for p in parts}))
+            except UsageError:
                 raise UsageError(f"{ENV_SNAPSHOT_STEPS}={raw!r:.60} is not a comma-separated list of step numbers "
-                                 "(e.g. 0,10,20), or none")
-            got["snapshot_steps"] = tuple(sorted({int(p) for p in parts}))
+                                 "(e.g. 0,10,20), or none") from None
     raw = env.get(ENV_MAX_BYTES)
     if raw is not None:
         text = raw.strip().upper().removesuffix("B")
         digits = text.rstrip("KMGTI")
         unit = text[len(digits):]
-        if not (digits.isdigit() and len(digits) <= 15 and unit in _UNITS and int(digits) > 0):
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 15 and unit in _UNITS and int(digits) > 0):
             raise UsageError(f"{ENV_MAX_BYTES}={raw!r:.60} is not a positive size in bytes (e.g. 500000000, 500M, 2GiB)")
         got["max_bytes"] = int(digits) * _UNITS[unit]
     return got

@@ -23,12 +23,14 @@ import torch
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, rounded_hashes
 from convcheck.errors import UsageError
+from convcheck.watch import arguments as _args
 from convcheck.watch import deferred as _deferred
 from convcheck.watch import attach as _attach
 from convcheck.watch.compiled import HIDDEN, parallel, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
 from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
+from convcheck.watch.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
@@ -45,8 +47,9 @@ class Watch(ProducerHooks):
     def __init__(self, model: torch.nn.Module, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False,
                  layers=None, steps=None, every: int = 1, sync: str = "auto"):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"convcheck.watch: model is a {type(model).__name__}, not a torch.nn.Module")
+        _args.check_model(model)  # each argument of the wrong kind one UsageError naming it (``arguments.py``)
+        _args.check_out(out), _args.check_scaler(scaler), _args.check_flag(force, "force")
+        _args.check_flag(snapshot_nonfinite, "snapshot_nonfinite")
         # torch.compile(model): the model inside is watched, the wrapper's own (eager) call carries the root hooks
         model, self.outer, self.compiled = unwrap(model)
         # DataParallel / DDP: the model inside is watched under its own layer names, the wrapper's call is the root
@@ -61,13 +64,12 @@ class Watch(ProducerHooks):
         self.from_env.update(chosen_by_env)
         snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
         max_bytes = self.from_env.get("max_bytes", max_bytes)
-        if not (isinstance(max_bytes, int) and max_bytes > 0):
-            raise ValueError(f"convcheck.watch: max_bytes={max_bytes!r} is not a positive integer")
+        _args.check_max_bytes(max_bytes)
         check_optimizer(model, optimizer)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.out, self.distributed = rank_out(Path(out))  # under DDP: out/rank<k>
         self.force = force
-        self.snapshot_steps = {int(s) for s in snapshot_steps}
+        self.snapshot_steps = set(_args.snapshot_steps(snapshot_steps))
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
         # the user's layer names: a compiled or FSDP-wrapped child's wrapper parts taken out (``attach.user_name``)
         self.names = {m: (_attach.user_name(n) or type(m).__name__) for n, m in model.named_modules()}
@@ -127,6 +129,15 @@ class Watch(ProducerHooks):
 
     # --- entering and leaving ---------------------------------------------------
     def __enter__(self) -> "Watch":
+        # the folder locked first (``layout.take``): of watches started at once on it, one goes on, the others stop here
+        self.lock = take(self.out)
+        try:
+            return self._enter()
+        except BaseException:
+            self.lock = release(self.lock)
+            raise
+
+    def _enter(self) -> "Watch":
         prepare_out(self.out, self.force)
         from convcheck.env.collector import collect
 
@@ -165,6 +176,7 @@ class Watch(ProducerHooks):
             self.notes.append(f"the watched block stopped with {exc_type.__name__} at step {self.step_index}"
                               + (f": {detail}" if detail else ""))
         self._write_manifest(complete=True)  # only a killed process leaves complete: false
+        self.lock = release(getattr(self, "lock", None))
         return False
 
     def _install(self) -> None:
