@@ -223,3 +223,7 @@ ACCUMULATION_FIT = 0.1
 OUTCOME_TAIL = 0.2
 NOISE_FACTOR = 3.0
 OUTCOME_MIN_STEPS = 10
+# A finite loss that rises (RISE_FACTOR) but not far (EXPLODE_FACTOR) diverges only with the parameters blowing up:
+# the weights' global norm at WEIGHT_BLOWUP x its first, or a gradient norm that is not finite (a GAN's generator
+# loss rises by design while its weights grow 1.2x over 60 steps; least squares past its stable lr: 1.9x in 4).
+WEIGHT_BLOWUP = 1.5

@@ -20,6 +20,7 @@ from convcheck.watch.settings import optimizer_settings
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 SAMPLES = 4  # gradient entries kept per parameter per step (evenly spaced, the same indices every step)
+WEIGHT_NORM = "(weights)"  # the key in ``grad_sample`` that holds the global norm of the weights at the step's start
 
 
 def user_name(name: str) -> str:
@@ -77,9 +78,26 @@ def sample_parts(params) -> tuple[list[str], list[int], torch.Tensor | None]:
         stride = max(1, flat.numel() // SAMPLES)
         picked.append(flat[::stride][:SAMPLES].double())
         keys.append(user_name(n))
+    weights = weight_norm(params)
+    if weights is not None:  # the weights' global norm rides along: a loss that rises while they blow up diverges
+        picked.append(weights.reshape(1).to(picked[0].device if picked else weights.device))
+        keys.append(WEIGHT_NORM)
     if not picked:
         return [], [], None
     return keys, [t.numel() for t in picked], torch.cat([t.to(picked[0].device) for t in picked])
+
+
+def weight_norm(params) -> torch.Tensor | None:
+    """The global L2 norm of every parameter (float64, on the parameters' device): one ``_foreach_norm`` per dtype."""
+    by: dict = {}
+    for _, p in params:
+        if p.is_floating_point() and p.numel() and not p.is_sparse:
+            by.setdefault((p.dtype, p.device), []).append(p.detach())
+    if not by:
+        return None
+    parts = [torch.stack(torch._foreach_norm(ts)).double() for ts in by.values()]
+    device = parts[0].device
+    return torch.linalg.vector_norm(torch.cat([t.to(device) for t in parts]))
 
 
 def samples_of(keys: list[str], sizes: list[int], values: list[float]) -> dict[str, list[float]]:

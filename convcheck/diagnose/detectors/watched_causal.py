@@ -22,8 +22,20 @@ from convcheck.numerics.thresholds import (ACCUMULATION_FIT, GRAD_APART, NOISE_F
                                            OUTCOME_TAIL)
 
 
+WEIGHT_NORM = "(weights)"  # ``grad_sample``'s entry holding the weights' global norm (``watch/recipe.py``)
+
+
 def _samples(run, k: int) -> dict:
-    return run.steps[k].get("grad_sample") or {}
+    return {n: v for n, v in (run.steps[k].get("grad_sample") or {}).items() if n != WEIGHT_NORM}
+
+
+def weight_norms(run) -> list[float | None]:
+    """Each step's global weight norm (as the step began), None where it was not recorded."""
+    out = []
+    for s in run.steps:
+        v = (s.get("grad_sample") or {}).get(WEIGHT_NORM)
+        out.append(v[0] if isinstance(v, list) and len(v) == 1 and math.isfinite(v[0]) else None)
+    return out
 
 
 def _l1(xs) -> float:

@@ -15,10 +15,11 @@ import math
 import numpy as np
 
 from convcheck.diagnose.remedies import UNSCALE_BEFORE_CLIP, SCALER_REMEDIES, TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
+from convcheck.diagnose.detectors.watched_causal import weight_norms
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
-from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL, PART_FACTOR,
-                                          RISE_FACTOR, RISE_MIN_STEPS)
+from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL,
+                                          PART_FACTOR, RISE_FACTOR, RISE_MIN_STEPS, WEIGHT_BLOWUP)
 
 
 def _optimizer(run) -> str | None:
@@ -145,11 +146,28 @@ def divergence(run) -> Setup | None:
         return Setup(f"the loss explodes: {v:.4g} at step {k}, {v / first:.3g}x its first value {first:.4g} "
                      f"(step {k0})", "divergence", evidence=[curve], remedies=list(DIVERGE_REMEDIES), step=k)
     (kn, last) = losses[-1]
-    if len(losses) >= RISE_MIN_STEPS and all(v >= first for _, v in losses[1:]) and last >= RISE_FACTOR * first:
+    if len(losses) >= RISE_MIN_STEPS and all(v >= first for _, v in losses[1:]) and last >= RISE_FACTOR * first \
+            and _blows_up(run, kn):
         return Setup(f"the loss never falls below its first value {first:.4g} (step {k0}) and ends at {last:.4g} "
                      f"(step {kn}), {last / first:.3g}x it", "divergence", evidence=[curve],
                      remedies=list(DIVERGE_REMEDIES), step=kn)
     return None
+
+
+def _blows_up(run, k: int) -> bool:
+    """Whether the parameters blow up by step ``k`` (issue 42), asked of a loss that rises (``RISE_FACTOR``) but not
+    far (``EXPLODE_FACTOR``): a loss that rises by design (a GAN's generator, a contrastive term) is no divergence
+    while the weights stay put. The weights' global norm at ``WEIGHT_BLOWUP`` x
+    its first, or a global gradient norm that is not finite; a run recorded
+    without the weights' norm is judged by its loss alone, as before."""
+    w = weight_norms(run)
+    if w[0] is None:
+        return True
+    seen = [v for v in w[:k + 1] if v is not None]
+    if seen and max(seen) >= WEIGHT_BLOWUP * seen[0]:
+        return True
+    g = [global_norm(s.get("grad_norms") or {}) for s in run.steps[:k + 1]]
+    return any(v == v and not math.isfinite(v) for v in g)
 
 
 def global_norm(norms: dict) -> float:
