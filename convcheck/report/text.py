@@ -331,10 +331,16 @@ def training_states(result) -> dict[str, str]:
     judged = result.config.steps >= CONVERGENCE_MIN_STEPS
     states = {}
     judge = result.training.outcomes.get(result.config.judge)
+    # an ok verdict while the float64 judge itself has not converged: the run was too short to tell (issue 44)
+    too_short = (judged and judge is not None and not judge.converged and math.isfinite(judge.final_loss)
+                 and getattr(result.verdict, "category", None) == "ok")
     for name, info in named(result.training.outcomes).items():
         state = "converged" if info.converged else "did not converge"
         if not judged and math.isfinite(info.final_loss):
             state = f"trained, convergence not judged from {result.config.steps} step(s)"
+        elif too_short and not info.converged and math.isfinite(info.final_loss):
+            state = (f"convergence not judged: {result.config.steps} steps, the float64 judge has not "
+                     "converged either")
         extra = ""
         if (judged and info.converged and judge is not None and judge.converged and name != str(result.config.judge)
                 and ends_apart(info.final_loss, judge.final_loss, judge.first_loss)):
