@@ -78,9 +78,45 @@ def check_same_run(a: Bundle, b: Bundle) -> None:
             raise _differs(f"{option} code (SHA-256 of the file)", (ha or "none")[:12], (hb or "none")[:12], na, nb)
     if a["tolerances"] != b["tolerances"]:
         raise _differs("tolerances", a["tolerances"], b["tolerances"], na, nb)
+    check_init_claims(a, b)
     verdict = input_difference(a, b)
     if verdict is not None:
         raise DifferentInputs(verdict)
+
+
+# how close two recordings of the same initial weights are, in units of the coarser format's unit roundoff: one
+# rounding each way (a float64 weight rounded to bfloat16 directly, or through float32) - other weights differ by
+# their own size
+_SAME_INIT_ROUNDOFFS = 2.0
+
+
+def check_init_claims(a: Bundle, b: Bundle) -> None:
+    """Manifests that claim other initial weights (``init_sha256``) than the ones both bundles recorded (the step-0
+    parameter snapshots, the same values up to the coarser format's rounding) were edited or damaged: a one-line
+    ``UsageError`` (exit 2), not a ``setup`` finding. Nothing is said when the claims agree, or when either bundle
+    holds no step-0 snapshot to hold its claim against."""
+    import numpy as np
+
+    from convcheck.numerics.formats import unit_roundoff_of
+
+    if a["init_sha256"] == b["init_sha256"]:
+        return
+    pa, pb = a["arrays"]["parameters"], b["arrays"]["parameters"]
+    if [(p["name"], p["shape"]) for p in pa] != [(p["name"], p["shape"]) for p in pb] or not pa:
+        return
+    sa, sb = a.snapshot(0), b.snapshot(0)
+    if sa is None or sb is None:
+        return
+    for xa, xb, da, db in zip(sa, sb, pa, pb):
+        u = max(unit_roundoff_of(da["dtype"]), unit_roundoff_of(db["dtype"]))
+        xa, xb = xa.astype(np.float64), xb.astype(np.float64)
+        if not (np.isfinite(xa).all() and np.isfinite(xb).all()):
+            return
+        if (np.abs(xa - xb) > _SAME_INIT_ROUNDOFFS * u * np.maximum(np.abs(xa), np.abs(xb))).any():
+            return  # other weights indeed: the setup finding
+    raise UsageError(f"the bundles' manifests claim other initial weights (init_sha256 {a['init_sha256'][:12]} in "
+                     f"{a.path}, {b['init_sha256'][:12]} in {b.path}) than the step-0 parameters both recorded, which "
+                     "are the same: a manifest was edited or damaged; record the run again")
 
 
 def judge_here(a: Bundle, judge_spec: str | None, input_shape=None, num_classes=None) -> JudgeRecord:

@@ -135,3 +135,58 @@ def test_a_bundle_without_hashes_still_diffs(capsys, a_copy, recorded, tmp_path)
     code, _, err = _diff(capsys, a_copy, recorded["B"], tmp_path)
     assert code in (0, 1), err
     assert "error" not in err
+
+
+def test_a_manifest_that_lies_about_its_initial_weights_is_refused(capsys, a_copy, recorded, tmp_path):
+    """Issue 47: init_sha256 edited while the step-0 parameters recorded are the run's own: a damaged bundle
+    (exit 2), not a setup verdict that the runs started from other weights."""
+    m = _manifest(a_copy)
+    m["init_sha256"] = "0" * 64
+    _save_manifest(a_copy, m)
+    code, _, err = _diff(capsys, a_copy, recorded["B"], tmp_path)
+    line = assert_one_error_line(code, 2, err, "init_sha256")
+    assert "edited or damaged" in line
+    assert not (tmp_path / "report").exists()
+
+
+def _altered(value):
+    """Another value for a manifest field: of another kind, or the same kind changed."""
+    if isinstance(value, bool):
+        return [not value, "yes"]
+    if isinstance(value, (int, float)):
+        return [-1, 1e308, "1", None]
+    if isinstance(value, str):
+        return ["", value[::-1] + "x", 5]
+    if isinstance(value, list):
+        return [[], value[:1] * 3, {"a": 1}]
+    if isinstance(value, dict):
+        return [{}, [], None]
+    return [5, "x"]
+
+
+_FIELDS = ["schema", "convcheck_version", "created", "model", "target", "judge", "judge_reason", "config",
+           "tolerances", "layers_pattern", "code_sha256", "versions", "fingerprint", "init_sha256", "batch_sha256",
+           "batches_sha256", "data_source", "data_stats", "notes", "parity", "training", "arrays"]
+
+
+@pytest.mark.parametrize("field", _FIELDS)
+def test_every_manifest_field_altered_no_traceback_nothing_written(capsys, recorded, tmp_path, field):
+    """Issue 47's family: each field of the manifest altered, one at a time: ``diff`` answers (exit 0/1) or refuses
+    in one line (exit 2), never a traceback; nothing is written outside --out, nothing of the bundles changes."""
+    from tests.reliability.conftest import snapshot
+
+    original = _manifest(recorded["A"])
+    assert field in original
+    for i, value in enumerate(_altered(original[field]) + [None]):
+        run = tmp_path / f"A{i}"
+        shutil.copytree(recorded["A"], run)
+        m = dict(original)
+        m[field] = value
+        _save_manifest(run, m)
+        before = snapshot(tmp_path)
+        code, _, err = run_cli(capsys, ["diff", str(run), str(recorded["B"]), "--out", str(tmp_path / f"r{i}")])
+        assert "Traceback" not in err and code in (0, 1, 2), (field, value, code, err)
+        if code == 2:
+            assert_one_error_line(code, 2, err, "")
+        after = snapshot(tmp_path)
+        assert {k: v for k, v in after.items() if not k.startswith(f"r{i}")} == before, (field, value)
