@@ -8,9 +8,10 @@ nothing in it, ``diff`` aligns two watched runs and ends with a ``Verdict``."""
 import sys
 import types
 
+from convcheck.watch.attach import current
 from convcheck.watch.recorder import Watch, seed_everything, watch
 
-__all__ = ["Watch", "seed_everything", "watch"]
+__all__ = ["Watch", "current", "seed_everything", "watch"]
 
 
 class _CallableModule(types.ModuleType):

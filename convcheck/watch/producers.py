@@ -92,7 +92,7 @@ def nonfinite(ts) -> bool:
 
 class ProducerHooks:
     """The producer half of ``Watch``: it reads ``self.producer``, ``self.buffer``, ``self.order``,
-    ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.taker`` and the snapshot settings."""
+    ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.roots`` (the models called), ``self.taker`` and the snapshot settings."""
 
     def _note_call(self, module, name, args, outs, leaf: bool) -> None:
         """Who consumes what, for the backward producer: this call's floating inputs (by identity), its output's
@@ -102,7 +102,7 @@ class ProducerHooks:
             if id(t) not in self.consumed or not leaf or not self.consumed[id(t)][2]:
                 self.consumed[id(t)] = (name, weakref.ref(t), leaf)
         if outs and outs[0].grad_fn is not None:
-            (self.leaf_nodes.add(outs[0].grad_fn) if leaf and module is not self.model
+            (self.leaf_nodes.add(outs[0].grad_fn) if leaf and module not in self.roots
              else self.out_nodes.__setitem__(name, outs[0].grad_fn))
         if leaf and name not in self.call_lines:
             self.call_lines[name] = caller_line()
@@ -150,7 +150,7 @@ class ProducerHooks:
             if not leaf and outs:
                 same = self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1
                 self.buffer.container(name, outs, floats(args), same_as=self.last_leaf[1] if same else None)
-            if outs and outs[0].requires_grad and (leaf or module is self.model):
+            if outs and outs[0].requires_grad and (leaf or module in self.roots):
                 outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
             return
         if self.producer is None:
@@ -168,7 +168,7 @@ class ProducerHooks:
                 from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
 
                 self.producer.update(live_op(module, args))  # the op that made them (and its line in own code)
-            elif outs and outs[0].requires_grad and (leaf or module is self.model):
+            elif outs and outs[0].requires_grad and (leaf or module in self.roots):
                 # leaves and the model's output only: cheaper
                 outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
 

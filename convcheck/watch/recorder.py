@@ -26,6 +26,7 @@ from convcheck.errors import UsageError
 from convcheck.watch import arguments as _args
 from convcheck.watch import deferred as _deferred
 from convcheck.watch import attach as _attach
+from convcheck.watch import several as _several
 from convcheck.watch.compiled import HIDDEN, parallel, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
@@ -44,9 +45,11 @@ from convcheck.watch.selection import selection, unmatched
 class Watch(ProducerHooks):
     """The context manager ``convcheck.watch`` returns; ``step(loss)`` ends a step (optional)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False,
-                 layers=None, steps=None, every: int = 1, sync: str = "auto"):
+                 layers=None, steps=None, every: int = 1, sync: str = "auto", models=None, optimizers=None):
+        # several models / optimizers: one ``Models`` container, one ``Optimizers`` view (``several.py``)
+        model, optimizer, self.optimizers = _several.gather(model, optimizer, models, optimizers)
         _args.check_model(model)  # each argument of the wrong kind one UsageError naming it (``arguments.py``)
         _args.check_out(out), _args.check_scaler(scaler), _args.check_flag(force, "force")
         _args.check_flag(snapshot_nonfinite, "snapshot_nonfinite")
@@ -84,6 +87,7 @@ class Watch(ProducerHooks):
         self.call_lines: dict = {}  # each leaf's calling line in its parent's forward, from its first call
         self.params = [(_attach.user_name(n), p) for n, p in model.named_parameters()]
         self.param_ids = {id(p) for _, p in self.params}  # an optimizer made inside the block is found by them
+        self.roots = _several.roots(model)  # the modules whose own call is the model's (each model of several)
         self.device = str(self.params[0][1].device) if self.params else "cpu"
         # on an accelerator the step's statistics stay there until it ends, read once (``deferred.py``)
         self.defer = {"step": True, "layer": False}.get(self.selection.sync, self.device.split(":")[0] != "cpu")
@@ -117,6 +121,8 @@ class Watch(ProducerHooks):
         self.model_out = None  # a weak reference to the model's output
         self.chosen = self.selection.step_chosen(self.step_index) and not self.paused  # its layers recorded
         self.stepped = self.pending = False
+        self.stepped_by: set = set()  # the optimizers that stepped this step (it ends once all have)
+        self.backward_end = False  # without an optimizer: the end of the backward queued (``_backward_end``)
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
                       else None)
 
@@ -186,8 +192,10 @@ class Watch(ProducerHooks):
         # a pickle, a deep copy or an AveragedModel of either is what it is without the watch
         every_layer = self.selection.layers is None
         layers = [mod for mod, name in self.names.items()
-                  if mod is not self.model and (every_layer or mod in self.leaves and self.selection.layer_chosen(name))]
-        self.handles.append(_attach.attach(self, [self.outer], layers, [self.optimizer] if self.optimizer else []))
+                  if mod is not self.model and mod not in self.roots
+                  and (every_layer or mod in self.leaves and self.selection.layer_chosen(name))]
+        roots = [self.outer] if self.roots == [self.model] else self.roots
+        self.handles.append(_attach.attach(self, roots, layers, self.optimizers))
 
     # --- hooks ------------------------------------------------------------------
     def _recording(self) -> bool:
@@ -232,12 +240,18 @@ class Watch(ProducerHooks):
         if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
             self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
             return None
-        leaf = self.model in self.leaves
+        if not self.optimizers and not self.backward_end:  # optimizer=None: a step ends with its backward
+            grad_out = next((t for t in floats(output) if t.requires_grad), None)
+            if grad_out is not None:
+                self.backward_end = True
+                grad_out.register_hook(self._queue_backward_end)
+        inner = self.model if module is self.outer else module  # the model called (one of several)
+        leaf = inner in self.leaves
         if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves \
                 and (self.selection.layers is None or self.compiled is not None):
             self._hidden_forward(args, output)  # compiled whole: no leaf hook ran inside it
             return None
-        return self._forward(self.model, args, output)
+        return self._forward(inner, args, output)
 
     def _hidden_forward(self, args, output) -> None:
         """A forward whose layers ran inside a compiled graph: the model's output recorded as its one layer."""
@@ -267,7 +281,7 @@ class Watch(ProducerHooks):
             row = self._measure_leaf(name, args, outs)
         if self.taker is not None and module in self.leaves:
             self.taker.take_call(name, floats(args), outs)
-        if module is self.model:  # where the loss's own code begins (``loss_op`` stops there)
+        if module in self.roots:  # where the loss's own code begins (``loss_op`` stops there)
             self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
             self.model_out = weakref.ref(outs[0]) if outs else None
         self._check_producer(module, name, args, outs, row, leaf=module in self.leaves)
@@ -293,6 +307,7 @@ class Watch(ProducerHooks):
         if self.optimizer is not None:
             return False
         self.optimizer, self.settings = optimizer, optimizer_settings(optimizer)
+        self.optimizers.append(optimizer)
         self.notes.append(f"optimizer {type(optimizer).__name__} found stepping the model's parameters at step "
                           f"{self.step_index} (not passed to convcheck.watch)")
         return True
@@ -301,19 +316,41 @@ class Watch(ProducerHooks):
         self.lr_used = learning_rates(self.optimizer)  # what this step used: a scheduler may change it before w.step
         if closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
             return None
-        self._read_grads()
+        self._read_grads(optimizer)
         return None
 
-    def _read_grads(self) -> None:
-        self.grad_norms = grad_norms(self.params, self.buffer)
+    def _read_grads(self, optimizer=None) -> None:
+        self.grad_norms = self._norms(optimizer)
         if self.taker is not None:
             self.taker.take_grads(self.params)
 
     def _post_step(self, optimizer, args, kwargs):
         if closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
-            self._read_grads()
+            self._read_grads(optimizer)
         self.stepped = True
-        self.pending = not self.explicit  # ended at the next forward (or w.step, or exit)
+        self.stepped_by.add(id(optimizer))  # several optimizers (a GAN's): the step ends once each has stepped
+        self.pending = not self.explicit and len(self.stepped_by) >= len(self.optimizers)  # at the next forward
+        return None
+
+    def _norms(self, optimizer) -> dict:
+        """The gradient norms at ``optimizer``'s step: every parameter's, or with several optimizers the ones it
+        holds (read at once), added to those the others read this step."""
+        if len(self.optimizers) < 2 or optimizer is None:
+            return grad_norms(self.params, self.buffer)
+        mine = _several.held(optimizer)
+        return {**(self.grad_norms or {}), **grad_norms([(n, p) for n, p in self.params if id(p) in mine])}
+
+    def _queue_backward_end(self, grad):
+        """Without an optimizer (a manual update): the step's gradients are read when its backward ends."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        return None
+
+    def _backward_end(self) -> None:
+        if self.optimizers:  # one was found stepping meanwhile: its hooks read the step
+            return
+        self._read_grads()
+        self.stepped = True  # the loop's own update follows (seen in the next step's parameters)
+        self.pending = not self.explicit
         return None
 
     # --- the user's call -----------------------------------------------------------
@@ -397,9 +434,9 @@ class Watch(ProducerHooks):
         atomic_write_text(self.out / MANIFEST, json.dumps(manifest_of(self, complete), indent=1) + "\n")
 
 
-def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
+def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
           max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False, layers=None, steps=None, every: int = 1,
-          sync: str = "auto") -> Watch:
+          sync: str = "auto", models=None, optimizers=None) -> Watch:
     """``with convcheck.watch(model, optimizer, out="runs/gpu") as w:`` around the user's loop.
 
     Records at each ``optimizer.step()`` (or at ``w.step(loss)`` once the loop calls it, which also
@@ -416,7 +453,14 @@ def watch(model, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snaps
     ``"0-99,500"``); ``every``, every N-th step; ``sync``: ``"step"`` reads the statistics once a step (the
     default on an accelerator), ``"layer"`` as each layer runs (the default on the CPU; on a GPU it also names
     the op of the first NaN/Inf and snapshots it at once). Steps left out still record their loss, gradient
-    norms and batch. ``w.pause()`` / ``w.resume()`` around a phase the loop wants left out."""
+    norms and batch. ``w.pause()`` / ``w.resume()`` around a phase the loop wants left out.
+
+    Several models and optimizers (a GAN): ``models={"G": G, "D": D}`` (or a list: named by class) and
+    ``optimizers=[opt_g, opt_d]``; layers are named ``G.fc``..., a step ends once every optimizer has stepped
+    (``several.py``). ``optimizer=None``: an optimizer that steps the model's parameters is found at its first
+    step; with none at all (a manual update) each backward ends a step. ``convcheck.watch.current()`` is the
+    innermost open watch, for ``w.step(loss)`` deep in the user's functions. Nothing is attached to the model or
+    the optimizer (``attach.py``): saving, copying or averaging them inside the block works as without it."""
     return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
                  snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force, layers=layers, steps=steps,
-                 every=every, sync=sync)
+                 every=every, sync=sync, models=models, optimizers=optimizers)
