@@ -217,7 +217,7 @@ GRAD_APART = 0.05
 # to within ACCUMULATION_FIT of the plain difference (accumulation explains at least 90% of it).
 ACCUMULATION_FIT = 0.1
 # Two runs end alike when their final losses (the means of the last OUTCOME_TAIL share of the aligned steps, at
-# least 3) are within NOISE_FACTOR x the larger run's batch-to-batch spread around its trend there (a seed
+# least 3) are within NOISE_FACTOR x the quieter run's batch-to-batch spread around its trend there (a seed
 # change's estimate: a seed moves a final loss by about its per-batch spread) plus the precision's loss
 # tolerance; fewer than OUTCOME_MIN_STEPS aligned steps are too few to judge convergence.
 OUTCOME_TAIL = 0.2
@@ -227,3 +227,7 @@ OUTCOME_MIN_STEPS = 10
 # the weights' global norm at WEIGHT_BLOWUP x its first, or a gradient norm that is not finite (a GAN's generator
 # loss rises by design while its weights grow 1.2x over 60 steps; least squares past its stable lr: 1.9x in 4).
 WEIGHT_BLOWUP = 1.5
+# Gradients that part before the data, the layers' outputs and the loss (a loss term's sign or weight, a second
+# backward) are held to BACKWARD_RTOL at least (relative norm): above the run-to-run noise of nondeterministic
+# GPU reductions (~1e-6), far below a flipped term's effect.
+BACKWARD_RTOL = 1e-4

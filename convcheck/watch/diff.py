@@ -28,7 +28,8 @@ from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, cli
                                                         initial_weights_difference, lr_difference,
                                                         optimizer_difference, scaler_difference,
                                                         settings_difference)
-from convcheck.diagnose.detectors.watched_causal import Outcome, accumulation, outcome
+from convcheck.diagnose.detectors.watched_causal import (Outcome, accumulation, backward_difference, gradient_parting,
+                                                         outcome)
 from convcheck.diagnose.detectors.watched_recipe import has_recipe, precision_policy, recipe_differences
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import Parting, producer_text
@@ -37,7 +38,8 @@ from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
 from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.formats import FLOAT32, coarsest_dtype, unit_roundoff_of
-from convcheck.numerics.thresholds import ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL, LOSS_SPIKE, PART_FACTOR
+from convcheck.numerics.thresholds import (BACKWARD_RTOL, ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL,
+                                          LOSS_SPIKE, PART_FACTOR)
 from convcheck.watch.reader import WatchedRun, open_watched
 from convcheck.watch.run_lines import hidden_layers, judge_lines, scaler_notes, stopped_line, symptom_dict
 from convcheck.watch.batches import ROUNDED
@@ -355,6 +357,21 @@ def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int, end: Outcome | None 
 
 
 def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
+def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
+    """Causal order inside a step: gradients that part before any data, layer output or loss does were made by
+    the loss's construction or the backward (``watched_causal.backward_difference``), held to ``PART_FACTOR``
+    roundoffs, never below ``BACKWARD_RTOL``; asked only of runs of one precision policy (at different ones, a
+    small parameter's gradient differs by more than any fixed share: accumulation is told apart on its own)."""
+    if policy:  # at different precisions a small parameter's gradient differs by more than 5% (a bias's, 11%)
+        return ()
+    tol = max(BACKWARD_RTOL, PART_FACTOR * _loss_unit(a, b))
+    k = gradient_parting(a, b, steps, tol)
+    if k is None or any(s is not None and s <= k for s in (data_step, loss_step, parting and parting.step)):
+        return ()
+    found = backward_difference(a, b, k, tol)
+    return (found,) if found is not None else ()
+
+
     """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model.
     ``judge``: the float64 target that replays the snapshot steps (default: this machine's judge)."""
     a, b = open_watched(path_a), open_watched(path_b)
@@ -386,6 +403,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     parting = first_parting(a, b, steps)
     pair = []
     if steps and data_step != 0 and not any(f.step == 0 and f.sub_cause == "initial weights" for f in setup) \
+    setup += _backward(a, b, steps, policy, data_step, parting, loss_step)
             and (parting is None or parting.step > 0) \
             and compiled_random(a, b, random_layers(a)) is None:  # the same weights, batch and masks: step 0 agrees
         pair.append(recipe_difference(a, b, loss_tolerance(a, b)))

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from convcheck.watch import stats as _stats
-from convcheck.watch.batches import batch_hash, rounded_hashes
+from convcheck.watch.batches import batch_hash, data_tensors, rounded_hashes
+from convcheck.watch.recipe import forward_state, grad_sample, recipe_of, sample_parts
 from convcheck.errors import UsageError
 from convcheck.watch import arguments as _args
 from convcheck.watch import deferred as _deferred
@@ -109,6 +110,8 @@ class Watch(ProducerHooks):
         self.rounded: list[dict | None] = []  # each batch's ``rounded_hashes``
         self.model_fns: list = []  # the autograd nodes of the model's output this step
         self.grad_norms: dict[str, float] | None = None
+        self.grad_sample: dict | None = None  # a few entries of each gradient (``recipe.grad_sample``)
+        self.forward_state: dict | None = None  # autocast and odd module modes at the step's first forward
         self.lr_used: list[float] | None = None
         self.last_leaf: tuple | None = None
         self.eval_forwards = 0  # the model's calls with gradients on but in eval mode (model.train() forgotten?)
@@ -150,6 +153,7 @@ class Watch(ProducerHooks):
         self.fingerprint = collect(device=self.device).to_dict()  # its SDPA probe on the model's own device
         self.flags = math_flags()
         self.settings = optimizer_settings(self.optimizer)
+        self.recipe = recipe_of(self.model, self.optimizer, self.outer)  # diffed first (``recipe.py``)
         # the folder claimed before anything is written: a second watch started on it at once stops here
         self.steps_file = os.fdopen(claim(self.out), "w", encoding="utf-8")
         self._write_manifest(complete=False)
@@ -217,8 +221,9 @@ class Watch(ProducerHooks):
 
     def hash_batch(self, args, kwargs) -> None:
         """The step's batch: its exact hash and its ``rounded_hashes``."""
-        self.hashes.append(batch_hash(args, kwargs))
-        self.rounded.append(rounded_hashes(args, kwargs))
+        data = data_tensors(args, kwargs, getattr(self, "made", ()))  # model-made inputs are not data
+        self.hashes.append(batch_hash(data, {}))
+        self.rounded.append(rounded_hashes(data, {}))
 
     def _root_pre(self, module, args):
         if self.pending:
@@ -228,6 +233,8 @@ class Watch(ProducerHooks):
         if self._recording():
             if self.spy is not None:
                 self.spy.start(learning_rates(self.optimizer))
+            if self.forward_state is None:
+                self.forward_state = forward_state(self.model, self.names, self.device)
             self.leaves_before = self.leaf_calls
             if self.taker is not None and not self.taker.params:
                 self.taker.take_params(self.params)
@@ -237,6 +244,7 @@ class Watch(ProducerHooks):
         if not self._recording():
             return None
         self.hash_batch(args, kwargs)  # at the call's end: a process-wide pre-hook is given no kwargs (``attach.py``)
+        self.made = floats(output)  # held until the next call's batch is hashed (``batches.data_tensors``)
         if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
             self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
             return None
@@ -321,8 +329,16 @@ class Watch(ProducerHooks):
 
     def _read_grads(self, optimizer=None) -> None:
         self.grad_norms = self._norms(optimizer)
+        self._sample_grads()
         if self.taker is not None:
             self.taker.take_grads(self.params)
+
+    def _sample_grads(self) -> None:
+        """A few entries of every gradient: read now, or with a deferred step's one read (``recipe.py``)."""
+        if self.buffer is None:
+            self.grad_sample = grad_sample(self.params)
+        else:
+            self.buffer.samples(*sample_parts(self.params))
 
     def _post_step(self, optimizer, args, kwargs):
         if closure(args, kwargs):  # the gradients the closure made (the update leaves them as they were)
@@ -360,6 +376,7 @@ class Watch(ProducerHooks):
         value = step_loss(loss)
         if self.grad_norms is None:
             self.grad_norms = grad_norms(self.params, self.buffer)
+            self._sample_grads()
             if self.taker is not None and not self.taker.grads:
                 self.taker.take_grads(self.params)
         self._resolve()
@@ -378,6 +395,9 @@ class Watch(ProducerHooks):
                   "batch_rounded": self.rounded,
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
+        record.update(self.forward_state or {})
+        if self.grad_sample:
+            record["grad_sample"] = self.grad_sample
         if not self.chosen:
             record["layers_recorded"] = False  # left out by the selection, or paused
         if self.scaler is not None:

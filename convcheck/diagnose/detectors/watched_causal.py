@@ -69,18 +69,35 @@ def accumulation(a, b, steps: int) -> Setup | None:
     return None
 
 
-def backward_difference(a, b, k: int) -> Setup | None:
-    """At step ``k`` (whose forward and loss agree, the caller's check): every-parameter gradients that differ far
-    beyond rounding (``GRAD_APART``, relative): the backward itself differs."""
+def gradient_parting(a, b, steps: int, tol: float) -> int | None:
+    """The first aligned step at which some parameter's gradient norm differs by more than ``tol`` (relative)."""
+    for k in range(steps):
+        ga, gb = a.steps[k].get("grad_norms") or {}, b.steps[k].get("grad_norms") or {}
+        if any(n in gb and _apart(ga[n], gb[n], tol) for n in ga):
+            return k
+    return None
+
+
+def _apart(x: float, y: float, tol: float) -> bool:
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return math.isfinite(x) != math.isfinite(y)
+    return max(x, y) > 0 and abs(x - y) > tol * max(x, y)
+
+
+def backward_difference(a, b, k: int, tol: float) -> Setup | None:
+    """At step ``k``, whose data, forward and loss agree (the caller's check), gradients that differ beyond ``tol``
+    (relative): the loss is built differently (a term still small, its sign or weight) or the backward differs."""
     ga, gb = a.steps[k].get("grad_norms") or {}, b.steps[k].get("grad_norms") or {}
-    names = [n for n in ga if n in gb and math.isfinite(ga[n]) and math.isfinite(gb[n])]
-    apart = [n for n in names if max(ga[n], gb[n]) > 0 and abs(ga[n] - gb[n]) > GRAD_APART * max(ga[n], gb[n])]
+    names = [n for n in ga if n in gb]
+    apart = [n for n in names if _apart(ga[n], gb[n], tol)]
     if not apart:
         return None
-    worst = max(apart, key=lambda n: abs(ga[n] - gb[n]) / max(ga[n], gb[n]))
-    return Setup(f"the gradients differ at step {k} while the forward and the loss agree: the backward differs "
-                 f"({len(apart)} of {len(names)} parameters)", "backward",
-                 evidence=[f"step {k}: {worst}'s gradient norm {ga[worst]:.4g} (A) | {gb[worst]:.4g} (B)"],
+    worst = max(apart, key=lambda n: abs(ga[n] - gb[n]) / max(ga[n], gb[n], abs(ga[n] - gb[n])))
+    return Setup(f"the gradients differ at step {k} where the forward and the loss agree: the loss is built "
+                 f"differently (a term, its sign or its weight) or the backward differs ({len(apart)} of "
+                 f"{len(names)} parameters)", "backward",
+                 evidence=[f"step {k}: {worst}'s gradient norm {ga[worst]:.6g} (A) | {gb[worst]:.6g} (B), beyond "
+                           f"{tol:.3g} (relative), with the same data, the layers' outputs and the loss within rounding"],
                  remedies=list(BACKWARD_REMEDIES), step=k)
 
 
@@ -122,7 +139,7 @@ def _spread(xs: list[float]) -> float:
 
 
 def outcome(a, b, steps: int, tol: float) -> Outcome:
-    """Whether the runs end alike: final losses within ``NOISE_FACTOR`` x the larger run's spread, plus ``tol`` of
+    """Whether the runs end alike: final losses within ``NOISE_FACTOR`` x the quieter run's spread, plus ``tol`` of
     the larger final loss (the precision's own rounding)."""
     if steps < OUTCOME_MIN_STEPS:
         return Outcome(None)
@@ -130,6 +147,6 @@ def outcome(a, b, steps: int, tol: float) -> Outcome:
     if ta is None or tb is None:
         return Outcome(None)
     ea, eb = sum(ta) / len(ta), sum(tb) / len(tb)
-    noise = max(_spread(ta), _spread(tb))
+    noise = min(_spread(ta), _spread(tb))  # the quieter run's: noise a precision adds is the effect, not the yardstick
     alike = abs(ea - eb) <= NOISE_FACTOR * noise + tol * max(abs(ea), abs(eb))
     return Outcome(alike, (ea, eb), noise, None if alike else ("A" if ea > eb else "B"))

@@ -1,0 +1,118 @@
+"""Issue 42: the watched diff's method - the recipe first, the step in causal order, precision judged by its
+outcome. Each test is a loop as a user writes it (``method_loops.py``), run twice, then ``convcheck diff``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convcheck.cli.main import main
+from tests.watch import method_loops as L
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def diff(capsys, a, b) -> tuple[int, str]:
+    code = main(["diff", str(a), str(b)])
+    return code, capsys.readouterr().out
+
+
+def verdict(out: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith("verdict: "))
+
+
+def test_a_healthy_bf16_autocast_pair_of_a_language_model_is_ok_not_different_data(tmp_path, capsys):
+    """The LSTM's hidden state is carried from chunk to chunk (detached): it is the model's own output, not data;
+    under bf16 autocast it differs from float32's from the first step, by design."""
+    L.lstm_run(tmp_path / "fp32")
+    L.lstm_run(tmp_path / "bf16", precision="bf16")
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "bf16")
+    assert code == 0, out
+    assert verdict(out).startswith("verdict: ok: ")
+    assert "data: the same batches at every aligned step" in out
+    assert "precision: autocast: off | bfloat16" in out
+
+
+def test_a_healthy_bf16_autocast_cnn_and_vae_are_ok(tmp_path, capsys):
+    for run in (L.cnn_run, L.vae_run):
+        run(tmp_path / run.__name__ / "fp32")
+        run(tmp_path / run.__name__ / "bf16", precision="bf16")
+        code, out = diff(capsys, tmp_path / run.__name__ / "fp32", tmp_path / run.__name__ / "bf16")
+        assert code == 0 and verdict(out).startswith("verdict: ok: "), out
+
+
+def test_a_missing_zero_grad_is_setup_naming_it_not_nondeterminism(tmp_path, capsys):
+    L.cnn_run(tmp_path / "a")
+    L.cnn_run(tmp_path / "b", zero_grad=False)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out) == ("verdict: setup: B's gradients accumulate across steps: optimizer.zero_grad() is not "
+                            "called between its steps (from step 1)")
+    assert "  remedy: call optimizer.zero_grad() once per optimizer step" in out
+
+
+def test_a_kl_term_with_its_sign_flipped_is_setup_in_the_gradients(tmp_path, capsys):
+    """At the start the KL is a thousandth of the loss (within its rounding tolerance): the flip shows first in the
+    gradients, with the forward and the loss still agreeing."""
+    L.vae_run(tmp_path / "a", d=400)
+    L.vae_run(tmp_path / "b", d=400, kl_sign=-1.0)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward and the loss "
+                                   "agree: the loss is built differently")
+
+
+def test_a_hundred_times_the_learning_rate_in_an_lstm_is_the_learning_rate_not_data(tmp_path, capsys):
+    L.lstm_run(tmp_path / "a")
+    L.lstm_run(tmp_path / "b", lr=100.0)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out) == ("verdict: setup: different learning rates: B's learning rate is 100.0 where A's is 1.0 "
+                            "from step 0")
+    assert "did not see the same data" not in out
+
+
+def test_a_gan_against_itself_is_ok_not_both_diverging(tmp_path, capsys):
+    """The generator's loss rises from 0.62 to 4.2 as the discriminator wins, its weights barely move."""
+    L.gan_run(tmp_path / "a")
+    L.gan_run(tmp_path / "b")
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0, out
+    assert verdict(out).startswith("verdict: ok: ")
+
+
+def test_weight_decay_on_the_norms_in_one_run_only_is_named_per_parameter(tmp_path, capsys):
+    """One parameter group with weight decay on everything against two groups keeping it off the norms and
+    biases: the same learning rate everywhere, so only the per-parameter settings tell them apart."""
+    L.cnn_run(tmp_path / "a")
+    L.cnn_run(tmp_path / "b", wd_on_norms=True)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out) == ("verdict: setup: different optimizer settings per parameter: weight_decay 0.005 on "
+                            "conv1.bias, bn1.*, conv2.bias, bn2.* and 1 more in B; A: 0")
+    assert "learning rate" not in verdict(out)
+
+
+def test_a_backbone_never_unfrozen_is_named(tmp_path, capsys):
+    L.finetune_run(tmp_path / "a", unfreeze_at=5)
+    L.finetune_run(tmp_path / "b", unfreeze_at=None)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out) == "verdict: setup: backbone.* never get a gradient in B; in A they do from step 5"
+
+
+def test_a_bf16_run_ending_far_above_float32_is_not_ok_although_the_loss_fell_orders_of_magnitude(tmp_path, capsys):
+    """Least squares: float32 reaches 1e-13, bfloat16 autocast stalls near 1e-4 - both far below the first loss
+    of 8.5, so a share of the fall would call them alike; against the runs' own noise they are not."""
+    L.fit_run(tmp_path / "fp32")
+    L.fit_run(tmp_path / "bf16", precision="bf16")
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "bf16")
+    assert code == 1
+    assert verdict(out).startswith("verdict: numerics: ")
+    assert "the losses end apart (B worse)" in out
