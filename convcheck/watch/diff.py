@@ -356,7 +356,6 @@ def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int, end: Outcome | None 
     return None, (first, ea, eb)
 
 
-def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
 def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
     """Causal order inside a step: gradients that part before any data, layer output or loss does were made by
     the loss's construction or the backward (``watched_causal.backward_difference``), held to ``PART_FACTOR``
@@ -372,6 +371,7 @@ def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
     return (found,) if found is not None else ()
 
 
+def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
     """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model.
     ``judge``: the float64 target that replays the snapshot steps (default: this machine's judge)."""
     a, b = open_watched(path_a), open_watched(path_b)
@@ -401,9 +401,9 @@ def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
     loss_step, wander = _loss_parting(a, b, steps, end, policy)
     data_step = _first_data_difference(a, b, steps)
     parting = first_parting(a, b, steps)
+    setup += _backward(a, b, steps, policy, data_step, parting, loss_step)
     pair = []
     if steps and data_step != 0 and not any(f.step == 0 and f.sub_cause == "initial weights" for f in setup) \
-    setup += _backward(a, b, steps, policy, data_step, parting, loss_step)
             and (parting is None or parting.step > 0) \
             and compiled_random(a, b, random_layers(a)) is None:  # the same weights, batch and masks: step 0 agrees
         pair.append(recipe_difference(a, b, loss_tolerance(a, b)))
