@@ -81,6 +81,11 @@ PAIR_CASES = {
              "nondeterminism", "random layers draw other masks than eager's", None, "fc3"),
     "W011": (replace(CLEAN, stopped=(None, {"exception": "RuntimeError", "message": "nan loss", "step": 5})),
              "setup", "B stopped at step 5 with RuntimeError (nan loss)", None, None),
+    "W014": (replace(CLEAN, setup=(Setup("B applies the GradScaler's scaled gradients unscaled",
+                                         "optimizer step without scaler.step",
+                                         ["steps.jsonl step_without_scaler at 4 of 4 steps, from step 0"],
+                                         ["step through the scaler: scaler.step(optimizer)"], step=0),),
+                     divergence=(None, EXPLODES)), "setup", "B applies the GradScaler's scaled gradients", None, None),
 }
 RUN = RunEvidence(replay=Replay())
 RUN_CASES = {
@@ -102,6 +107,14 @@ RUN_CASES = {
                                        ["steps.jsonl clip_before_unscale at 4 of 4 steps, from step 0"],
                                        ["call scaler.unscale_(optimizer) before clip_grad_norm_"], step=0),),
                      producer=PRODUCER), "setup", "the run clips its gradients before unscaling them", None, None),
+    "W110": (replace(RUN, setup=(Setup("the run clips its gradients before unscaling them", "clip before unscale_",
+                                       ["steps.jsonl clip_before_unscale at 4 of 4 steps, from step 0"],
+                                       ["call scaler.unscale_(optimizer) before clip_grad_norm_"], step=0),
+                                 Setup("the run applies the GradScaler's scaled gradients unscaled",
+                                       "optimizer step without scaler.step",
+                                       ["steps.jsonl step_without_scaler at 4 of 4 steps, from step 0"],
+                                       ["step through the scaler: scaler.step(optimizer)"], step=0)),
+                     divergence=EXPLODES), "setup", "the run applies the GradScaler's scaled gradients", None, None),
 }
 RANKS = RankEvidence(per_rank=(Verdict("ok", "agree"), Verdict("ok", "agree")))
 UNSYNCED = RankFinding("A", 1, 0, 2, "gradients", "the gradient of fc.weight at step 2 has norm 0.5, rank 0's 0.25")

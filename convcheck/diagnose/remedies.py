@@ -36,6 +36,10 @@ UNSCALE_BEFORE_CLIP = ["call scaler.unscale_(optimizer) before clip_grad_norm_: 
                        "scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
                        "scaler.step(optimizer); scaler.update() - clipped while scaled, the true gradients are held to "
                        "max_norm / scale"]
+STEP_WITH_SCALER = ["step through the scaler: scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update() "
+                    "(scaler.step unscales the gradients and skips a step whose gradients hold Inf/NaN); or call "
+                    "scaler.unscale_(optimizer) before optimizer.step() - not a lower learning rate: the gradients "
+                    "applied were the scale (65536 at first) times too large"]
 DIVERGE_REMEDIES = ["lower the learning rate, or clip the gradients (torch.nn.utils.clip_grad_norm_("
                     "model.parameters(), 1.0) before optimizer.step()); check that the inputs are normalised"]
 # two recordings of one command (bundles) that did not read the same data or build the same weights

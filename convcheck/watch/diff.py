@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, random_layers, recipe_difference,
                                                   run_findings)
+from convcheck.diagnose.detectors.watched_scaler import step_without_scaler
 from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, clipping_difference, compiled_random, eval_mode_difference,
                                                         initial_weights_difference, lr_difference,
                                                         optimizer_difference, scaler_difference,
@@ -392,6 +393,7 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
                                                                         lr_difference(a, b, steps)]
     setup = tuple(f for f in (optimizer_difference(a, b), *recipe, accumulation(a, b, steps),
                               # a clip on scaled gradients first: it is why that run's norm is pinned
+                              step_without_scaler(a, "A"), step_without_scaler(b, "B"),
                               clip_before_unscale(a, "A"), clip_before_unscale(b, "B"),
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               scaler_difference(a, b, steps),

@@ -163,6 +163,7 @@ def _check_step(rec, i: int) -> dict:
     bundle_reader.get_field(rec, "model_eval", bool, where, optional=True)  # only on a step trained in eval mode
     bundle_reader.get_field(rec, "layers_recorded", bool, where, optional=True)  # only on a step left out
     bundle_reader.get_field(rec, "clip_before_unscale", bool, where, optional=True)  # a GradScaler misused
+    bundle_reader.get_field(rec, "step_without_scaler", bool, where, optional=True)  # scaled gradients applied
     rounded = bundle_reader.get_field(rec, "batch_rounded", list, where, optional=True)  # runs before it: none
     if rounded is not None:
         if len(rounded) != len(hashes):

@@ -6,12 +6,17 @@ scaler object (its own attributes; the class is untouched), and ``torch.nn.utils
 enabled and the loop has not called ``scaler.unscale_(optimizer)`` since the last step clipped the scaled
 gradients: ``max_norm`` then bounds gradients ``scale`` times too large (65536 at first), so the true
 gradients are clipped to ``max_norm / scale`` - a learning rate divided by the scale. The step is marked
-``clip_before_unscale``. Every wrapper only records and calls through; all are restored on exit.
+``clip_before_unscale``. And ``scaler.scale`` is wrapped, with a process-wide optimizer step pre-hook (issue 47):
+an optimizer step taken outside ``scaler.step`` on a step whose loss the enabled scaler scaled, with no
+``scaler.unscale_`` before it (``scaler.scale(loss).backward(); optimizer.step()``), applied the scaled gradients
+as they were - ``scale`` times too large - and skipped the Inf/NaN check: the step is marked
+``step_without_scaler``. Every wrapper only records and calls through; all are restored on exit.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 CLIPS = ("clip_grad_norm_", "clip_grad_value_")
 
@@ -22,6 +27,9 @@ class ScalerSpy:
         self.unscaled = False  # the loop called unscale_ itself since the last step
         self.inside_step = False
         self.clipped_scaled = False  # a clip ran on scaled gradients this step
+        self.scaled = False  # the enabled scaler scaled a loss this step (``scaler.scale``)
+        self.stepped_scaled = False  # an optimizer step outside scaler.step on those scaled gradients
+        self.hook = None  # the optimizer step pre-hook's handle
         self.saved: list[tuple] = []
         self.optimizers: dict[int, str] = {}  # the optimizers this scaler stepped (id -> class name)
         # the learning rates as each step's first forward began, to see a scheduler step on a skipped step
@@ -33,7 +41,9 @@ class ScalerSpy:
         s = self.scaler
         if not (hasattr(s, "unscale_") and hasattr(s, "step")):
             return self
-        for name, wrap in (("unscale_", self._unscale), ("step", self._step)):
+        for name, wrap in (("unscale_", self._unscale), ("step", self._step), ("scale", self._scale)):
+            if not callable(getattr(s, name, None)):
+                continue
             self.saved.append((s, name, s.__dict__.get(name)))
             setattr(s, name, wrap(getattr(s, name)))
         utils = torch.nn.utils
@@ -42,9 +52,13 @@ class ScalerSpy:
             if fn is not None:
                 self.saved.append((utils, name, fn))
                 setattr(utils, name, self._clip(fn))
+        self.hook = register_optimizer_step_pre_hook(self._optimizer_step)
         return self
 
     def remove(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
         for owner, name, old in reversed(self.saved):
             if owner is self.scaler and old is None:
                 owner.__dict__.pop(name, None)  # the class's method shows again
@@ -58,6 +72,20 @@ class ScalerSpy:
                 self.unscaled = True
             return fn(*args, **kwargs)
         return unscale_
+
+    def _scale(self, fn):
+        def scale(*args, **kwargs):
+            if getattr(self.scaler, "is_enabled", lambda: True)():
+                self.scaled = True
+            return fn(*args, **kwargs)
+        return scale
+
+    def _optimizer_step(self, optimizer, args, kwargs):
+        """Any optimizer's step: one taken outside ``scaler.step`` on gradients this scaler scaled and nobody
+        unscaled applies them scaled."""
+        if self.scaled and not self.inside_step and not self.unscaled:
+            self.stepped_scaled = True
+        return None
 
     def _step(self, fn):
         def step(*args, **kwargs):
@@ -102,7 +130,9 @@ class ScalerSpy:
     def end_step(self, skipped: bool = False) -> dict:
         """This step's record (``{"clip_before_unscale": True}`` or nothing), then a fresh step."""
         out = {"clip_before_unscale": True} if self.clipped_scaled else {}
-        self.unscaled = self.clipped_scaled = False
+        if self.stepped_scaled:
+            out["step_without_scaler"] = True
+        self.unscaled = self.clipped_scaled = self.scaled = self.stepped_scaled = False
         if self.prev is not None and self.prev[0] and self.prev[1] is not None and self.lr_first is not None \
                 and self.lr_first != self.prev[1]:
             self.moved_after_skip += 1  # the step before was skipped, and this one began at another lr

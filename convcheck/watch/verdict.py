@@ -8,6 +8,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors.watched import (converges, first_nonfinite, precision_difference, random_layers,
                                                   scaled_backward)
 from convcheck.diagnose.detectors.watched_setup import clip_before_unscale, compiled_random, divergence, eval_from
+from convcheck.diagnose.detectors.watched_scaler import step_without_scaler
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched import watched_ok
 from convcheck.diagnose.rules.watched_run import run_ok
@@ -43,7 +44,8 @@ def run_evidence(run, replay, own=()) -> RunEvidence:
                        stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
                        converged=converges(run), steps=len(run.steps), truncated=size_cap(run),
                        eval_from=eval_from(run),
-                       setup=tuple(f for f in (clip_before_unscale(run, "-"),) if f is not None))
+                       setup=tuple(f for f in (step_without_scaler(run, "-"), clip_before_unscale(run, "-"))
+                                   if f is not None))
 
 
 def decide(d, a, b) -> Verdict:

@@ -1,0 +1,66 @@
+"""Issue 47: verdicts on watched runs a new user gets wrong. ``scaler.scale(loss).backward(); optimizer.step()``
+(the GradScaler's step skipped) is that setup, not "lower the learning rate"; a run stopped by Ctrl-C says where it
+stopped and judges what it has, with no remedy about steps it never reached."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import convcheck
+from convcheck.cli.main import main
+from convcheck.watch.reader import open_watched
+
+
+def _amp_run(out, through_scaler: bool, steps: int = 5) -> None:
+    """A float16-autocast loop with a GradScaler, stepping through it (the AMP recipe) or around it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=out, scaler=scaler) as w:
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if through_scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()  # the scaler's step skipped: the scaled gradients applied (update() would refuse)
+            w.step(loss)
+
+
+def _diff(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["diff", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_an_optimizer_step_around_the_scaler_is_named_with_its_remedy(tmp_path, capsys):
+    _amp_run(tmp_path / "run", through_scaler=False)
+    assert all(s.get("step_without_scaler") for s in open_watched(tmp_path / "run").steps)
+    code, out, err = _diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
+    assert code == 1 and "Traceback" not in err, err
+    assert "verdict: setup: the run applies the GradScaler's scaled gradients unscaled" in out, out
+    assert "scaler.step(optimizer)" in out and "lower the learning rate" not in out, out
+
+
+def test_the_recipe_through_the_scaler_is_not_named(tmp_path, capsys):
+    _amp_run(tmp_path / "run", through_scaler=True)
+    assert not any(s.get("step_without_scaler") for s in open_watched(tmp_path / "run").steps)
+    _, out, _ = _diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
+    assert "scaled gradients unscaled" not in out
+
+
+def test_a_pair_names_the_run_that_steps_around_its_scaler(tmp_path, capsys):
+    _amp_run(tmp_path / "right", through_scaler=True)
+    _amp_run(tmp_path / "wrong", through_scaler=False)
+    code, out, _ = _diff(capsys, tmp_path / "right", tmp_path / "wrong")
+    assert code == 1
+    assert "verdict: setup: B applies the GradScaler's scaled gradients unscaled" in out, out
+    assert "lower the learning rate" not in out
