@@ -104,6 +104,9 @@ class Watch(ProducerHooks):
 
     # --- per-step state -------------------------------------------------------
     def _reset(self) -> None:
+        # the models' outputs of this step and the last one, held until then: a recurrent state carried over
+        # detached, a generator's fakes handed to a discriminator are the process's, not data
+        self.made_before, self.made = getattr(self, "made", []), []
         self.layers: dict[str, dict] = {}
         self.order: list[str] = []
         self.hashes: list[str] = []
@@ -221,7 +224,7 @@ class Watch(ProducerHooks):
 
     def hash_batch(self, args, kwargs) -> None:
         """The step's batch: its exact hash and its ``rounded_hashes``."""
-        data = data_tensors(args, kwargs, getattr(self, "made", ()))  # model-made inputs are not data
+        data = data_tensors(args, kwargs, self.made_before + self.made)  # model-made inputs are not data
         self.hashes.append(batch_hash(data, {}))
         self.rounded.append(rounded_hashes(data, {}))
 
@@ -244,7 +247,7 @@ class Watch(ProducerHooks):
         if not self._recording():
             return None
         self.hash_batch(args, kwargs)  # at the call's end: a process-wide pre-hook is given no kwargs (``attach.py``)
-        self.made = floats(output)  # held until the next call's batch is hashed (``batches.data_tensors``)
+        self.made.extend(floats(output))  # the model's outputs are not data when fed back (``batches.data_tensors``)
         if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
             self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
             return None

@@ -199,10 +199,10 @@ class Discriminator(nn.Module):
         return self.l2(F.leaky_relu(self.l1(x), 0.2))
 
 
-def gan_run(out, steps: int = 80, precision: str = "fp32"):
+def gan_run(out, steps: int = 80, precision: str = "fp32", both: bool = False):
     """A GAN whose discriminator learns faster than its generator; the watch on the generator and its optimizer,
     the generator's adversarial loss handed to w.step (it rises from 0.62 to 4.2 as the discriminator wins: by
-    design, not divergence)."""
+    design, not divergence). ``both``: the generator and the discriminator watched in one block."""
     torch.manual_seed(0)
     G, D = Generator(), Discriminator()
     opt_g, opt_d = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999)), \
@@ -210,7 +210,9 @@ def gan_run(out, steps: int = 80, precision: str = "fp32"):
     g = torch.Generator().manual_seed(11)
     centre = torch.randn(16, generator=g)
     bce = nn.BCEWithLogitsLoss()
-    with convcheck.watch(G, opt_g, out=out) as w:
+    watched = convcheck.watch(models={"G": G, "D": D}, optimizers=[opt_g, opt_d], out=out) if both else \
+        convcheck.watch(G, opt_g, out=out)
+    with watched as w:
         for _ in range(steps):
             real = centre + 0.3 * torch.randn(32, 16, generator=g)
             z = torch.randn(32, 8, generator=g)
@@ -225,7 +227,8 @@ def gan_run(out, steps: int = 80, precision: str = "fp32"):
             opt_g.zero_grad()
             g_loss.backward()
             opt_g.step()
-            w.step(g_loss)
+            if not both:
+                w.step(g_loss)
 
 
 def fit_run(out, precision: str = "fp32", steps: int = 120):

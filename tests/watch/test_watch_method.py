@@ -87,6 +87,16 @@ def test_a_gan_against_itself_is_ok_not_both_diverging(tmp_path, capsys):
     assert verdict(out).startswith("verdict: ok: ")
 
 
+def test_a_gan_watched_whole_in_bf16_is_ok_its_fakes_are_not_data(tmp_path, capsys):
+    """The discriminator is fed the generator's fakes (detached): made by the process, they differ with the
+    precision and are not "different data"."""
+    L.gan_run(tmp_path / "fp32", both=True)
+    L.gan_run(tmp_path / "bf16", both=True, precision="bf16")
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "bf16")
+    assert code == 0, out
+    assert "data: the same batches at every aligned step" in out
+
+
 def test_weight_decay_on_the_norms_in_one_run_only_is_named_per_parameter(tmp_path, capsys):
     """One parameter group with weight decay on everything against two groups keeping it off the norms and
     biases: the same learning rate everywhere, so only the per-parameter settings tell them apart."""
