@@ -64,3 +64,54 @@ def test_a_pair_names_the_run_that_steps_around_its_scaler(tmp_path, capsys):
     assert code == 1
     assert "verdict: setup: B applies the GradScaler's scaled gradients unscaled" in out, out
     assert "lower the learning rate" not in out
+
+
+def _stopped_run(out, stop_at: int | None, steps: int = 8) -> None:
+    """A healthy float32 loop, interrupted (Ctrl-C) after ``stop_at`` steps when given."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    try:
+        with convcheck.watch(model, opt, out=out) as w:
+            for step in range(steps):
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+                if step + 1 == stop_at:
+                    raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+
+
+def test_a_run_stopped_by_ctrl_c_says_where_and_judges_what_it_has(tmp_path, capsys):
+    """Issue 47: the verdict was 'setup: stopped ... the watch saw no NaN/Inf' with a remedy about a NaN check in
+    steps the run never reached."""
+    _stopped_run(tmp_path / "run", stop_at=4)
+    assert open_watched(tmp_path / "run").manifest["stopped"]["step"] == 4
+    code, out, err = _diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
+    assert code == 0 and "Traceback" not in err, out + err
+    verdict = out[out.index("verdict:"):]
+    assert "interrupted" in verdict and "step 4" in verdict, verdict
+    assert "NaN check" not in out and "remedy" not in verdict, verdict
+
+
+def test_a_pair_with_one_run_stopped_by_ctrl_c_is_judged_on_the_steps_both_have(tmp_path, capsys):
+    _stopped_run(tmp_path / "whole", stop_at=None)
+    _stopped_run(tmp_path / "stopped", stop_at=4)
+    code, out, _ = _diff(capsys, tmp_path / "whole", tmp_path / "stopped")
+    verdict = out[out.index("verdict:"):]
+    assert code == 0 and "agree within rounding" in verdict, out
+    assert "NaN check" not in out and "stopped at step 4" in out, out
+
+
+def test_a_run_whose_loop_raised_is_still_the_stop_it_is(tmp_path, capsys):
+    """What the rules say of a loop that raised (its own NaN check, say) is unchanged: not an interrupt."""
+    from convcheck.diagnose.rules.watched_lines import interrupted
+
+    assert interrupted({"exception": "KeyboardInterrupt", "message": "", "step": 1})
+    assert not interrupted({"exception": "RuntimeError", "message": "nan loss", "step": 1})
+    assert not interrupted(None)

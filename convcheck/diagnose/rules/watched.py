@@ -37,7 +37,7 @@ from convcheck.diagnose.remedies import (BF16_ZEROS, COMPILED_RANDOM, DATA_REMED
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, over, setup_remedies,
-                                                    stopped_verdict, training_problem)
+                                                    interrupted, stopped_verdict, training_problem)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import (SIDES, PairEvidence, Parting, first_flagged, overflow_lines,
                                                  parting_lines, producer_text, producer_where)
@@ -288,8 +288,8 @@ def _compared(ev: PairEvidence) -> list[str]:
                        "its floor before it")
 def watched_stopped(ev: PairEvidence) -> Verdict | None:
     """The runs agree up to where one stopped (its block raised or was interrupted): that stop is the finding."""
-    stops = [(side, s) for side, s in zip(SIDES, ev.stopped) if s is not None]
-    if not stops:
+    stops = [(side, s) for side, s in zip(SIDES, ev.stopped) if s is not None and not interrupted(s)]
+    if not stops:  # none, or Ctrl-C: the runs are judged on the steps they both have (``watched_ok``)
         return None
     side, s = stops[0]
     return stopped_verdict(watched_stopped, side, s, _compared(ev) + ["the runs agree within rounding at every "

@@ -65,6 +65,23 @@ def lost_updates_verdict(rule, lost: list, extra: list, both: bool = False) -> V
                         sub_cause=s.name)
 
 
+# a stop the user made (Ctrl-C): not a finding - the run is judged on the steps it recorded, and nothing is said of
+# the steps it never reached (issue 47)
+INTERRUPTS = ("KeyboardInterrupt",)
+
+
+def interrupted(s: dict | None) -> bool:
+    """Whether a run's ``stopped`` record is the user's own interrupt (Ctrl-C), not the loop failing."""
+    return s is not None and s.get("exception") in INTERRUPTS
+
+
+def interrupt_line(s: dict, who: str = "the run") -> str:
+    """What a verdict says of an interrupted run: where it stopped, and that what follows is judged on the steps
+    before it only."""
+    return (f"{who} was interrupted ({s['exception']}) at step {s['step']}: judged on the {s['step']} steps recorded "
+            "before it; the steps after it never ran and nothing is said of them")
+
+
 def stopped_verdict(rule, who: str, s: dict, evidence: list) -> Verdict:
     """A run whose block raised (a NaN-loss check, say) or was interrupted, where nothing the watch saw
     explains it: never ``ok`` - the training did not finish, and the watch cannot say why."""

@@ -26,7 +26,7 @@ from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.remedies import TRAIN_MODE_REMEDIES
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, setup_remedies,
-                                                    stopped_verdict, training_problem)
+                                                    interrupt_line, interrupted, stopped_verdict, training_problem)
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import RunEvidence, first_flagged, overflow_lines, producer_text, producer_where
 
@@ -135,7 +135,7 @@ def run_training(ev: RunEvidence) -> Verdict | None:
               headline="the run stopped at step {step} with {what}")
 def run_stopped(ev: RunEvidence) -> Verdict | None:
     """The block raised or was interrupted and nothing the watch saw explains it: never ``ok``."""
-    if ev.stopped is None:
+    if ev.stopped is None or interrupted(ev.stopped):  # Ctrl-C: judged on what it has (``run_ok``)
         return None
     return stopped_verdict(run_stopped, "the run", ev.stopped, [ev.replay.summary()] if ev.replay is not None else [])
 
@@ -143,8 +143,10 @@ def run_stopped(ev: RunEvidence) -> Verdict | None:
 def run_ok(ev: RunEvidence) -> Verdict:
     cut = [f"the record was cut by its size cap: {ev.truncated}; the steps after it were not seen"] \
         if ev.truncated else []
+    cut += [interrupt_line(ev.stopped)] if interrupted(ev.stopped) else []
+    upto = f" up to step {ev.stopped['step']}, where it was interrupted" if interrupted(ev.stopped) else ""
     if ev.replay is None or not ev.replay.rows:
-        return Verdict("ok", "the run stays finite; no layer was replayed through the judge",
+        return Verdict("ok", f"the run stays finite{upto}; no layer was replayed through the judge",
                        evidence=([ev.replay.summary()] if ev.replay is not None else []) + cut)
-    return Verdict("ok", "every replayed layer is within its floor and the run stays finite",
+    return Verdict("ok", f"every replayed layer is within its floor and the run stays finite{upto}",
                    evidence=[ev.replay.summary()] + cut)
