@@ -6,7 +6,11 @@ fastest of the bare steps around it, once per round; and the process's peak RSS 
 steps against the snapshot's size. Each ratio is the median over the rounds, in wall time and in the
 process's CPU time (on a shared, loaded machine the CPU-time ratio is the steadier of the two).
 
-    python benchmarks/watch_overhead.py --models cifar_cnn,resnet18 --steps 10 --rounds 3
+    python benchmarks/watch_overhead.py --models cifar_cnn,resnet18,transformer --steps 10 --rounds 3
+
+``transformer`` is a small one defined here (2 encoder layers, d_model 128, 4 heads, 64 positions of 32
+features, mean-pooled to 10 classes); the others are the zoo's. ``--device cuda`` runs the same on a GPU (each
+timed loop ends with a synchronize).
 
 ``--compile BACKEND`` (inductor, aot_eager, eager): the model is ``torch.compile(model, backend=BACKEND)``d
 once, and the bare and watched loops both call the compiled module (the watch is handed the compiled
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
 import resource
 import statistics
 import sys
@@ -33,8 +38,14 @@ import convcheck  # noqa: E402
 from reference_models import get_spec  # noqa: E402
 
 
+def _sync(batches) -> None:
+    if batches and batches[0][0].is_cuda:
+        torch.cuda.synchronize()
+
+
 def _steps(model, opt, batches, w=None) -> tuple[float, float]:
     """``model``: what the loop calls (the compiled module under ``--compile``)."""
+    _sync(batches)
     t0, c0 = time.perf_counter(), time.process_time()
     for x, y in batches:
         loss = nn.functional.cross_entropy(model(x), y)
@@ -43,7 +54,29 @@ def _steps(model, opt, batches, w=None) -> tuple[float, float]:
         opt.step()
         if w is not None:
             w.step(loss)
+    _sync(batches)
     return time.perf_counter() - t0, time.process_time() - c0
+
+
+class TinyTransformer(nn.Module):
+    """A small Transformer classifier: 64 positions of 32 features, 2 encoder layers of width 128, 4 heads."""
+
+    def __init__(self, features: int = 32, d: int = 128, heads: int = 4, layers: int = 2, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(features, d)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=0.0, batch_first=True), layers,
+            enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.encoder(self.embed(x))).mean(1))
+
+
+def _spec(name: str):
+    if name == "transformer":
+        return types.SimpleNamespace(factory=TinyTransformer, input_shape=(64, 32), num_classes=10)
+    return get_spec(name)
 
 
 class _NaiveHook:
@@ -85,15 +118,15 @@ def _ratios(pairs) -> tuple[float, float]:
     return (statistics.median(w[0] / b[0] for w, b in pairs), statistics.median(w[1] / b[1] for w, b in pairs))
 
 
-def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None = None) -> dict:
-    spec = get_spec(name)
+def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None = None, device: str = "cpu") -> dict:
+    spec = _spec(name)
     torch.manual_seed(0)
-    model = spec.factory()
+    model = spec.factory().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if backend is not None:
         model = torch.compile(model, backend=backend)
-    batches = [(torch.randn(batch, *spec.input_shape), torch.randint(0, spec.num_classes, (batch,)))
-               for _ in range(steps)]
+    batches = [(torch.randn(batch, *spec.input_shape, device=device),
+                torch.randint(0, spec.num_classes, (batch,), device=device)) for _ in range(steps)]
     _steps(model, opt, batches[:2])  # warm up
     stats_pairs, snap_pairs, naive_pairs, anomaly_pairs = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,12 +162,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--compile", default=None, metavar="BACKEND", help="torch.compile the model with this backend")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON to PATH")
     args = p.parse_args()
+    results = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, device {args.device}"
           + (f", torch.compile(backend={args.compile!r})" if args.compile else ", eager"))
     for name in args.models.split(","):
-        r = measure(name, args.steps, args.rounds, args.batch, args.compile)
+        r = measure(name, args.steps, args.rounds, args.batch, args.compile, args.device)
+        results.append(r)
         print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare (CPU time "
               f"{r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step (CPU time "
               f"{r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | peak RSS growth "
@@ -143,6 +180,13 @@ def main() -> None:
             print(f"{'':<10} anchors in the same rounds: a naive max|x|/mean/std hook {r['naive_ratio']:.3f}x bare, "
                   f"torch.autograd.detect_anomaly {r['anomaly_ratio']:.3f}x bare")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "device": args.device, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
+            "compile": args.compile, "load_average_end": os.getloadavg()[0], "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
