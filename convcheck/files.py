@@ -45,6 +45,17 @@ def path_kind(path: str | os.PathLike) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
+def refuse_linked_folder(path: str | os.PathLike, what: str) -> None:
+    """One policy for every folder convcheck writes into - ``compare --out``, ``diff --out``, ``record --out``,
+    ``convcheck.watch(out=)`` (issue 47): a symbolic link there is refused, never written through (it may lead into
+    a run, another report or anywhere else); the user names the folder itself. Links above it are the user's
+    own layout and followed."""
+    if path_kind(path) == "symbolic link" and os.path.isdir(path):  # a link to anything else: not a folder at all
+        target = os.path.realpath(path)
+        raise UsageError(f"{what}{path} is a symbolic link (to {target}); convcheck writes into no linked folder: "
+                         "name the folder itself")
+
+
 def refuse_special(path: str | os.PathLike, what: str = "") -> bool:
     """``UsageError`` unless ``path`` is absent or a regular file; True when a regular file is there."""
     kind = path_kind(path)

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from convcheck.errors import UsageError
-from convcheck.files import path_kind, refuse_special
+from convcheck.files import path_kind, refuse_linked_folder, refuse_special
 
 REPORT_FILES = ("summary.json", "layers.csv", "curves.csv", "env.json", "loss.png", "layers.png", "verify.png",
                 "report.html")
@@ -62,12 +62,11 @@ class RunFolder:
 
     @classmethod
     def explicit(cls, out: str | os.PathLike, *, force: bool, files: tuple[str, ...] = REPORT_FILES) -> "RunFolder":
-        """``--out DIR``: a directory (or a link to one) or nothing yet; created now, report files (``files``:
-        those the command writes) checked."""
+        """``--out DIR``: a directory (not a link to one: ``files.refuse_linked_folder``) or nothing yet; created
+        now, report files (``files``: those the command writes) checked."""
         folder = cls(Path(out), force=force)
+        refuse_linked_folder(folder.path, "--out ")  # one policy with convcheck.watch(out=): no linked folder
         kind = path_kind(folder.path)
-        if kind == "symbolic link" and folder.path.is_dir():
-            kind = "directory"  # writing inside a linked folder replaces nothing
         if kind not in (None, "directory"):
             raise UsageError(f"--out {folder.path}: exists and is not a directory (it is a {kind})")
         if kind is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from convcheck.bundle.schema import MANIFEST, WATCH_SCHEMA
 from convcheck.errors import UsageError
-from convcheck.files import path_kind
+from convcheck.files import path_kind, refuse_linked_folder
 
 STEPS = "steps.jsonl"
 SNAPSHOTS = "snapshots"
@@ -41,8 +41,9 @@ def take(out: Path) -> int | None:
     """``out`` made if missing and locked for this watch (``flock`` on the folder, held until ``release``), before
     anything in it is removed or written: of watches started at once on one folder - ``force=True`` over an earlier
     run included - one takes it, every other is refused in one line (``TAKEN``) and touches nothing. A symlinked
-    ``out`` is refused (as ``convcheck diff --out``: one policy, ``files.refuse_symlinked_folder``). None where the
+    ``out`` is refused (as ``--out`` of every command: one policy, ``files.refuse_linked_folder``). None where the
     system has no ``flock`` (Windows): ``claim``'s exclusive ``steps.jsonl`` is then the only guard."""
+    refuse_linked_folder(out, "convcheck.watch: out=")
     if path_kind(out) is None:
         try:
             out.mkdir(parents=True, exist_ok=True)  # two at once: both find it made

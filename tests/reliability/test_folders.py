@@ -95,12 +95,14 @@ def test_out_may_hold_other_files(capsys, tmp_path):
     assert (out / "stdout.json").read_text() == "{}" and (out / "report.html").is_file()
 
 
-def test_out_may_be_a_link_to_a_folder(capsys, tmp_path):
+def test_out_may_not_be_a_link_to_a_folder(capsys, tmp_path):
+    """Issue 47: one policy for every folder convcheck writes into (compare/diff --out, convcheck.watch(out=)): a
+    symbolic link is refused, never written through."""
     (tmp_path / "real").mkdir()
     os.symlink(tmp_path / "real", tmp_path / "link")
     code, _, err = run_cli(capsys, [*RUN, "--out", str(tmp_path / "link")])
-    assert code in (0, 1), err
-    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "summary.json").is_file()
+    assert code == 2 and "is a symbolic link" in err and "Traceback" not in err, err
+    assert (tmp_path / "link").is_symlink() and not any((tmp_path / "real").iterdir())
 
 
 def test_a_failed_run_removes_only_the_folders_it_made(capsys, tmp_path):

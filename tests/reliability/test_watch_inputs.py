@@ -236,3 +236,21 @@ def test_a_second_watch_in_this_process_is_refused_and_the_first_stays_whole(ear
         opt.step()
     assert len(open_watched(earlier / "run").steps) == 1
     _loop(earlier / "run", force=True)  # the folder let go at the block's end: a later watch takes it
+
+
+# --- one policy for a symlinked output folder ---------------------------------------------------------------
+
+
+def test_the_watch_and_diff_out_refuse_a_linked_folder_alike(earlier, capsys):
+    """Issue 47: ``diff --out`` wrote through a symlinked folder while the watch refused one: both refuse it."""
+    from tests.reliability.conftest import run_cli
+
+    (earlier / "real").mkdir()
+    (earlier / "link").symlink_to(earlier / "real")
+    watch_error = _refused(earlier, lambda: _loop(earlier / "link"), "is a symbolic link")
+    before = snapshot(earlier)
+    code, out, err = run_cli(capsys, ["diff", str(earlier / "run"), str(earlier / "run"), "--out",
+                                      str(earlier / "link")])
+    assert code == 2 and "is a symbolic link" in err and "Traceback" not in err, err
+    assert snapshot(earlier) == before
+    assert watch_error.split("is a symbolic link")[1] == err.strip().split("is a symbolic link")[1]
