@@ -49,14 +49,23 @@ WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_modul
 PARALLEL = ("DataParallel", "DistributedDataParallel")
 
 
-def user_name(name: str, parallel: bool = False) -> str:
-    """``name`` as the user's model names it: the wrappers' parts taken out (``module.`` only at the front, and only
-    when the watched model was given inside a DataParallel/DDP, ``parallel``: a user's own child may be called
-    ``module``)."""
-    parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
-    if parallel and parts and parts[0] == "module":
-        parts = parts[1:]
+def user_name(name: str, parallel: bool = False, wrappers: frozenset = frozenset()) -> str:
+    """``name`` as the user's model names it: the wrappers' parts taken out; ``module`` only where it is a
+    DataParallel/DDP's child - at the front with ``parallel``, or after a prefix in ``wrappers`` (``parallel_prefixes``:
+    a user's own child may be called ``module``)."""
+    given = name.split(".")
+    parts = []
+    for i, p in enumerate(given):
+        if p in WRAPPER_PARTS or p == "module" and (i == 0 and parallel or ".".join(given[:i]) in wrappers):
+            continue
+        parts.append(p)
     return ".".join(parts)
+
+
+def parallel_prefixes(model) -> frozenset:
+    """The names of ``model``'s DataParallel/DDP children (their ``module`` child is the user's model)."""
+    return frozenset(n for n, m in model.named_modules()
+                     if n and any(c.__name__ in PARALLEL for c in type(m).__mro__))
 
 
 def current():

@@ -76,7 +76,8 @@ class Watch(ProducerHooks):
         self.snapshot_steps = set(_args.snapshot_steps(snapshot_steps))
         self.snapshot_nonfinite, self.max_bytes = snapshot_nonfinite, max_bytes
         # the user's layer names: a compiled or FSDP-wrapped child's wrapper parts taken out (``attach.user_name``)
-        self.names = {m: (_attach.user_name(n) or type(m).__name__) for n, m in model.named_modules()}
+        wrapped = _attach.parallel_prefixes(model)  # a DataParallel child: its ``module.`` is not the user's
+        self.names = {m: (_attach.user_name(n, wrappers=wrapped) or type(m).__name__) for n, m in model.named_modules()}
         self.leaves = {m for m in self.names if not any(True for _ in m.children())}
         wrong = unmatched(self.selection, [n for m, n in self.names.items() if m is not model])
         if wrong:
@@ -86,7 +87,7 @@ class Watch(ProducerHooks):
         self.paused = False
         self.by_name = {n: m for m, n in self.names.items()}
         self.call_lines: dict = {}  # each leaf's calling line in its parent's forward, from its first call
-        self.params = [(_attach.user_name(n), p) for n, p in model.named_parameters()]
+        self.params = [(_attach.user_name(n, wrappers=wrapped), p) for n, p in model.named_parameters()]
         self.param_ids = {id(p) for _, p in self.params}  # an optimizer made inside the block is found by them
         self.roots = _several.roots(model)  # the modules whose own call is the model's (each model of several)
         self.device = str(self.params[0][1].device) if self.params else "cpu"
@@ -248,14 +249,14 @@ class Watch(ProducerHooks):
             return None
         self.hash_batch(args, kwargs)  # at the call's end: a process-wide pre-hook is given no kwargs (``attach.py``)
         self.made.extend(floats(output))  # the model's outputs are not data when fed back (``batches.data_tensors``)
-        if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
-            self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
-            return None
         if not self.optimizers and not self.backward_end:  # optimizer=None: a step ends with its backward
             grad_out = next((t for t in floats(output) if t.requires_grad), None)
             if grad_out is not None:
                 self.backward_end = True
                 grad_out.register_hook(self._queue_backward_end)
+        if not self._layers_now():  # a step the selection leaves out, or paused: the loss's op still found
+            self.model_fns = [t.grad_fn for t in floats(output) if t.grad_fn is not None]
+            return None
         inner = self.model if module is self.outer else module  # the model called (one of several)
         leaf = inner in self.leaves
         if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves \

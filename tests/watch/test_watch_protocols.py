@@ -239,3 +239,25 @@ def test_user_name(name, parallel, user):
     from convcheck.watch.attach import user_name
 
     assert user_name(name, parallel) == user
+
+
+def test_a_users_child_called_module_keeps_its_name_and_a_data_parallel_child_loses_it(tmp_path):
+    from convcheck.watch.attach import parallel_prefixes, user_name
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(6, 6)  # the user's own name
+            self.body = nn.DataParallel(nn.Sequential(nn.Linear(6, 3)))
+
+        def forward(self, x):
+            return self.body(self.module(x))
+
+    model = Outer()
+    wrapped = parallel_prefixes(model)
+    assert wrapped == {"body"}
+    assert [user_name(n, wrappers=wrapped) for n, _ in model.named_parameters()] == [
+        "module.weight", "module.bias", "body.0.weight", "body.0.bias"]
+    _loop(model, tmp_path / "run", steps=1)
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert m["model"]["layers"] == ["module", "body.0"]

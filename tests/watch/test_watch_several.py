@@ -207,3 +207,20 @@ def test_models_and_model_together_are_refused(tmp_path):
         convcheck.watch(nn.Linear(2, 2), models=[nn.Linear(2, 2)], out=tmp_path / "a")
     with pytest.raises(UsageError, match="not a name without dots"):
         convcheck.watch(models={"a.b": nn.Linear(2, 2)}, out=tmp_path / "a")
+
+
+def test_a_manual_update_ends_its_steps_on_the_steps_the_selection_leaves_out(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+    with convcheck.watch(model, out=tmp_path / "run", every=2):
+        for _ in range(4):
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+    steps = _steps(tmp_path / "run")
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert [s.get("layers_recorded", True) for s in steps] == [True, False, True, False]
+    assert all(len(s["grad_norms"]) == 4 for s in steps)
