@@ -134,10 +134,18 @@ def chaotic(line: str) -> bool:
     return any(p.search(line) for p in CHAOTIC)
 
 
+def unwrap_prose(lines: list[str]) -> list[str]:
+    """The verdict's prose as one line each again: the terminal wraps it to the width (``COLUMNS``), so a
+    number one digit wider on another machine moves a break; ``CHAOTIC`` is matched on the whole line."""
+    from convcheck.report.text import unwrap_prose as unwrap
+
+    return unwrap(lines)
+
+
 def same(expected: str, got: str, rel_tol: float = REL_TOL) -> bool:
     """The words equal, each number within ``rel_tol`` (whitespace runs ignored: a wider number moves a column);
-    on a ``CHAOTIC`` line the words alone."""
-    la, lb = expected.split("\n"), got.split("\n")
+    on a ``CHAOTIC`` line the words alone. Wrapped prose is compared unwrapped (``unwrap_prose``)."""
+    la, lb = unwrap_prose(expected.split("\n")), unwrap_prose(got.split("\n"))  # a verdict's wrapped lines whole
     if len(la) == len(lb) and len(la) > 1:
         return all(same(x, y, rel_tol) for x, y in zip(la, lb))
     if chaotic(expected) and chaotic(got):

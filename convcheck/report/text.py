@@ -27,6 +27,8 @@ from convcheck.measure.table_schema import named
 WORST_LAYERS = 8
 CURVE_ROWS = 10
 PIPED_WIDTH = 140  # the width when the output is not a terminal and COLUMNS is not set
+PROSE_WIDTH = 100  # the verdict's prose when the output is not a terminal and COLUMNS is not set (issue 44)
+PROSE_INDENT = 12  # a wrapped prose line's continuation, under the text after "  evidence: "
 NAME_MIN_WIDTH = 16  # a longer layer name wraps (folded) in a narrow table, never cut
 
 
@@ -368,18 +370,57 @@ def _training(c: Console, result) -> None:
         c.print(f"  {escape(name):<18} {state}")
 
 
+def prose_width(c: Console, environ=None) -> int:
+    """The width prose (the verdict, its evidence and remedies) is wrapped to: ``COLUMNS`` when it is set, else
+    the terminal's, else ``PROSE_WIDTH`` (piped: the tables' ``PIPED_WIDTH`` is for tables, which stay whole)."""
+    environ = os.environ if environ is None else environ
+    columns = environ.get("COLUMNS", "").strip()
+    if (columns.isdigit() and int(columns) >= 40) or is_tty(c.file):
+        return c.width
+    return min(c.width, PROSE_WIDTH)
+
+
+def wrap_prose(line: str, width: int) -> list[str]:
+    """``line`` broken at spaces to ``width``, the continuation lines indented ``PROSE_INDENT`` (under the text
+    after ``  evidence: ``); a word longer than the width (a path, a layer name) stays whole. Joining each
+    continuation line onto the one before with a space gives ``line`` back (``unwrap_prose``)."""
+    import textwrap
+
+    if len(line) <= width:
+        return [line]
+    lead = len(line) - len(line.lstrip(" "))
+    return textwrap.wrap(line[lead:], width=width, initial_indent=" " * lead, subsequent_indent=" " * PROSE_INDENT,
+                         break_long_words=False, break_on_hyphens=False, drop_whitespace=True) or [line]
+
+
+def unwrap_prose(lines: list[str]) -> list[str]:
+    """``wrap_prose`` undone: a line indented exactly ``PROSE_INDENT`` spaces joined onto the one before."""
+    out: list[str] = []
+    for line in lines:
+        if out and line.startswith(" " * PROSE_INDENT) and not line.startswith(" " * (PROSE_INDENT + 1)):
+            out[-1] += " " + line.lstrip(" ")
+        else:
+            out.append(line)
+    return out
+
+
 def _verdict(c: Console, result) -> None:
     v = result.verdict
     if v is None:
         return
     colour = "green" if v.category == "ok" else "red"
     c.print()
-    # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally.
-    # One line each, never hard-wrapped, so the verdict survives grep and copy-paste.
+    # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally. Wrapped at
+    # spaces to the prose width, each continuation indented PROSE_INDENT, so unwrap_prose gives the lines back
+    # (summary.json holds them whole, for grep).
+    width = prose_width(c)
     head, *rest = verdict_lines(v, "compare")
     word = f"Verdict: {v.category}"
-    c.print(f"[bold {colour}]{word}[/bold {colour}]{escape(head[len(word):])}", soft_wrap=True)
-    for line in rest:
+    first, *more = wrap_prose(head, width)
+    c.print(f"[bold {colour}]{word}[/bold {colour}]{escape(first[len(word):])}", soft_wrap=True)
+    for line in more + [w for line in rest for w in wrap_prose(line, width)]:
         c.print(escape(line), soft_wrap=True)
     for line in verification_lines(result):
-        c.print(f"  {escape(line)}", soft_wrap=True)
+        # the code of a remedy (indented) is printed as it is, never broken
+        for w in ([f"  {line}"] if line.startswith("  ") else wrap_prose(f"  {line}", width)):
+            c.print(escape(w), soft_wrap=True)

@@ -1,6 +1,7 @@
 """A verdict in words, as every command prints it: one renderer for ``compare``'s terminal report (and so the
 pytest plugin's and a bundle diff's) and ``convcheck diff`` of watched runs (a pair, one run against the judge,
-DDP ranks). One line each, never wrapped, so a verdict survives grep and copy-paste.
+DDP ranks). One line each here (summary.json keeps them so, for grep); ``compare``'s terminal report wraps them to
+the terminal's width (``report.text.wrap_prose``, undone by ``unwrap_prose``).
 
 ``compare`` heads its report with ``Verdict: CATEGORY - headline`` under the tables; a watched diff's lines read
 ``verdict: CATEGORY: headline`` after its ``name: value`` lines. The evidence and remedies follow in that order.

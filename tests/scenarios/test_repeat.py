@@ -9,6 +9,7 @@ import json
 import pytest
 
 from convcheck.cli.main import main
+from convcheck.report.text import unwrap_prose
 
 FAST = ["--steps", "6", "--envelope", "0", "--no-save", "--no-verify"]
 SCATTER = ["--model", "tests/scenarios/nondeterministic_models.py:scatter_net", "--input-shape", "1,28,28"]
@@ -16,7 +17,7 @@ SCATTER = ["--model", "tests/scenarios/nondeterministic_models.py:scatter_net", 
 
 def test_a_kernel_that_sums_in_another_order_each_call_is_named_with_its_layer_and_op(capsys):
     code = main(["compare", *SCATTER, *FAST])
-    out = capsys.readouterr().out
+    out = "\n".join(unwrap_prose(capsys.readouterr().out.splitlines()))  # the verdict's lines whole
     assert code == 1
     assert "Verdict: nondeterminism - cpu gives different results for the same input and seed" in out
     assert ("the first bitwise difference between two runs of cpu from the same state: layer 'pool' (forward, op "
@@ -42,7 +43,7 @@ def test_repeat_takes_1_or_2(capsys):
 def test_deterministic_algorithms_are_not_called_a_fix_for_a_kernel_they_do_not_reach(capsys):
     """The remedy re-run measures the difference again (it said "verified" from the loss curve alone)."""
     code = main(["compare", *SCATTER, "--steps", "6", "--envelope", "0", "--no-save"])
-    out = capsys.readouterr().out
+    out = "\n".join(unwrap_prose(capsys.readouterr().out.splitlines()))  # the verdict's lines whole
     assert code == 1
     assert ("not verified: with deterministic algorithms, cpu still differs from itself run to run: layer 'pool' "
             "(forward, op shuffled_index_add)") in out
