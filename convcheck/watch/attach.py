@@ -41,6 +41,9 @@ _ROOT_IDS: frozenset = frozenset()  # what dynamo reads of the roots (a constant
 _WATCHES: list = []  # the watches open, innermost last (``current``)
 _HANDLES: list = []
 _SEEN_OPTIMIZERS: dict[int, object] = {}  # optimizers met stepping that are not the watches' (found once each)
+# how deep in module calls the process is: the output of an outermost call of a module no watch holds (a GAN's
+# generator when the discriminator is watched) is made by the process, not data (``Watch.made_elsewhere``)
+_DEPTH = [0]
 
 # a warning OptimizedModule gives on every call while any global module hook exists; the watch's are invisible
 _GLOBAL_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
@@ -66,6 +69,11 @@ def parallel_prefixes(model) -> frozenset:
     """The names of ``model``'s DataParallel/DDP children (their ``module`` child is the user's model)."""
     return frozenset(n for n, m in model.named_modules()
                      if n and any(c.__name__ in PARALLEL for c in type(m).__mro__))
+
+
+def outermost() -> None:
+    """A step's end: no module call is running (one that raised left the count above 0)."""
+    _DEPTH[0] = 0
 
 
 def current():
@@ -165,6 +173,8 @@ def _root_post_eager(module, args, kwargs, output):
 def _pre(module, args):
     if id(module) in _ROOT_IDS:
         _root_pre_eager(module, args)
+    if not torch.compiler.is_compiling():
+        _DEPTH[0] += 1
     return None
 
 
@@ -173,6 +183,10 @@ def _post(module, args, kwargs, output):
         _root_post_eager(module, args, kwargs, output)
     if torch.compiler.is_compiling():  # a layer inside a compiled graph: nothing of the watch is traced into it
         return None
+    _DEPTH[0] = max(_DEPTH[0] - 1, 0)
+    if _DEPTH[0] == 0 and id(module) not in _ROOT_IDS:
+        for w in list(_WATCHES):
+            w.made_elsewhere(output)
     entry = _LAYERS.get(id(module))
     if entry is not None and entry[0] is module:
         for w in list(entry[1]):

@@ -244,6 +244,11 @@ class Watch(ProducerHooks):
                 self.taker.take_params(self.params)
         return None
 
+    def made_elsewhere(self, output) -> None:
+        """The output of an outermost call of a module no watch holds (``attach._post``): made by the process."""
+        if self._recording():
+            self.made.extend(floats(output))
+
     def _root_forward(self, module, args, kwargs, output):
         if not self._recording():
             return None
@@ -393,6 +398,7 @@ class Watch(ProducerHooks):
         self._end_step(loss=value)
 
     def _end_step(self, loss) -> None:
+        _attach.outermost()
         self._resolve()
         self._scaler_skip()
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else learning_rates(self.optimizer), "batch_sha256": self.hashes,

@@ -248,3 +248,34 @@ def fit_run(out, precision: str = "fp32", steps: int = 120):
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+def dcgan_run(out, precision: str = "fp32", flip_labels: bool = False, steps: int = 30):
+    """pytorch/examples' DCGAN loop: the watch on netD and its optimizer only; netD is fed netG's fakes detached
+    for its own step, then netG steps through netD. ``flip_labels``: the real batch labelled fake (a planted
+    fault)."""
+    torch.manual_seed(0)
+    G, D = Generator(), Discriminator()
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), lr=2e-4), torch.optim.Adam(D.parameters(), lr=2e-4)
+    g = torch.Generator().manual_seed(11)
+    centre = torch.randn(16, generator=g)
+    bce = nn.BCEWithLogitsLoss()
+    real_label = 0.0 if flip_labels else 1.0
+    with convcheck.watch(D, opt_d, out=out) as w:
+        for _ in range(steps):
+            real = centre + 0.3 * torch.randn(32, 16, generator=g)
+            z = torch.randn(32, 8, generator=g)
+            with _autocast(precision):
+                err_real = bce(D(real), torch.full((32, 1), real_label))
+                fake = G(z)
+                err_fake = bce(D(fake.detach()), torch.zeros(32, 1))
+                err_d = err_real + err_fake
+            opt_d.zero_grad()
+            err_d.backward()
+            opt_d.step()
+            w.step(err_d)
+            with _autocast(precision):
+                err_g = bce(D(fake), torch.ones(32, 1))
+            opt_g.zero_grad()
+            err_g.backward()
+            opt_g.step()

@@ -64,8 +64,9 @@ def test_a_kl_term_with_its_sign_flipped_is_setup_in_the_gradients(tmp_path, cap
     L.vae_run(tmp_path / "b", d=400, kl_sign=-1.0)
     code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
     assert code == 1
-    assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward and the loss "
-                                   "agree: the loss is built differently")
+    assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward agrees and the "
+                                   "loss differs by only ")
+    assert ": the loss is built differently (a term, its sign or its weight)" in verdict(out)
 
 
 def test_a_hundred_times_the_learning_rate_in_an_lstm_is_the_learning_rate_not_data(tmp_path, capsys):
@@ -95,6 +96,26 @@ def test_a_gan_watched_whole_in_bf16_is_ok_its_fakes_are_not_data(tmp_path, caps
     code, out = diff(capsys, tmp_path / "fp32", tmp_path / "bf16")
     assert code == 0, out
     assert "data: the same batches at every aligned step" in out
+
+
+def test_a_dcgan_with_the_discriminator_watched_alone_is_ok_in_bf16(tmp_path, capsys):
+    """Only netD is watched (as in pytorch/examples' dcgan); it is fed netG's detached fakes, the output of a
+    module no watch holds: made by the process, not data."""
+    L.dcgan_run(tmp_path / "fp32")
+    L.dcgan_run(tmp_path / "bf16", precision="bf16")
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "bf16")
+    assert code == 0, out
+    assert "data: the same batches at every aligned step" in out
+
+
+def test_a_step0_loss_difference_outranks_a_later_difference_of_made_inputs(tmp_path, capsys):
+    """The discriminator's real batch labelled fake in B: its loss differs at step 0 (same weights, same batch);
+    that is the cause, whatever parts after it."""
+    L.dcgan_run(tmp_path / "a")
+    L.dcgan_run(tmp_path / "b", flip_labels=True)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out).startswith("verdict: setup: the runs compute a different loss: at step 0")
 
 
 def test_weight_decay_on_the_norms_in_one_run_only_is_named_per_parameter(tmp_path, capsys):

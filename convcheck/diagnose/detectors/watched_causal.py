@@ -93,7 +93,12 @@ def backward_difference(a, b, k: int, tol: float) -> Setup | None:
     if not apart:
         return None
     worst = max(apart, key=lambda n: abs(ga[n] - gb[n]) / max(ga[n], gb[n], abs(ga[n] - gb[n])))
-    return Setup(f"the gradients differ at step {k} where the forward and the loss agree: the loss is built "
+    la, lb = a.steps[k]["loss"], b.steps[k]["loss"]
+    if la is not None and lb is not None and la != lb and math.isfinite(la) and math.isfinite(lb):
+        loss = f"the loss differs by only {abs(la - lb) / max(abs(la), abs(lb)):.2g} (relative)"
+    else:
+        loss = "the loss agrees"
+    return Setup(f"the gradients differ at step {k} where the forward agrees and {loss}: the loss is built "
                  f"differently (a term, its sign or its weight) or the backward differs ({len(apart)} of "
                  f"{len(names)} parameters)", "backward",
                  evidence=[f"step {k}: {worst}'s gradient norm {ga[worst]:.6g} (A) | {gb[worst]:.6g} (B), beyond "

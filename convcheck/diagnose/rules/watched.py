@@ -65,16 +65,19 @@ def _recipe(r) -> tuple:
 def watched_setup(ev: PairEvidence) -> Verdict | None:
     """The first thing the runs were set up with differently (data, optimizer, settings, lr, initial weights,
     then a step-0 recipe difference), the others as evidence."""
-    found = []
+    found = [((f.step or 0, 2 if f.sub_cause == "initial weights" else 0), (f.headline, f.evidence, f.remedies,
+                                                                              f.sub_cause)) for f in ev.setup]
     if ev.data_step is not None:
-        found.append((f"the runs did not see the same data: different data from step {ev.data_step} "
-                      "(batch hashes differ)",
-                      [f"batch hashes of step {ev.data_step} differ; a loader, sampler or worker-seeding "
-                       "difference, not the numerics"], DATA_REMEDIES, "data order"))
-    found += [(f.headline, f.evidence, f.remedies, f.sub_cause) for f in ev.setup]
-    found += [_recipe(r) for r in ev.pair if r.name in (RECIPE, LOSS_SCALE)]
+        found.append(((ev.data_step, 1), (f"the runs did not see the same data: different data from step {ev.data_step} "
+                                     "(batch hashes differ)",
+                                     [f"batch hashes of step {ev.data_step} differ; a loader, sampler or "
+                                      "worker-seeding difference, not the numerics"], DATA_REMEDIES, "data order")))
+    found += [((0, 3), _recipe(r)) for r in ev.pair if r.name in (RECIPE, LOSS_SCALE)]
     if not found:
         return None
+    # causal order: the first step a difference shows decides; at one step the recipe, then the data, then the
+    # initial weights, then the loss (which needs both the same)
+    found = [f for _, f in sorted(found, key=lambda sf: sf[0])]
     headline, evidence, _, sub_cause = found[0]
     evidence = list(evidence) + [f"also: {h}" for h, *_ in found[1:]] + parting_lines(ev)
     remedies = list(dict.fromkeys(r for *_, rs, _ in found for r in rs))
