@@ -169,7 +169,10 @@ def render_compare(result, console: Console | None = None) -> None:
     if getattr(result, "threads", None) is not None:
         c.print(escape(result.threads.line()))
     for note in result.notes:
-        c.print(f"[yellow]note:[/yellow] {escape(str(note))}")
+        first, *more = wrap_prose(f"note: {note}", prose_width(c))
+        c.print(f"[yellow]note:[/yellow] {escape(first[len('note: '):])}", soft_wrap=True)
+        for line in more:
+            c.print(escape(line), soft_wrap=True)
     _targets(c, result)
     _layers(c, result)
     _curves(c, result)
@@ -341,8 +344,7 @@ def training_states(result) -> dict[str, str]:
         if not judged and math.isfinite(info.final_loss):
             state = f"trained, convergence not judged from {result.config.steps} step(s)"
         elif too_short and not info.converged and math.isfinite(info.final_loss):
-            state = (f"convergence not judged: {result.config.steps} steps, the float64 judge has not "
-                     "converged either")
+            state = f"convergence not judged: {result.config.steps} steps, too few for the judge"
         extra = ""
         if (judged and info.converged and judge is not None and judge.converged and name != str(result.config.judge)
                 and ends_apart(info.final_loss, judge.final_loss, judge.first_loss)):

@@ -1,5 +1,6 @@
 """An ok verdict from a run too short for the float64 judge itself to converge says so on the training lines,
-"convergence not judged: N steps", instead of "did not converge" under an ok verdict (issue 44)."""
+"convergence not judged: N steps, too few for the judge", instead of "did not converge" under an ok verdict
+(issue 44)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_a_run_too_short_for_the_judge_says_convergence_not_judged():
     states = training_states(result)
     assert set(states) == {"cpu", "cpu:float64"}
     for state in states.values():
-        assert state.startswith("convergence not judged: 6 steps, the float64 judge has not converged either (loss ")
+        assert state.startswith("convergence not judged: 6 steps, too few for the judge (loss ")
     # another verdict keeps the arms' own outcome: the judge not converging is then no excuse
     other = dataclasses.replace(result, verdict=dataclasses.replace(result.verdict, category="numerics"))
     assert all(s.startswith("did not converge (loss ") for s in training_states(other).values())

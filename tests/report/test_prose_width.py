@@ -3,6 +3,7 @@ else 100 columns, each continuation indented so that unwrapping gives the one-li
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -35,6 +36,18 @@ def test_verdict_lines_fit_and_unwrap_to_the_verdict(monkeypatch, result, column
     assert max(len(x) for x in whole) > 100  # there was something to wrap
     assert all(len(x) <= width or " " not in x.strip() for x in region), [x for x in region if len(x) > width]
     assert unwrap_prose(region) == whole
+
+
+def test_every_line_fits_at_columns_100(monkeypatch, result):
+    """Tables, header, notes and the verdict: nothing printed wider than COLUMNS=100 (a lone long word aside)."""
+    monkeypatch.setenv("COLUMNS", "100")
+    noted = dataclasses.replace(result, notes=[*result.notes, "a long note " + "that goes on " * 12 + "to its end"])
+    out = io.StringIO()
+    render_compare(noted, make_console(out))
+    lines = out.getvalue().splitlines()
+    assert [x for x in lines if len(x) > 100 and " " in x.strip()] == []
+    assert "note: a long note that goes on" in out.getvalue()
+    assert any(x.startswith("note: a long note") for x in unwrap_prose(lines)[:20])
 
 
 def test_wrap_prose_keeps_long_words_whole_and_round_trips():
