@@ -128,14 +128,18 @@ def record_run(model_spec: str, target_spec: str, cfg: CompareConfig, folder: Pa
     """Run ``target_spec`` against the judge and write the bundle into ``folder``; returns the manifest."""
     from convcheck.env import collect
     from convcheck.stages import (caller_rng_kept, guarded, measure_parity, measure_training, prepare, resolve,
-                                  threads_chosen)
+                                  threads_chosen, threads_given)
 
-    with caller_rng_kept(), guarded(None, cfg.steps), contextlib.ExitStack() as stack:
+    # --threads in force before the weights or a batch are made, as compare's
+    with caller_rng_kept(), threads_given(cfg.threads), guarded(None, cfg.steps), contextlib.ExitStack() as stack:
         run = prepare(resolve(model_spec, dataclasses.replace(cfg, targets=target_spec), input_shape=input_shape,
                               num_classes=num_classes, targets_needed=1))
         cfg, (target,) = run.config, run.config.targets
+        made_at = torch.get_num_threads()
         first = run.data.first()
-        stack.enter_context(threads_chosen(run, first))  # one count for the target, its envelope and the judge
+        choice = stack.enter_context(threads_chosen(run, first))  # one count for the target, its envelope, the judge
+        if choice.threads != made_at:  # measured: the first batch made again at the count every arm trains at
+            first = run.data.first()
         parity = measure_parity(run, first)
         writer = BundleWriter(folder)
         torch.manual_seed(cfg.seed + 1)  # as run_parity seeds the first target's pass
