@@ -43,10 +43,6 @@ ROWS = ("ok", "setup", "numerics")
 
 def run_case(family: str, kind: str, check: bool = True) -> dict:
     """One case, in this process: the plain-torch check, two watched runs, their diff. Never raises."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
     from matrix.loop import train
 
     k, fam = KINDS[kind], FAMILIES[family]
@@ -83,6 +79,7 @@ def _task(args):
 
 def run_all(cases, jobs: int = 1, progress=None) -> list[dict]:
     """Every case in its own process (spawned, one task per process): no global state leaks between cases."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned workers' own thread pools: one thread each
     ctx = mp.get_context("spawn")
     out = []
     with ctx.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:

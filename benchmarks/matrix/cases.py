@@ -124,8 +124,7 @@ def check_sched(fam, a, b):
 
 def check_data_order(fam, a, b):
     need(a.batch_hashes[0] != b.batch_hashes[0], "the first batches are the same")
-    need(sorted(a.batch_hashes) == sorted(b.batch_hashes) or len(set(a.batch_hashes) & set(b.batch_hashes)) > 0,
-         "the runs do not draw from the same dataset")
+    need(_outcome_differs(a, b), "B ends like A")  # one dataset by construction (the family's), another order
 
 
 def check_nonfinite(fam, a, b):
@@ -204,7 +203,7 @@ FAULTS = [
          about="both at 1/500 of the family's lr; B's weights kept in bfloat16 (model.to(torch.bfloat16))"),
     Kind("log_softmax_fp16", "numerics", Run(log_softmax="float32"), Run(log_softmax="float16"),
          ("softmax", "log", "inf", "nan", "non-finite"), check_nonfinite, families=CLASSIFIERS,
-         about="both: nll(torch.log(torch.softmax(logits / T))) (T per family, 0.1-0.25); B computes it in float16: log(0) = -inf"),
+         about="both: nll(torch.log(torch.softmax(logits / T))) (T per family, 0.1-0.35); B computes it in float16: log(0) = -inf"),
 ]
 
 VARIATIONS = [

@@ -237,7 +237,7 @@ FAMILIES = {
     "resnet": Family("resnet", ResNet, lambda: image_batches(ch=3, size=8, seed=13), "sgd", 0.05,
                      ("stem.", "bn.", "layer1."), "head", temperature=0.15, supports={"fp16"},
                      about="stem + 2 residual BN blocks, 3x8x8 templates, SGD momentum"),
-    "gru": Family("gru", CharGRU, lm_batches, "sgd", 0.5, ("embed.", "rnn."), "head", kind="lm", temperature=0.25, supports={"fp16"},
+    "gru": Family("gru", CharGRU, lm_batches, "sgd", 0.5, ("embed.", "rnn."), "head", kind="lm", temperature=0.35, supports={"fp16"},
                   about="char GRU LM, Markov text, hidden state carried across batches (.detach())"),
     "transformer": Family("transformer", TinyTransformer, lm_batches, "adamw", 3e-3, ("embed.", "pos."), "head",
                           weight_decay=0.1, temperature=0.1, supports={"fp16"},

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from .families import Family
 
@@ -111,13 +112,15 @@ def warmup(k: int) -> float:
     return min(1.0, (k + 1) / WARMUP)
 
 
-def classifier_loss(logits, y, cfg: Run, temperature: float = 1.0):
+def classifier_loss(logits, y, cfg: Run, criterion, temperature: float = 1.0):
+    """``criterion``: the loop's ``nn.CrossEntropyLoss(label_smoothing=...)``, or its ``nn.NLLLoss()`` on a hand-written
+    log of a softmax (``cfg.log_softmax``)."""
     flat, target = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
     if cfg.log_softmax is not None:
         p = torch.softmax(flat.to(_dtype(cfg.log_softmax)) / temperature, -1)
-        main = F.nll_loss(torch.log(p).float(), target)
+        main = criterion(torch.log(p).float(), target)
     else:
-        main = F.cross_entropy(flat.float(), target, label_smoothing=cfg.label_smoothing)
+        main = criterion(flat.float(), target)
     return main + cfg.term_sign * AUX * flat.float().pow(2).mean()
 
 
@@ -139,7 +142,18 @@ def train(fam: Family, cfg: Run, out=None) -> Trace:
     torch.manual_seed(0)  # the initial weights: the same in both runs of a case
     model = fam.build()
     data = fam.batches()
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.shuffle_seed)).tolist()
+    if fam.kind == "lm":  # windows in their order (the hidden state runs on); another seed: a shuffled order
+        order = list(range(len(data))) if cfg.shuffle_seed == 0 else torch.randperm(
+            len(data), generator=torch.Generator().manual_seed(cfg.shuffle_seed)).tolist()
+        loader = [data[i] for i in order]
+    else:  # a DataLoader shuffling with a seeded generator, as a user writes it
+        ds = TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
+        loader = DataLoader(ds, batch_size=len(data[0][0]), shuffle=True,
+                            generator=torch.Generator().manual_seed(cfg.shuffle_seed))
+    if cfg.log_softmax is not None:
+        criterion = nn.NLLLoss()
+    else:
+        criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     wdt = _dtype(cfg.weights_dtype)
     if wdt is not None:
         model = model.to(wdt)
@@ -180,8 +194,7 @@ def train(fam: Family, cfg: Run, out=None) -> Trace:
     torch.manual_seed(1)  # the run's own randomness (dropout, the VAE's noise, the GAN's z): alike in both runs
     hidden = None
     with ctx as w:
-        for step in range(cfg.steps):
-            x, y = data[order[step % len(data)]]
+        for step, (x, y) in zip(range(cfg.steps), loader):
             if wdt is not None and x.is_floating_point():
                 x = x.to(wdt)
             if cfg.zero_grad:
@@ -200,11 +213,11 @@ def train(fam: Family, cfg: Run, out=None) -> Trace:
                 elif fam.kind == "lm":
                     logits, hidden = fwd(x, hidden)
                     hidden = hidden.detach()  # truncated BPTT: the state carried, its graph cut
-                    loss = classifier_loss(logits, y, cfg, temp)
+                    loss = classifier_loss(logits, y, cfg, criterion, temp)
                 elif fam.kind == "vae":
                     loss = vae_loss(fwd(x), x.float(), cfg)
                 else:
-                    loss = classifier_loss(fwd(x), y, cfg, temp)
+                    loss = classifier_loss(fwd(x), y, cfg, criterion, temp)
                 loss = loss * cfg.loss_scale
             _backward_step(loss, opt, scaler, cfg, named)
             if gan:
