@@ -69,3 +69,28 @@ def test_threads_option_in_force_before_the_first_batch(monkeypatch, threads_kep
     convcheck.compare("lenet", "cpu,cpu:float64", steps=2, envelope=0, batch_size=4, threads=1, verify=False)
     assert seen and set(seen) == {1}, seen
     assert torch.get_num_threads() == 2
+
+
+def _thread_dependent_batches():
+    """A user's data whose bits follow the thread count (as a threaded kernel's would)."""
+    g = torch.Generator().manual_seed(0)
+    shift = torch.get_num_threads() * 1e-3
+    for _ in range(50):
+        yield torch.randn(4, 1, 28, 28, generator=g) + shift, torch.randint(10, (4,), generator=g)
+
+
+def test_a_measured_count_makes_the_first_batch_again_at_that_count(monkeypatch, threads_kept):
+    """The count measured on the first batch differs from the one it was made at: the first batch is made again,
+    so data whose bits follow the count is one batch throughout (not 'a different first batch')."""
+    import convcheck
+    from convcheck import stages
+    from convcheck.plan.threads import ThreadChoice
+
+    monkeypatch.setattr(stages, "given_choice", lambda requested: None)
+    monkeypatch.setattr(stages, "measure_choice", lambda steps, default: ThreadChoice(1, "measured faster than 2",
+                                                                                       "measured"))
+    torch.set_num_threads(2)
+    result = convcheck.compare("lenet", "cpu,cpu:float64", data=_thread_dependent_batches, steps=2, envelope=0,
+                               batch_size=4, verify=False)
+    assert result.threads.threads == 1 and result.verdict is not None
+    assert torch.get_num_threads() == 2
