@@ -31,7 +31,31 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {_did_you_mean(message)} (see '{self.prog} --help')\n")
+
+
+def _did_you_mean(message: str) -> str:
+    """argparse's ``invalid choice: 'compair' (choose from ...)`` with the nearest choice named (issue 47)."""
+    import difflib
+    import re
+
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if m is None:
+        return message
+    choices = re.findall(r"'([^']*)'", m.group(2))
+    near = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+    return f"{message}; did you mean '{near[0]}'?" if near else message
+
+
+def short_usage(parser) -> str:
+    """What ``convcheck`` with no command prints (issue 47): the usage and the commands, one line each, as other
+    command lines do - not the whole help."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    rows = [(c.dest, c.help or "") for c in sub._choices_actions]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([f"usage: {parser.prog} [--version] [--debug] COMMAND [options]", "", "commands:",
+                      *(f"  {name:<{width}}  {text}" for name, text in rows), "",
+                      f"'{parser.prog} COMMAND --help' for a command's options, '{parser.prog} --help' for more"]) + "\n"
 
 
 def _add_debug(p) -> None:
@@ -298,14 +322,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. ``argv=None`` is the process's own command line: once its outcome is decided,
-    stop signals are ignored until it exits (a Ctrl-C after the report is written changes nothing)."""
+    stop signals are ignored until it exits (a Ctrl-C after the report is written changes nothing), and the
+    process ends then, whatever threads the user's code left running (``end_process``)."""
+    code = _main(argv)
+    if argv is None:
+        end_process(code)
+    return code
+
+
+def end_process(code: int) -> None:
+    """The process ended now with ``code`` when the user's code (a model factory, a data loader) left a
+    non-daemon thread running, which would keep it alive after the report (issue 47): the output flushed, then
+    ``os._exit``. Nothing happens when no such thread is left (the interpreter's own exit runs)."""
+    import os
+    import threading
+
+    left = [t for t in threading.enumerate()
+            if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if not left:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 0)
+
+
+def _main(argv: list[str] | None) -> int:
     from convcheck.cli.signals import stop_signals
     from convcheck.exit_codes import report, user_exit
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):  # no command: the help goes where errors go, and it is a usage error
-        parser.print_help(sys.stderr)
+    if not getattr(args, "func", None):  # no command: the usage and the commands where errors go; a usage error
+        sys.stderr.write(short_usage(parser))
         return 2
     with stop_signals(restore=argv is not None):
         running = False
