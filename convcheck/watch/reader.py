@@ -191,6 +191,10 @@ def _check_step(rec, i: int) -> dict:
 def _check_recipe_fields(rec: dict, where: str) -> None:
     """The step's recipe fields (``recipe.py``; runs before them have none): the autocast dtype, the modules in
     another training mode, a few entries of each gradient."""
+    for key in ("autocast", "loss_dtype"):
+        fmt = bundle_reader.get_field(rec, key, (str, type(None)), where, optional=True)
+        if fmt is not None and fmt not in STORAGE:
+            raise _Bad(f"{where}.{key} is {fmt!r:.40}, not a floating dtype")
     autocast = bundle_reader.get_field(rec, "autocast", (str, type(None)), where, optional=True)
     if autocast is not None and autocast not in STORAGE:
         raise _Bad(f"{where}.autocast is {autocast!r:.40}, not a floating dtype")

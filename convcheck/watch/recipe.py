@@ -112,3 +112,23 @@ def grad_sample(params) -> dict[str, list[float]]:
     """Every parameter's sampled gradient entries (``sample_parts``), read in one transfer."""
     keys, sizes, t = sample_parts(params)
     return {} if t is None else samples_of(keys, sizes, t.tolist())
+
+
+def loss_dtype(loss) -> str | None:
+    """The dtype the step's loss was computed in (a tensor's), None for a number."""
+    return str(loss.dtype).removeprefix("torch.") if isinstance(loss, torch.Tensor) else None
+
+
+def criterion_of(module: torch.nn.Module) -> dict | None:
+    """A loss module's class and settings (``nn.CrossEntropyLoss(label_smoothing=0.1)``: its reduction, label
+    smoothing, ignore index, a class weight of up to 16 entries...), None for any other module."""
+    if not isinstance(module, torch.nn.modules.loss._Loss):
+        return None
+    settings = {k: v for k, v in vars(module).items()
+                if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str))}
+    for k, t in module.named_buffers():
+        if t is not None and t.numel() <= 16:
+            settings[k] = [round(float(x), 6) for x in t.detach().reshape(-1).tolist()]
+        elif t is not None:
+            settings[k] = f"{t.numel()} values"
+    return {"class": type(module).__name__, "settings": settings}

@@ -22,7 +22,7 @@ import torch
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, data_tensors, rounded_hashes
-from convcheck.watch.recipe import forward_state, grad_sample, recipe_of, sample_parts
+from convcheck.watch.recipe import criterion_of, forward_state, grad_sample, loss_dtype, recipe_of, sample_parts
 from convcheck.errors import UsageError
 from convcheck.watch import arguments as _args
 from convcheck.watch import deferred as _deferred
@@ -108,6 +108,7 @@ class Watch(ProducerHooks):
         # the models' outputs of this step and the last one, held until then: a recurrent state carried over
         # detached, a generator's fakes handed to a discriminator are the process's, not data
         self.made_before, self.made = getattr(self, "made", []), []
+        self.loss_dtype: str | None = None  # the dtype of the loss handed to ``w.step`` (``recipe.loss_dtype``)
         self.layers: dict[str, dict] = {}
         self.order: list[str] = []
         self.hashes: list[str] = []
@@ -244,10 +245,14 @@ class Watch(ProducerHooks):
                 self.taker.take_params(self.params)
         return None
 
-    def made_elsewhere(self, output) -> None:
-        """The output of an outermost call of a module no watch holds (``attach._post``): made by the process."""
+    def made_elsewhere(self, module, output) -> None:
+        """The output of an outermost call of a module no watch holds (``attach._post``): made by the process; a
+        loss module's class and settings go into the recipe (``recipe.criterion_of``)."""
         if self._recording():
             self.made.extend(floats(output))
+            found = criterion_of(module)
+            if found is not None and found not in self.recipe.setdefault("criteria", []):
+                self.recipe["criteria"].append(found)
 
     def _root_forward(self, module, args, kwargs, output):
         if not self._recording():
@@ -383,6 +388,7 @@ class Watch(ProducerHooks):
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
         value = step_loss(loss)
+        self.loss_dtype = loss_dtype(loss)
         if self.grad_norms is None:
             self.grad_norms = grad_norms(self.params, self.buffer)
             self._sample_grads()
@@ -406,6 +412,8 @@ class Watch(ProducerHooks):
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
         record.update(self.forward_state or {})
+        if self.loss_dtype:
+            record["loss_dtype"] = self.loss_dtype
         if self.grad_sample:
             record["grad_sample"] = self.grad_sample
         if not self.chosen:

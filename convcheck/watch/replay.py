@@ -24,6 +24,8 @@ values into NaN/Inf, its float64 magnitude, and the format whose range it passed
 
 from __future__ import annotations
 
+from convcheck.numerics.formats import coarsest_dtype
+
 import copy
 import math
 from dataclasses import dataclass, field
@@ -267,14 +269,16 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None) -> Replay:
                 continue
             k = 0
             while f"out/{layer}/{k}/0" in snap:
-                row = _replay_call(module, layer, step, k, snap, dtypes, judge, tol, run.manifest, cache, out)
+                row = _replay_call(module, layer, step, k, snap, dtypes, judge, tol, run.manifest, cache, out,
+                                   run.steps[step].get("autocast"))
                 if row is not None:
                     out.rows.append(row)
                 k += 1
     return out
 
 
-def _replay_call(module, layer, step, k, snap, dtypes, judge, tol, manifest, cache, out) -> LayerRow | None:
+def _replay_call(module, layer, step, k, snap, dtypes, judge, tol, manifest, cache, out,
+                 autocast: str | None = None) -> LayerRow | None:
     where = f"step {step}, {layer}"
     # the recorded steps trained (the watch records training forwards only), and the run's p is not known
     # here (the model built here takes its class's default arguments): a random layer is never replayed
@@ -314,7 +318,10 @@ def _replay_call(module, layer, step, k, snap, dtypes, judge, tol, manifest, cac
         if limit is not None and absmax > limit:
             return LayerRow(step, layer, k, dtype, math.inf, math.nan, math.nan, True, overflow=absmax)
     jc = JudgeCall(layer, type(module).__name__, tuple(judge.reference(t) for t in inputs), judge_out)
-    meter = FloorMeter(_precision(dtype, manifest, cache), judge)
+    # under autocast a layer computed in the autocast format whatever dtype it handed on (a GRU's float32 output
+    # from bfloat16 arithmetic): its floor is that format's
+    computed = coarsest_dtype((dtype, autocast)) if autocast in _SPECS else dtype
+    meter = FloorMeter(_precision(computed, manifest, cache), judge)
     try:
         res = check_forward(tol, meter, module, jc, tuple(inputs), got, reduction_length(module, jc.inputs, judge_out))
     except Exception as exc:

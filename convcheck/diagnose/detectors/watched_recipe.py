@@ -13,7 +13,7 @@ What a precision policy is (the autocast dtype, the weights' dtype, the TF32 swi
 from __future__ import annotations
 
 from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
-                                         TRAIN_MODE_REMEDIES)
+                                         RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.thresholds import LR_RTOL
 
@@ -224,11 +224,38 @@ def modes_difference(a, b, steps: int) -> Setup | None:
     return None
 
 
+def _criterion_text(c: dict) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in sorted((c.get("settings") or {}).items()))
+    return f"{c.get('class')}({args})"
+
+
+def loss_function(a, b) -> Setup | None:
+    """The loss modules (``nn.CrossEntropyLoss(label_smoothing=0.1)``...) each run called, when both called one
+    and they differ in class or in a setting (a loss written as a function is not seen: the step-0 loss says it)."""
+    ca, cb = (recipe(a) or {}).get("criteria") or [], (recipe(b) or {}).get("criteria") or []
+    if not ca or not cb or ca == cb:
+        return None
+    for x, y in zip(ca, cb):
+        if x == y:
+            continue
+        if x.get("class") != y.get("class"):
+            what = f"B uses {_criterion_text(y)}, A {_criterion_text(x)}"
+        else:
+            sx, sy = x.get("settings") or {}, y.get("settings") or {}
+            key = next(k for k in sorted(set(sx) | set(sy)) if sx.get(k) != sy.get(k))
+            what = f"{y.get('class')}'s {key} is {sy.get(key)!r} in B, {sx.get(key)!r} in A"
+        return Setup(f"different loss functions: {what}", "loss function",
+                     evidence=[f"the recipes' loss modules: {', '.join(map(_criterion_text, ca))} | "
+                               f"{', '.join(map(_criterion_text, cb))}"],
+                     remedies=list(RECIPE_REMEDIES), step=0)
+    return None
+
+
 def recipe_differences(a, b, steps: int) -> list[Setup]:
-    """Every recipe difference, in the order a step uses them: which parameters train, their groups, their
-    settings, their learning rates, the modules' modes."""
-    found = (unheld(a, b), frozen(a, b, steps), settings_per_parameter(a, b), lr_per_parameter(a, b, steps),
-             modes_difference(a, b, steps))
+    """Every recipe difference, in the order a step uses them: the loss function, which parameters train, their
+    groups, their settings, their learning rates, the modules' modes."""
+    found = (loss_function(a, b), unheld(a, b), frozen(a, b, steps), settings_per_parameter(a, b),
+             lr_per_parameter(a, b, steps), modes_difference(a, b, steps))
     return [f for f in found if f is not None]
 
 
@@ -240,9 +267,13 @@ def _autocast(run) -> str | None:
     return next((s.get("autocast") for s in run.steps if s.get("autocast")), None)
 
 
+def _loss_dtype(run) -> str | None:
+    return next((s.get("loss_dtype") for s in run.steps if s.get("loss_dtype")), None)
+
+
 def precision_policy(a, b) -> list[str]:
     """How the two runs' precision policies differ, in words (empty when they do not): autocast, the weights'
-    dtypes, the TF32 switches, the CPU thread count (another split of every reduction)."""
+    dtypes, the loss's dtype, the TF32 switches, the CPU thread count (another split of every reduction)."""
     out = []
     ca, cb = _autocast(a), _autocast(b)
     if ca != cb:
@@ -252,6 +283,9 @@ def precision_policy(a, b) -> list[str]:
     wb = (rb or {}).get("weights_dtypes") or sorted({p.get("dtype") for p in b.manifest["model"]["parameters"]})
     if wa != wb:
         out.append(f"weights kept in {', '.join(map(str, wa))} | {', '.join(map(str, wb))}")
+    la, lb = _loss_dtype(a), _loss_dtype(b)
+    if la and lb and la != lb:  # a loss handed over as a number says nothing of its dtype
+        out.append(f"the loss computed in {la} | {lb}")
     fa, fb = a.manifest.get("math_flags") or {}, b.manifest.get("math_flags") or {}
     for k in sorted(set(fa) | set(fb)):
         if ("tf32" in k.lower() or "precision" in k or k == "threads") and fa.get(k) != fb.get(k):
