@@ -29,13 +29,24 @@ from convcheck.errors import RunFailed, UsageError
 DEFAULT_TIMEOUT_S = 300.0  # every collective; CONVCHECK_DDP_TIMEOUT overrides it (seconds)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # what a collective may wait at most (a week); past it torch's timedelta overflows
+
+
 def collective_timeout() -> float:
-    raw = os.environ.get("CONVCHECK_DDP_TIMEOUT", "")
+    """``CONVCHECK_DDP_TIMEOUT`` (seconds, > 0, at most a week) or the default; anything else one ``UsageError``
+    naming the variable (issue 47: ``'inf'`` overflowed, ``'²'`` or ``'-5'`` fell back to the default silently)."""
+    raw = os.environ.get("CONVCHECK_DDP_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    text = raw.strip()
     try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+        value = float(text) if text.isascii() and text else float("nan")
     except ValueError:
-        value = DEFAULT_TIMEOUT_S
-    return value if value > 0 else DEFAULT_TIMEOUT_S
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN too
+        raise UsageError(f"CONVCHECK_DDP_TIMEOUT={raw!r:.40} is not a number of seconds in "
+                                f"(0, {MAX_TIMEOUT_S:.0f}]")
+    return value
 
 
 def free_port() -> int:
@@ -167,7 +178,11 @@ def start_method(target) -> str:
     ``CONVCHECK_DDP_START=spawn`` (the spawn path, exercised on a CPU-only machine)."""
     if target.device != "cpu":
         return "spawn"
-    return "spawn" if os.environ.get("CONVCHECK_DDP_START", "").strip().lower() == "spawn" else "fork"
+    raw = os.environ.get("CONVCHECK_DDP_START", "")
+    how = raw.strip().lower() or "fork"
+    if how not in ("fork", "spawn"):  # a misspelt 'spwan' ran fork silently
+        raise UsageError(f"CONVCHECK_DDP_START={raw!r:.40} is not fork or spawn")
+    return how
 
 
 def _start(process, method: str, target) -> None:

@@ -254,3 +254,35 @@ def test_the_watch_and_diff_out_refuse_a_linked_folder_alike(earlier, capsys):
     assert code == 2 and "is a symbolic link" in err and "Traceback" not in err, err
     assert snapshot(earlier) == before
     assert watch_error.split("is a symbolic link")[1] == err.strip().split("is a symbolic link")[1]
+
+
+# --- the data-parallel variables -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["", " ", "²", "٣", "-1", "0", "x", "inf", "nan", "1e400", "9" * 40])
+def test_a_bad_ddp_timeout_is_one_line_naming_it(monkeypatch, value):
+    """``CONVCHECK_DDP_TIMEOUT='inf'`` overflowed torch's timedelta; '²', '-1' fell back to 300 s silently."""
+    from convcheck.ddp.rank_pool import collective_timeout
+
+    monkeypatch.setenv("CONVCHECK_DDP_TIMEOUT", value)
+    with pytest.raises(UsageError, match="CONVCHECK_DDP_TIMEOUT") as info:
+        collective_timeout()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value, expected", [("2", 2.0), (" 0.5 ", 0.5), ("300", 300.0)])
+def test_a_good_ddp_timeout_is_taken(monkeypatch, value, expected):
+    from convcheck.ddp.rank_pool import collective_timeout
+
+    monkeypatch.setenv("CONVCHECK_DDP_TIMEOUT", value)
+    assert collective_timeout() == expected
+
+
+@pytest.mark.parametrize("value", ["spwan", "²", "1", "thread"])
+def test_a_bad_ddp_start_is_one_line_naming_it(monkeypatch, value):
+    from convcheck.ddp.rank_pool import start_method
+    from convcheck.targets.spec import Target
+
+    monkeypatch.setenv("CONVCHECK_DDP_START", value)
+    with pytest.raises(UsageError, match="CONVCHECK_DDP_START"):
+        start_method(Target.parse("ddp:cpu:2"))
