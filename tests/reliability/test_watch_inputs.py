@@ -286,3 +286,64 @@ def test_a_bad_ddp_start_is_one_line_naming_it(monkeypatch, value):
     monkeypatch.setenv("CONVCHECK_DDP_START", value)
     with pytest.raises(UsageError, match="CONVCHECK_DDP_START"):
         start_method(Target.parse("ddp:cpu:2"))
+
+
+# --- a watched run's manifest altered, field by field ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("watched")
+    for name in ("A", "B"):
+        _loop(tmp / name, n=3)
+    return tmp
+
+
+def _other_values(value):
+    if isinstance(value, bool):
+        return [not value, "yes"]
+    if isinstance(value, (int, float)):
+        return [-1, 1e308, "1"]
+    if isinstance(value, str):
+        return ["", value[::-1] + "x", 5]
+    if isinstance(value, list):
+        return [[], value[:1] * 3, {"a": 1}]
+    if isinstance(value, dict):
+        return [{}, [], {"x": 1}]
+    return [5, "x", []]
+
+
+def _fields():
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        _loop(Path(d) / "run", n=1)
+        return sorted(json.loads((Path(d) / "run" / "manifest.json").read_text()))
+
+
+@pytest.mark.parametrize("field", _fields())
+def test_every_watched_manifest_field_altered_no_traceback_nothing_written(two_runs, tmp_path, capsys, field):
+    """Issue 47's family: each field of a watched run's manifest altered (and removed), one at a time: ``diff``
+    answers (exit 0/1) or refuses in one line (exit 2), never a traceback; nothing outside --out is written."""
+    import json
+    import shutil
+
+    from tests.reliability.conftest import run_cli
+
+    original = json.loads((two_runs / "A" / "manifest.json").read_text())
+    for i, value in enumerate([*_other_values(original[field]), None, "<removed>"]):
+        run = tmp_path / f"A{i}"
+        shutil.copytree(two_runs / "A", run)
+        m = dict(original)
+        if value == "<removed>":
+            del m[field]
+        else:
+            m[field] = value
+        (run / "manifest.json").write_text(json.dumps(m))
+        before = snapshot(tmp_path)
+        code, _, err = run_cli(capsys, ["diff", str(run), str(two_runs / "B"), "--out", str(tmp_path / f"r{i}")])
+        assert "Traceback" not in err and code in (0, 1, 2), (field, value, code, err)
+        if code == 2:
+            assert len(err.strip().splitlines()) == 1, (field, value, err)
+        assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith(f"r{i}")} == before, (field, value)
