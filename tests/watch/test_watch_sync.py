@@ -164,7 +164,7 @@ def test_the_environment_chooses_without_touching_the_script(tmp_path, monkeypat
 
 @pytest.mark.parametrize("env, value, words", [
     ("CONVCHECK_WATCH_SYNC", "sometimes", "CONVCHECK_WATCH_SYNC='sometimes' is not one of auto, step, layer"),
-    ("CONVCHECK_WATCH_EVERY", "0", "CONVCHECK_WATCH_EVERY=0 is not a whole number of steps >= 1"),
+    ("CONVCHECK_WATCH_EVERY", "0", "CONVCHECK_WATCH_EVERY='0' is not a whole number of steps in 1..1000000000"),
     ("CONVCHECK_WATCH_STEPS", "5-2", "the window '5-2' is empty"),
     ("CONVCHECK_WATCH_LAYERS", "nosuch*", "layers pattern 'nosuch*' matches no module of the model"),
 ])
