@@ -64,9 +64,12 @@ def take(out: Path) -> int | None:
         raise UsageError(f"convcheck.watch: out={out}: cannot open the folder ({exc.strerror or exc})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # held by another watch
         os.close(fd)
         raise UsageError(f"convcheck.watch: out={out} {TAKEN}") from None
+    except OSError:  # a file system without locks (some network mounts): ``claim`` is the guard there
+        os.close(fd)
+        return None
     return fd
 
 
