@@ -22,6 +22,9 @@ def model_class(manifest: dict) -> tuple[type | None, str | None]:
         return None, f"the model's class {label} is defined inside a function: not importable here"
     if mod.split(".")[0] in sys.stdlib_module_names:
         return None, f"{label} names a module of Python's standard library, not a model's"
+    if mod == "convcheck.watch.several":  # models={...}: the watch's own container of them, never a model
+        return None, (f"several models were watched in one block ({qual[:120]}): the judge replays one model, "
+                      "not the container the watch kept them in")
     if mod == "__main__":
         return None, (f"the model's class {label} was defined in the script itself: not importable here "
                       "(run the script with python -m, or move the class into a module it imports)")

@@ -224,3 +224,11 @@ def test_a_manual_update_ends_its_steps_on_the_steps_the_selection_leaves_out(tm
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     assert [s.get("layers_recorded", True) for s in steps] == [True, False, True, False]
     assert all(len(s["grad_norms"]) == 4 for s in steps)
+
+
+def test_the_judge_says_why_it_does_not_replay_several_models(tmp_path, capsys):
+    _gan(tmp_path / "a", steps=2)
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), "--judge", "cpu:float64"]) == 0
+    out = capsys.readouterr().out
+    assert "several models were watched in one block (Gen+Disc)" in out and "AttributeError" not in out
