@@ -28,7 +28,7 @@ class ScalerSpy:
         self.inside_step = False
         self.clipped_scaled = False  # a clip ran on scaled gradients this step
         self.scaled = False  # the enabled scaler scaled a loss this step (``scaler.scale``)
-        self.stepped_scaled = False  # an optimizer step outside scaler.step on those scaled gradients
+        self.stepped_outside: set[int] = set()  # optimizers stepped outside scaler.step on those scaled gradients
         self.hook = None  # the optimizer step pre-hook's handle
         self.saved: list[tuple] = []
         self.optimizers: dict[int, str] = {}  # the optimizers this scaler stepped (id -> class name)
@@ -84,7 +84,7 @@ class ScalerSpy:
         """Any optimizer's step: one taken outside ``scaler.step`` on gradients this scaler scaled and nobody
         unscaled applies them scaled."""
         if self.scaled and not self.inside_step and not self.unscaled:
-            self.stepped_scaled = True
+            self.stepped_outside.add(id(optimizer))
         return None
 
     def _step(self, fn):
@@ -130,9 +130,12 @@ class ScalerSpy:
     def end_step(self, skipped: bool = False) -> dict:
         """This step's record (``{"clip_before_unscale": True}`` or nothing), then a fresh step."""
         out = {"clip_before_unscale": True} if self.clipped_scaled else {}
-        if self.stepped_scaled:
+        # one the scaler steps elsewhere, or any when the loop never calls scaler.step (another optimizer trained
+        # without AMP beside a scaled one - a GAN's - is not this)
+        if self.stepped_outside and (not self.optimizers or self.stepped_outside & set(self.optimizers)):
             out["step_without_scaler"] = True
-        self.unscaled = self.clipped_scaled = self.scaled = self.stepped_scaled = False
+        self.unscaled = self.clipped_scaled = self.scaled = False
+        self.stepped_outside = set()
         if self.prev is not None and self.prev[0] and self.prev[1] is not None and self.lr_first is not None \
                 and self.lr_first != self.prev[1]:
             self.moved_after_skip += 1  # the step before was skipped, and this one began at another lr

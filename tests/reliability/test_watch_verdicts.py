@@ -115,3 +115,29 @@ def test_a_run_whose_loop_raised_is_still_the_stop_it_is(tmp_path, capsys):
     assert interrupted({"exception": "KeyboardInterrupt", "message": "", "step": 1})
     assert not interrupted({"exception": "RuntimeError", "message": "nan loss", "step": 1})
     assert not interrupted(None)
+
+
+def test_an_optimizer_trained_without_amp_beside_a_scaled_one_is_not_named(tmp_path):
+    """A second optimizer stepped directly (its loss not scaled) beside one stepped through the scaler: not the
+    misuse."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    other = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_other = torch.optim.SGD(other.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with convcheck.watch(model, opt, out=tmp_path / "run", scaler=scaler) as w:
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt_other.zero_grad()
+            nn.functional.cross_entropy(other(x), y).backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            opt_other.step()  # after the scaled backward, but its own gradients were never scaled
+            scaler.step(opt)
+            scaler.update()
+            w.step(loss)
+    assert not any(s.get("step_without_scaler") for s in open_watched(tmp_path / "run").steps)
