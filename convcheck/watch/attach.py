@@ -158,6 +158,8 @@ class Attached:
 
 
 # --- the process-wide hooks -------------------------------------------------------------------------------
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
 @outside_graphs
 def _root_pre_eager(module, args):
     for w in list(_watches(_ROOTS, module)):
@@ -171,6 +173,11 @@ def _root_post_eager(module, args, kwargs, output):
 
 
 def _pre(module, args):
+    if torch.compiler.is_compiling():
+        if _exporting():  # torch.export: fake tensors, no graph break allowed - the watch stays out of it
+            return None
+    elif torch._C._get_tracing_state():  # torch.jit.trace: nothing of the watch is traced
+        return None
     if id(module) in _ROOT_IDS:
         _root_pre_eager(module, args)
     if not torch.compiler.is_compiling():
@@ -179,6 +186,11 @@ def _pre(module, args):
 
 
 def _post(module, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        if _exporting():  # torch.export: fake tensors, no graph break allowed - the watch stays out of it
+            return None
+    elif torch._C._get_tracing_state():  # torch.jit.trace: nothing of the watch is traced
+        return None
     if id(module) in _ROOT_IDS:
         _root_post_eager(module, args, kwargs, output)
     if torch.compiler.is_compiling():  # a layer inside a compiled graph: nothing of the watch is traced into it

@@ -261,3 +261,16 @@ def test_a_users_child_called_module_keeps_its_name_and_a_data_parallel_child_lo
     _loop(model, tmp_path / "run", steps=1)
     m = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert m["model"]["layers"] == ["module", "body.0"]
+
+
+def test_jit_trace_and_export_inside_the_block_as_without_it(tmp_path):
+    """The watch's hooks stay out of ``torch.jit.trace`` and ``torch.export`` (they read fake or traced tensors)."""
+
+    def each(model, step):
+        x = torch.ones(2, 6)
+        traced = torch.jit.trace(model, x)
+        exported = torch.export.export(model, (x,))
+        return traced(x).tolist(), exported.module()(x).tolist()
+
+    assert _loop(_fresh(), tmp_path / "run", each=each) == _loop(_fresh(), each=each)
+    assert all(len(s["batch_sha256"]) == 1 for s in _steps(tmp_path / "run"))
