@@ -114,9 +114,31 @@ def grad_sample(params) -> dict[str, list[float]]:
     return {} if t is None else samples_of(keys, sizes, t.tolist())
 
 
-def loss_dtype(loss) -> str | None:
-    """The dtype the step's loss was computed in (a tensor's), None for a number."""
-    return str(loss.dtype).removeprefix("torch.") if isinstance(loss, torch.Tensor) else None
+LOSS_GRAPH_NODES = 256  # the most autograd nodes ``loss_dtype`` reads between the loss and the model's output
+
+_WIDTH = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 3, torch.float16: 2}
+
+
+def loss_dtype(loss, stop=()) -> str | None:
+    """The coarsest floating dtype the step's loss was computed in: the loss tensor's own, and every op's between
+    it and the model's output (``stop``: its autograd nodes), read from the graph's input metadata, which outlives
+    the backward (``nll(torch.log(torch.softmax(logits.half())).float())`` is float16). None for a number."""
+    if not isinstance(loss, torch.Tensor):
+        return None
+    seen, found = set(), {loss.dtype}
+    todo = [loss.grad_fn] if loss.grad_fn is not None else []
+    stop = {id(n) for n in stop}
+    while todo and len(seen) < LOSS_GRAPH_NODES:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        for m in getattr(node, "_input_metadata", ()) or ():
+            if getattr(m, "dtype", None) in _WIDTH:
+                found.add(m.dtype)
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()) if n is not None)
+    coarse = max((d for d in found if d in _WIDTH), key=_WIDTH.get, default=loss.dtype)
+    return str(coarse).removeprefix("torch.")
 
 
 def criterion_of(module: torch.nn.Module) -> dict | None:

@@ -326,7 +326,9 @@ class Watch(ProducerHooks):
     def found_optimizer(self, optimizer) -> bool:
         """An optimizer met stepping the watched parameters that the watch was not given (made inside the block,
         or ``optimizer=None``): taken as the run's when it has none (``attach._adopt``), its settings as now."""
-        if self.optimizer is not None:
+        if self.optimizer is not None:  # said once: its steps are not this run's (``optimizers=`` takes several)
+            self.notes.append(f"another optimizer ({type(optimizer).__name__}) stepped the watched parameters from step "
+                              f"{self.step_index}; only the one given is recorded (optimizers=[...] records several)")
             return False
         self.optimizer, self.settings = optimizer, optimizer_settings(optimizer)
         self.optimizers.append(optimizer)
@@ -388,7 +390,7 @@ class Watch(ProducerHooks):
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
         value = step_loss(loss)
-        self.loss_dtype = loss_dtype(loss)
+        self.loss_dtype = loss_dtype(loss, self.model_fns)
         if self.grad_norms is None:
             self.grad_norms = grad_norms(self.params, self.buffer)
             self._sample_grads()

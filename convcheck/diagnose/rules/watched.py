@@ -9,9 +9,10 @@ W001 10   watched-setup        setup          different data, optimizer, setting
 W002 20   watched-nonfinite    numerics       NaN/Inf on one side (or from different producers); a fixed
                                               loss scale that overflows the backward
 W003 30   watched-both-diverge setup          both runs' own losses explode
+W004 33   watched-lost-updates numerics       small updates lost in a run's 16-bit weights (before W012: a run
+                                              whose updates round away fails for that reason, whatever the other)
 W012 35   watched-both-fail    setup          neither run converges on its own, and compare's training
                                               detectors find the same problem in both
-W004 40   watched-lost-updates numerics       small updates lost in a run's 16-bit weights
 W005 50   watched-layer        layer          a layer the float64 judge finds above its floor
 W006 60   watched-underflow    numerics       a gradient exactly zero in one run only, no earlier parting
                                               (one run's own exploding loss is evidence of the parting below)
@@ -147,7 +148,7 @@ def watched_both_fail(ev: PairEvidence) -> Verdict | None:
                                      layer=a.layer if a.layer == b.layer else None, sub_cause=a.name)
 
 
-@verdict_rule("W004", "watched-lost-updates", priority=40, category="numerics", reads=PairEvidence,
+@verdict_rule("W004", "watched-lost-updates", priority=33, category="numerics", reads=PairEvidence,
               headline="small updates lost in {side}: the weights are kept in {format} and most updates round away")
 def watched_lost_updates(ev: PairEvidence) -> Verdict | None:
     """A run whose 16-bit weights drop most updates (its own ``small updates lost``)."""

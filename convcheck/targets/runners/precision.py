@@ -61,7 +61,8 @@ class PrecisionModel:
 def op_class(module: nn.Module) -> str:
     if isinstance(module, nn.modules.conv._ConvNd):
         return "conv"
-    if isinstance(module, (nn.Linear, nn.Bilinear, nn.MultiheadAttention)):
+    # a recurrent layer's gates are matmuls: autocast lowers it, cuDNN runs it in TF32 where allowed
+    if isinstance(module, (nn.Linear, nn.Bilinear, nn.MultiheadAttention, nn.RNNBase, nn.RNNCellBase)):
         return "matmul"
     return "elementwise"
 
