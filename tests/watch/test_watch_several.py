@@ -232,3 +232,19 @@ def test_the_judge_says_why_it_does_not_replay_several_models(tmp_path, capsys):
     assert main(["diff", str(tmp_path / "a"), "--judge", "cpu:float64"]) == 0
     out = capsys.readouterr().out
     assert "several models were watched in one block (Gen+Disc)" in out and "AttributeError" not in out
+
+
+def test_an_optimizer_not_given_beside_the_one_given_is_said_once(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    given = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.01)
+    with convcheck.watch(model, given, out=tmp_path / "run"):
+        for opt in (given, other, given, other):
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert sum("another optimizer (SGD) stepped the watched parameters" in n for n in m["notes"]) == 1
+    assert m["optimizer"] == "SGD"
