@@ -390,7 +390,7 @@ class Watch(ProducerHooks):
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
         self.explicit = True
         value = step_loss(loss)
-        self.loss_dtype = loss_dtype(loss)
+        self.loss_dtype = loss_dtype(loss, self.model_fns)
         if self.grad_norms is None:
             self.grad_norms = grad_norms(self.params, self.buffer)
             self._sample_grads()
