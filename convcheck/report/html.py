@@ -10,14 +10,23 @@ from convcheck.report.plots import is_ddp_rows
 from convcheck.report.text import fmt, is_diff, model_line, recipe_line
 from convcheck.report.verification import verification_lines
 
+# The page is read in a browser window 1100-1200 px wide (issue 44): the body is at most 1100 px, long words
+# (paths, layer names, the verdict's quoted code) wrap anywhere, and a table wider than the page scrolls inside
+# its own box (.scroll) rather than the page; the column a table is sorted by is marked (th.sort) and, in
+# watch_report.html, shown right after the row's name (tests/report/test_html_width.py renders both in Chromium).
+SORT_COLUMN = "own/floor"
+
 _CSS = """
-body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
-h1{font-size:1.4em} h2{font-size:1.1em;margin-top:1.6em}
-.verdict{padding:.8em 1em;border-radius:6px;font-size:1.1em}
-.ok{background:#e6f4ea;border:1px solid #34a853}.bad{background:#fce8e6;border:1px solid #d93025}
+body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+h1{font-size:1.4em;overflow-wrap:anywhere} h2{font-size:1.1em;margin-top:1.6em}
+.verdict{padding:.8em 1em;border-radius:6px;font-size:1.1em;overflow-wrap:anywhere}
+.ok{background:#e6f4ea;border:1px solid #34a853}.bad{background:#fce8e6;border:1px solid #d93025}.inconclusive{background:#fef7e0;border:1px solid #f9ab00}
+li,p{overflow-wrap:anywhere}
+.scroll{overflow-x:auto;max-width:100%}
 table{border-collapse:collapse;font-size:.85em}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:right}
-td:first-child,th:first-child,td.l,th.l{text-align:left}.flag{color:#d93025;font-weight:bold}
-img{max-width:100%} code{background:#f3f3f3;padding:0 .2em}
+td:first-child,th:first-child,td.l,th.l{text-align:left}td.l{overflow-wrap:anywhere;min-width:8em}
+th.sort,td.sort{font-weight:bold;background:#f6f8fa}.flag{color:#d93025;font-weight:bold}
+img{max-width:100%} code{background:#f3f3f3;padding:0 .2em}pre{white-space:pre-wrap;overflow-wrap:anywhere}
 """
 
 
@@ -90,17 +99,18 @@ def _layers_table(result) -> str:
         flag = "<span class='flag'>FLAGGED</span>" if r.flagged else ""
         rows.append(f"<tr><td>{e(r.target)}</td><td class='l'>{e(r.kind)}</td><td class='l'>{e(name)}"
                     f"{module}</td><td>{fmt(r.K)}</td><td>{fmt(r.local)}</td><td>{fmt(r.intrinsic)}</td>"
-                    f"<td>{fmt(r.floor)}</td><td>{fmt(r.over_floor)}</td><td>{fmt(r.propagated)}</td>"
+                    f"<td>{fmt(r.floor)}</td><td class='sort'>{fmt(r.over_floor)}</td><td>{fmt(r.propagated)}</td>"
                     f"<td>{r.nan}/{r.inf}</td><td>{flag}</td></tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("target", "kind", "layer (module)", "K", "local", "own", "floor",
-                                             "own/floor", "propagated", "nan/inf", ""))
+    head = "".join(f"<th class='sort'>{h}</th>" if h == SORT_COLUMN else f"<th>{h}</th>"
+                   for h in ("target", "kind", "layer (module)", "K", "local", "own", "floor", SORT_COLUMN,
+                             "propagated", "nan/inf", ""))
     note = ""
     if any(is_ddp_rows(df[df["target"] == t]) for t in df["target"].unique()):
         note = ("<p><small>A data-parallel target's rows are its gradients after the all-reduce: propagated = "
                 "their error against the judge, floor = one device's; no own error per layer (its arithmetic is "
                 "the per-rank target's).</small></p>")
     return (f"<h2>Each target's worst {min(10, len(df))} of {len(df)} parity rows, by own error over floor</h2>"
-            f"<table><tr>{head}</tr>{''.join(rows)}</table>{note}")
+            f"<div class='scroll'><table><tr>{head}</tr>{''.join(rows)}</table></div>{note}")
 
 
 def _findings(result) -> str:

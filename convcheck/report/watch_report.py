@@ -20,9 +20,13 @@ HTML_FILE = "watch_report.html"
 REPORT_FILES = tuple(name for _, name in TABLE_FILES) + (HTML_FILE,)  # beside watch_diff.json
 SHOWN = 50  # rows of each table on the page, worst first
 TEXT_COLUMNS = {"layer", "dtype_a", "dtype_b", "kind", "name", "key", "shape", "param"}  # the rest are numbers
+# The column(s) a table's rows are ordered by (``badness``): on the page they follow the row's step and name,
+# marked, so they stay in view in a window 1200 px wide however many columns follow (the CSV keeps its order).
+SORT_COLUMNS = {"layers": ("worst_rel",), "snapshots": ("rel_l2_err",), "grads": ("norm_ratio", "cosine")}
+NAME_COLUMNS = ("step", "layer", "kind", "name", "key", "param")
 
 _CSS_EXTRA = """
-pre.lines{white-space:pre-wrap;font-size:.9em;margin:0}
+pre.lines{white-space:pre-wrap;overflow-wrap:anywhere;font-size:.9em;margin:0}
 """
 _TITLES = {
     "layers": ("Layer statistics, B against A (every step)",
@@ -75,19 +79,29 @@ def cell_html(v) -> str:
     return _e(fmt(v, 3))
 
 
+def page_columns(table) -> list[str]:
+    """The table's columns in the page's order: the row's step and name, the column(s) it is sorted by, the
+    rest as in the CSV."""
+    sort = [c for c in SORT_COLUMNS.get(table.name, ()) if c in table.columns]
+    names = [c for c in table.columns if c in NAME_COLUMNS]
+    return names + sort + [c for c in table.columns if c not in names and c not in sort]
+
+
 def table_html(table, n: int = SHOWN) -> str:
     """A table's heading, what its columns mean, its worst ``n`` rows and how many were left out (and what the
     table itself left out, ``Table.skipped``)."""
     title, what = _TITLES.get(table.name, (table.name, ""))
     file = dict(TABLE_FILES).get(table.name, "")
     rows = worst(table, n)
-    side = {c: " class='l'" if c in TEXT_COLUMNS else "" for c in table.columns}  # text left, numbers right
-    head = "".join(f"<th{side[c]}>{_e(c)}</th>" for c in table.columns)
-    body = "".join("<tr>" + "".join(f"<td{side[c]}>{cell_html(r[c])}</td>" for c in table.columns) + "</tr>"
+    columns = page_columns(table)
+    sort = SORT_COLUMNS.get(table.name, ())
+    side = {c: " class='l'" if c in TEXT_COLUMNS else " class='sort'" if c in sort else "" for c in columns}
+    head = "".join(f"<th{side[c]}>{_e(c)}</th>" for c in columns)  # text left, numbers right, the sort marked
+    body = "".join("<tr>" + "".join(f"<td{side[c]}>{cell_html(r[c])}</td>" for c in columns) + "</tr>"
                    for r in rows)
     out = [f"<h2>{_e(title)}</h2>", f"<p><small>{_e(what)}</small></p>"]
     if rows:
-        out.append(f"<table><tr>{head}</tr>{body}</table>")
+        out.append(f"<div class='scroll'><table><tr>{head}</tr>{body}</table></div>")
     else:
         out.append("<p>No rows.</p>")
     left = len(table.rows) - len(rows)
@@ -152,7 +166,7 @@ def render_watch_report(diff, tables, images: dict[str, bytes] | None = None) ->
 
     images = render_images(tables) if images is None else images
     v = diff.verdict
-    cls = "ok" if v is not None and v.category == "ok" else "bad"
+    cls = {"ok": "ok", "inconclusive": "inconclusive"}.get(v.category if v is not None else None, "bad")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>convcheck diff: {_e(diff.a)} vs "
              f"{_e(diff.b)}</title><style>{_CSS}{_CSS_EXTRA}</style></head><body>",
              "<h1>convcheck diff: two watched runs</h1>",
