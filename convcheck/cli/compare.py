@@ -92,7 +92,9 @@ def _write(result, folder, force: bool) -> None:
         except BaseException:
             folder.discard_if_empty()
             raise
-    print(f"wrote {path}/{', '.join(p.name for p in written)}", file=sys.stderr)
+    from convcheck.report.verdict_lines import fit_prose, wrote_line
+
+    print(fit_prose([wrote_line(path, [p.name for p in written])], sys.stderr), file=sys.stderr)
 
 
 def _after_failure(exc: BaseException, folder, stage: RunStage, args, config, fingerprint) -> None:

@@ -93,14 +93,15 @@ def run_diff(args) -> int:
 def _show_inputs(verdict, run_a, run_b, as_json: bool) -> int:
     """Two bundles that saw different data or weights: the ``setup`` verdict alone (nothing to pair, no report)."""
     from convcheck.report.export import SUMMARY_SCHEMA
-    from convcheck.report.verdict_lines import verdict_lines
+    from convcheck.report.verdict_lines import fit_prose, verdict_lines
 
     if as_json:  # compare's summary document, with the verdict only: nothing was paired
         print(json.dumps({"schema": SUMMARY_SCHEMA, "complete": True, "a": str(run_a), "b": str(run_b),
                           "verdict": verdict.to_dict()}, indent=2))
     else:
-        print("\n".join([f"recorded runs: A = {run_a}, B = {run_b}", *verdict_lines(verdict, "diff"),
-                          "no report written: runs that saw different inputs are not compared step by step"]))
+        print(fit_prose([f"recorded runs: A = {run_a}, B = {run_b}", *verdict_lines(verdict, "diff"),
+                         "no report written: runs that saw different inputs are not compared step by step"],
+                        sys.stdout))
     return 1
 
 
@@ -148,7 +149,9 @@ def _write(result, fps, differences, folder, force: bool) -> None:
     except BaseException:
         folder.discard_if_empty()
         raise
-    print(f"wrote {path}/{', '.join(p.name for p in written)}", file=sys.stderr)
+    from convcheck.report.verdict_lines import fit_prose, wrote_line
+
+    print(fit_prose([wrote_line(path, [p.name for p in written])], sys.stderr), file=sys.stderr)
 
 
 def run_against(args) -> int:

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from convcheck.diagnose.target_symptoms import ends_apart
-from convcheck.report.verdict_lines import verdict_lines
+from convcheck.report.verdict_lines import PROSE_INDENT, PROSE_WIDTH, unwrap_prose, verdict_lines, wrap_prose
 from convcheck.numerics.thresholds import CONVERGENCE_MIN_STEPS
 from convcheck.report.console import is_plain, is_tty
 from convcheck.report.shared import training_rule
@@ -27,8 +27,6 @@ from convcheck.measure.table_schema import named
 WORST_LAYERS = 8
 CURVE_ROWS = 10
 PIPED_WIDTH = 140  # the width when the output is not a terminal and COLUMNS is not set
-PROSE_WIDTH = 100  # the verdict's prose when the output is not a terminal and COLUMNS is not set (issue 44)
-PROSE_INDENT = 12  # a wrapped prose line's continuation, under the text after "  evidence: "
 NAME_MIN_WIDTH = 16  # a longer layer name wraps (folded) in a narrow table, never cut
 
 
@@ -382,35 +380,11 @@ def prose_width(c: Console, environ=None) -> int:
     return min(c.width, PROSE_WIDTH)
 
 
-def wrap_prose(line: str, width: int) -> list[str]:
-    """``line`` broken at spaces to ``width``, the continuation lines indented ``PROSE_INDENT`` (under the text
-    after ``  evidence: ``); a word longer than the width (a path, a layer name) stays whole. Joining each
-    continuation line onto the one before with a space gives ``line`` back (``unwrap_prose``)."""
-    import textwrap
-
-    if len(line) <= width:
-        return [line]
-    lead = len(line) - len(line.lstrip(" "))
-    return textwrap.wrap(line[lead:], width=width, initial_indent=" " * lead, subsequent_indent=" " * PROSE_INDENT,
-                         break_long_words=False, break_on_hyphens=False, drop_whitespace=True) or [line]
-
-
-def unwrap_prose(lines: list[str]) -> list[str]:
-    """``wrap_prose`` undone: a line indented exactly ``PROSE_INDENT`` spaces joined onto the one before."""
-    out: list[str] = []
-    for line in lines:
-        if out and line.startswith(" " * PROSE_INDENT) and not line.startswith(" " * (PROSE_INDENT + 1)):
-            out[-1] += " " + line.lstrip(" ")
-        else:
-            out.append(line)
-    return out
-
-
 def _verdict(c: Console, result) -> None:
     v = result.verdict
     if v is None:
         return
-    colour = "green" if v.category == "ok" else "red"
+    colour = {"ok": "green", "inconclusive": "yellow"}.get(v.category, "red")
     c.print()
     # Headline, evidence and remedies quote code (E[x^2]) and layer names: print them literally. Wrapped at
     # spaces to the prose width, each continuation indented PROSE_INDENT, so unwrap_prose gives the lines back

@@ -14,6 +14,7 @@ from convcheck.bundle.record import parse_snapshot_steps
 from convcheck.bundle.reader import open_bundle
 from convcheck.cli.main import main
 from convcheck.errors import UsageError
+from convcheck.report.verdict_lines import unwrapped
 
 from conftest import CFG, record
 
@@ -87,7 +88,7 @@ def test_the_same_command_on_other_data_is_a_setup_verdict(tmp_path, capsys):
         record_run("lenet", "cpu", CompareConfig(**{**CFG, "data": f"npz:{data}"}), out)
         runs.append(out)
     rc = main(["diff", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "R")])
-    text = capsys.readouterr().out
+    text = unwrapped(capsys.readouterr().out)
     assert rc == 1, text
     assert f"verdict: setup: the runs did not see the same data: the same source (npz:{data}), other batches" in text
     assert "remedy: give both machines the same data file" in text

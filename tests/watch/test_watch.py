@@ -9,6 +9,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.errors import UsageError
 from convcheck.watch.reader import open_watched
+from convcheck.report.verdict_lines import unwrapped
 
 from .loops import dataset, offset_run
 
@@ -177,7 +178,7 @@ def test_a_run_whose_loop_raised_is_read_and_says_where_it_stopped(tmp_path, cap
         _stopping_loop(tmp_path / "run", stop_at=3)
     _stopping_loop(tmp_path / "whole")
     code = main(["diff", str(tmp_path / "whole"), str(tmp_path / "run"), "--no-save"])
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     assert code == 1, out  # agreeing up to the stop is not ok: the training did not finish
     assert ("verdict: setup: B stopped at step 3 with FloatingPointError (loss is nan at step 3); the watch saw "
             "no NaN/Inf and no layer beyond its floor before it") in out
@@ -186,7 +187,7 @@ def test_a_run_whose_loop_raised_is_read_and_says_where_it_stopped(tmp_path, cap
     assert "stopped: B stopped at step 3 with FloatingPointError (loss is nan at step 3); its steps up to " \
            "there are diffed" in out
     code = main(["diff", str(tmp_path / "run"), "--judge", "cpu:float64", "--no-save"])
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     assert code == 1 and "verdict: setup: the run stopped at step 3 with FloatingPointError" in out
     run = open_watched(tmp_path / "run")
     assert run["complete"] is True and run["steps"] == 3 and len(run.steps) == 3

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.cli.main import main
+from convcheck.report.verdict_lines import unwrapped
 
 from .judge_loops import LargerOffsetNormNet, norm_run
 from .loops import attention_run, offset_run, unhashed
@@ -20,7 +21,7 @@ from .loops import attention_run, offset_run, unhashed
 def diff(capsys, *args) -> tuple[int, str, str]:
     code = main(["diff", *map(str, args), "--no-save"])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, unwrapped(out), err  # the prose wrapped at 100 columns read whole
 
 
 @pytest.fixture(scope="module")

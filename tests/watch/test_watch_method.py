@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from convcheck.cli.main import main
+from convcheck.report.verdict_lines import unwrapped
 from tests.watch import method_loops as L
 
 
@@ -20,7 +21,7 @@ def _one_thread():
 
 def diff(capsys, a, b) -> tuple[int, str]:
     code = main(["diff", str(a), str(b)])
-    return code, capsys.readouterr().out
+    return code, unwrapped(capsys.readouterr().out)  # the prose wrapped at 100 columns read whole
 
 
 def verdict(out: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from convcheck.cli.main import main
+from convcheck.report.verdict_lines import unwrapped
 
 from .loops import unhashed
 from .precision_loops import lse_run, sensor_run
@@ -16,7 +17,7 @@ from .precision_loops import lse_run, sensor_run
 
 def diff(capsys, *args) -> tuple[int, str]:
     code = main(["diff", *map(str, args), "--no-save"])
-    return code, capsys.readouterr().out
+    return code, unwrapped(capsys.readouterr().out)  # the prose wrapped at 100 columns read whole
 
 
 def verdict(out: str) -> str:

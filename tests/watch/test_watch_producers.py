@@ -12,6 +12,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.cli.main import main
 from convcheck.watch.reader import open_watched
+from convcheck.report.verdict_lines import unwrapped
 
 from .loops import attention_run
 from .producer_loops import rowsum_run
@@ -26,7 +27,7 @@ def test_a_parents_own_division_that_overflows_in_backward_is_named_with_its_lin
     assert p["source"]["code"] == "w = e / e.sum(-1, keepdim=True)"
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "run"), "--judge", "cpu:float64"]) == 1
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     assert "first non-finite: attn (own code: div, backward) at step 0: gradient into attn.k's output [" in out
     assert "producer_loops.py:22: w = e / e.sum(-1, keepdim=True)]" in out
     assert "attn.v (module" not in out

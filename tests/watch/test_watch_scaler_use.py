@@ -10,6 +10,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.cli.main import main
 from convcheck.watch.reader import open_watched
+from convcheck.report.verdict_lines import unwrapped
 
 
 def _run(out, unscale_first: bool, steps: int = 4) -> None:
@@ -40,7 +41,7 @@ def test_clipping_before_unscale_is_a_setup_verdict_with_the_remedy(tmp_path, ca
     assert all(s.get("clip_before_unscale") for s in run.steps)
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "run"), "--judge", "cpu:float64"]) == 1
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     assert ("verdict: setup: the run clips its gradients before unscaling them: clip_grad_norm_ ran on the "
             "GradScaler's scaled gradients from step 0") in out
     assert "remedy: call scaler.unscale_(optimizer) before clip_grad_norm_" in out
@@ -60,7 +61,7 @@ def test_a_pair_names_the_run_that_clips_scaled_gradients(tmp_path, capsys):
     _run(tmp_path / "wrong", unscale_first=False)
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "right"), str(tmp_path / "wrong")]) == 1
-    out = capsys.readouterr().out
+    out = unwrapped(capsys.readouterr().out)
     assert "verdict: setup: B clips its gradients before unscaling them" in out
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from convcheck.cli.main import main
+from convcheck.report.verdict_lines import unwrapped
 
 from .setup_loops import cnn_run, exp_run, regression_run
 
@@ -17,7 +18,7 @@ from .setup_loops import cnn_run, exp_run, regression_run
 def diff(capsys, *args) -> tuple[int, str, str]:
     code = main(["diff", *map(str, args), "--no-save"])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, unwrapped(out), err  # the prose wrapped at 100 columns read whole
 
 
 def verdict(out: str) -> str:
