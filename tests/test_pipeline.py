@@ -125,9 +125,10 @@ def test_summary_schema(lenet_run):
 def test_default_targets_without_a_gpu_come_with_a_note(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = compare("lenet", steps=1, batch_size=2, envelope=0, env_findings=[])
-    assert [str(t) for t in r.targets] == ["cpu", "cpu:float64"]
-    assert any("no GPU" in n for n in r.notes)
-    assert set(named(r.training.outcomes)) == {"cpu", "cpu:float64"}
+    assert [str(t) for t in r.targets] == ["cpu", "cpu:emulate-tf32"]  # what a GPU's TF32 would do
+    assert any("no GPU" in n and "cpu:emulate-tf32" in n for n in r.notes)
+    assert str(r.config.judge) == "cpu:float64"
+    assert set(named(r.training.outcomes)) == {"cpu", "cpu:emulate-tf32", "cpu:float64"}
     assert r.to_summary()["notes"] == r.notes
 
 

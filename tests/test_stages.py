@@ -111,7 +111,8 @@ def test_resolve_takes_as_many_targets_as_the_command_needs(needed, targets, exp
 def test_default_targets_leave_a_note(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run = stages.resolve("lenet", CompareConfig())
-    assert [str(t) for t in run.config.targets] == ["cpu", "cpu:float64"]
+    assert [str(t) for t in run.config.targets] == ["cpu", "cpu:emulate-tf32"]
+    assert str(run.config.judge) == "cpu:float64"
     assert any("no GPU here" in n for n in run.notes)
 
 

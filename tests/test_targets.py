@@ -211,8 +211,8 @@ def test_cuda_without_a_gpu_is_a_clear_error_listing_runnable_targets(spec):
 def test_default_targets_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     targets, note = default_targets()
-    assert [str(t) for t in targets] == ["cpu", "cpu:float64"]
-    assert note and "no GPU" in note and "\n" not in note
+    assert [str(t) for t in targets] == ["cpu", "cpu:emulate-tf32"]  # what a GPU's TF32 would do (issue 44)
+    assert note and "no GPU" in note and "cpu:emulate-tf32" in note and "\n" not in note
 
 
 def test_default_targets_with_a_gpu(monkeypatch):
