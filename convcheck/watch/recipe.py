@@ -8,8 +8,7 @@ forward ran under, if any, and the leaves whose training mode is not the model's
 mode). After each backward (``grad_sample``): a few fixed entries of every parameter's gradient, so that ``diff``
 can tell gradients that accumulate across steps (no ``zero_grad``) from gradients that merely differ.
 
-Names are the user's layer names: a wrapper's prefix (``module.`` of DataParallel/DistributedDataParallel,
-``_orig_mod.`` of ``torch.compile``, ``_fsdp_wrapped_module.``) is dropped (``user_name``).
+Names are the watch's: the user's layer names, wrappers' parts taken out (``attach.user_name``).
 """
 
 from __future__ import annotations
@@ -18,39 +17,30 @@ import torch
 
 from convcheck.watch.settings import optimizer_settings
 
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 SAMPLES = 4  # gradient entries kept per parameter per step (evenly spaced, the same indices every step)
 WEIGHT_NORM = "(weights)"  # the key in ``grad_sample`` that holds the global norm of the weights at the step's start
 
 
-def user_name(name: str) -> str:
-    """``name`` without the wrappers' prefixes, wherever they occur in the dotted path."""
-    for p in WRAPPER_PREFIXES:
-        name = name.replace("." + p, ".")
-        while name.startswith(p):
-            name = name[len(p):]
-    return name
-
-
-def recipe_of(model: torch.nn.Module, optimizer, outer: torch.nn.Module | None = None) -> dict:
-    """The recipe as the block starts (see the module's docstring)."""
-    names = {id(p): user_name(n) for n, p in model.named_parameters()}
+def recipe_of(w) -> dict:
+    """The recipe of the ``Watch`` ``w`` as its block starts (see the module's docstring), in the watch's own names
+    of the parameters (the user's, wrappers' parts taken out: ``attach.user_name``); every optimizer's groups."""
+    names = {id(p): n for n, p in w.params}
     groups, held = [], set()
-    settings = optimizer_settings(optimizer) or []
-    if optimizer is not None and hasattr(optimizer, "param_groups"):
-        for g, s in zip(optimizer.param_groups, settings):
+    optimizers = list(getattr(w, "optimizers", None) or ([w.optimizer] if w.optimizer is not None else []))
+    for opt in optimizers:
+        for g, s in zip(opt.param_groups, optimizer_settings(opt) or []):
             members = [names[id(p)] for p in g["params"] if id(p) in names]
             held.update(id(p) for p in g["params"])
             groups.append({"parameters": members, "settings": s})
-    trainable = [names[id(p)] for _, p in model.named_parameters() if p.requires_grad]
-    wrappers = [type(m).__name__ for m in (outer,) if m is not None and m is not model]
-    return {"optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "parameters": [user_name(n) for n, _ in model.named_parameters()],
-            "param_groups": groups, "trainable": trainable,
-            "not_in_optimizer": [] if optimizer is None else
-            [names[id(p)] for _, p in model.named_parameters() if p.requires_grad and id(p) not in held],
-            "weights_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
-            "wrappers": wrappers}
+    return {"optimizer": type(optimizers[0]).__name__ if optimizers else None,
+            "optimizers": [type(o).__name__ for o in optimizers],
+            "parameters": [n for n, _ in w.params],
+            "param_groups": groups, "trainable": [n for n, p in w.params if p.requires_grad],
+            "not_in_optimizer": [] if not optimizers else
+            [n for n, p in w.params if p.requires_grad and id(p) not in held],
+            "weights_dtypes": sorted({str(p.dtype).removeprefix("torch.") for _, p in w.params}),
+            "wrappers": [x for x in (getattr(w, "wrapper", None),
+                                     type(w.outer).__name__ if w.outer is not w.model else None) if x]}
 
 
 def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
@@ -62,7 +52,7 @@ def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
             if torch.is_autocast_enabled(kind) else None
     except (RuntimeError, TypeError, AttributeError):  # a device type autocast does not know
         autocast = None
-    odd = sorted(user_name(names[m]) for m in names if m is not model and m.training != model.training)
+    odd = sorted(names[m] for m in names if m is not model and m.training != model.training)
     return {"autocast": autocast, "modes_differ": odd}
 
 
@@ -77,7 +67,7 @@ def sample_parts(params) -> tuple[list[str], list[int], torch.Tensor | None]:
         flat = g.detach().reshape(-1)
         stride = max(1, flat.numel() // SAMPLES)
         picked.append(flat[::stride][:SAMPLES].double())
-        keys.append(user_name(n))
+        keys.append(n)
     weights = weight_norm(params)
     if weights is not None:  # the weights' global norm rides along: a loss that rises while they blow up diverges
         picked.append(weights.reshape(1).to(picked[0].device if picked else weights.device))

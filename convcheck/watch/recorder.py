@@ -158,7 +158,7 @@ class Watch(ProducerHooks):
         self.fingerprint = collect(device=self.device).to_dict()  # its SDPA probe on the model's own device
         self.flags = math_flags()
         self.settings = optimizer_settings(self.optimizer)
-        self.recipe = recipe_of(self.model, self.optimizer, self.outer)  # diffed first (``recipe.py``)
+        self.recipe = recipe_of(self)  # diffed first (``recipe.py``)
         # the folder claimed before anything is written: a second watch started on it at once stops here
         self.steps_file = os.fdopen(claim(self.out), "w", encoding="utf-8")
         self._write_manifest(complete=False)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from convcheck.diagnose.remedies import ACCUMULATION_REMEDIES, BACKWARD_REMEDIES
 from convcheck.diagnose.watched_evidence import Setup
-from convcheck.numerics.thresholds import (ACCUMULATION_FIT, GRAD_APART, NOISE_FACTOR, OUTCOME_MIN_STEPS,
-                                           OUTCOME_TAIL)
+from convcheck.numerics.thresholds import (ACCUMULATION_FIT, BACKWARD_RTOL, GRAD_SHARE, NOISE_FACTOR,
+                                           OUTCOME_MIN_STEPS, OUTCOME_TAIL)
 
 
 WEIGHT_NORM = "(weights)"  # ``grad_sample``'s entry holding the weights' global norm (``watch/recipe.py``)
@@ -54,8 +54,8 @@ def accumulation(a, b, steps: int) -> Setup | None:
             continue
         scale = sum(_l1(sa[n]) + _l1(sb[n]) for n in names)
         plain = sum(_l1(y - x for x, y in zip(sa[n], sb[n])) for n in names)
-        if scale == 0 or plain <= GRAD_APART * scale:
-            continue  # the gradients agree at this step: nothing accumulates yet
+        if scale == 0 or plain <= BACKWARD_RTOL * scale:
+            continue  # the gradients agree at this step: nothing accumulates yet (the fit below tells the rest)
         for side, mine, other, before in (("B", sb, sa, pb), ("A", sa, sb, pa)):
             fit = sum(_l1(m - o - p for m, o, p in zip(mine[n], other[n], before[n])) for n in names)
             if fit <= ACCUMULATION_FIT * plain:
@@ -70,18 +70,27 @@ def accumulation(a, b, steps: int) -> Setup | None:
 
 
 def gradient_parting(a, b, steps: int, tol: float) -> int | None:
-    """The first aligned step at which some parameter's gradient norm differs by more than ``tol`` (relative)."""
+    """The first aligned step at which some parameter's gradient norm differs by more than ``tol`` (relative to
+    itself, or to ``GRAD_SHARE`` of the step's global gradient norm when it is smaller)."""
     for k in range(steps):
         ga, gb = a.steps[k].get("grad_norms") or {}, b.steps[k].get("grad_norms") or {}
-        if any(n in gb and _apart(ga[n], gb[n], tol) for n in ga):
+        share = _share(ga, gb)
+        if any(n in gb and _apart(ga[n], gb[n], tol, share) for n in ga):
             return k
     return None
 
 
-def _apart(x: float, y: float, tol: float) -> bool:
+def _share(ga: dict, gb: dict) -> float:
+    """``GRAD_SHARE`` of the larger global gradient norm of a step: a parameter whose gradient is smaller (a bias
+    feeding a BatchNorm, zero but for rounding) is held to that, not to itself."""
+    norms = [math.sqrt(sum(v * v for v in g.values() if math.isfinite(v))) for g in (ga, gb)]
+    return GRAD_SHARE * max(norms, default=0.0)
+
+
+def _apart(x: float, y: float, tol: float, floor: float = 0.0) -> bool:
     if not (math.isfinite(x) and math.isfinite(y)):
         return math.isfinite(x) != math.isfinite(y)
-    return max(x, y) > 0 and abs(x - y) > tol * max(x, y)
+    return max(x, y) > 0 and abs(x - y) > tol * max(x, y, floor)
 
 
 def backward_difference(a, b, k: int, tol: float) -> Setup | None:
@@ -89,7 +98,8 @@ def backward_difference(a, b, k: int, tol: float) -> Setup | None:
     (relative): the loss is built differently (a term still small, its sign or weight) or the backward differs."""
     ga, gb = a.steps[k].get("grad_norms") or {}, b.steps[k].get("grad_norms") or {}
     names = [n for n in ga if n in gb]
-    apart = [n for n in names if _apart(ga[n], gb[n], tol)]
+    share = _share(ga, gb)
+    apart = [n for n in names if _apart(ga[n], gb[n], tol, share)]
     if not apart:
         return None
     worst = max(apart, key=lambda n: abs(ga[n] - gb[n]) / max(ga[n], gb[n], abs(ga[n] - gb[n])))

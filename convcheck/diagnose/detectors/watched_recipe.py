@@ -273,7 +273,8 @@ def _loss_dtype(run) -> str | None:
 
 def precision_policy(a, b) -> list[str]:
     """How the two runs' precision policies differ, in words (empty when they do not): autocast, the weights'
-    dtypes, the loss's dtype, the TF32 switches, the CPU thread count (another split of every reduction)."""
+    dtypes, the loss's dtype, compiled or eager, the TF32 switches, the CPU thread count (another split of every
+    reduction)."""
     out = []
     ca, cb = _autocast(a), _autocast(b)
     if ca != cb:
@@ -286,6 +287,9 @@ def precision_policy(a, b) -> list[str]:
     la, lb = _loss_dtype(a), _loss_dtype(b)
     if la and lb and la != lb:  # a loss handed over as a number says nothing of its dtype
         out.append(f"the loss computed in {la} | {lb}")
+    ka, kb = ((r.manifest.get("compiled") or {}).get("how") for r in (a, b))
+    if ka != kb:  # another set of kernels (fused, reordered): rounding-level differences, as threads
+        out.append(f"compiled: {ka or 'eager'} | {kb or 'eager'}")
     fa, fb = a.manifest.get("math_flags") or {}, b.manifest.get("math_flags") or {}
     for k in sorted(set(fa) | set(fb)):
         if ("tf32" in k.lower() or "precision" in k or k == "threads") and fa.get(k) != fb.get(k):
