@@ -158,8 +158,7 @@ def run_watched_judge(args) -> int:
 
 def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> int:
     """Write the folder (``name``, and with ``tables`` the tables and the page of ``report/watch_report.py``)
-    and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, 5 when it is
-    inconclusive (the judge could not check what the verdict rests on), else 1."""
+    and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, else 1."""
     from convcheck.files import atomic_write_text, check_writable_file, write_error
 
     if folder is not None:
@@ -184,8 +183,6 @@ def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> 
         from convcheck.report.verdict_lines import fit_prose
 
         print(fit_prose(result.lines(), sys.stdout))  # wrapped to the terminal (--json keeps every line whole)
-    from convcheck.exit_codes import verdict_exit
-
-    return 0 if result else verdict_exit(getattr(getattr(result, "verdict", None), "category", None))
+    return 0 if result else 1
 
 
