@@ -1,7 +1,7 @@
-"""The README's output blocks, produced from real runs: ``--write`` regenerates them, ``--check`` (the slow test
-``tests/test_readme.py``) fails when the README's text differs from what the runs print now.
+"""The output blocks of README.md and the docs/ pages, produced from real runs: ``--write`` regenerates them,
+``--check`` (the slow test ``tests/test_readme.py``) fails when a page's text differs from what the runs print now.
 
-A block that shows output is the code block right after a marker line in README.md:
+A block that shows output is the code block right after a marker line in README.md or a docs/*.md page:
 
     <!-- readme-output: full convcheck compare --model lenet -->      the command's whole terminal output
     <!-- readme-output: ends convcheck compare --model ... -->        its header (to the "judge" line),
@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # every page that may hold output blocks
 MARKER = re.compile(r"^<!-- readme-output: (full|ends|verdicts|session)(?: (.*?))? -->$")
 REL_TOL = 0.05
 WIDTH = 100
@@ -103,7 +104,7 @@ def produce(kind: str, arg: str | None, current: list[str]) -> list[str]:
     return out_lines
 
 
-def blocks(text: str):
+def blocks(text: str, name: str = "README.md"):
     """``(kind, arg, first line index, end line index)`` of every marked block (the lines inside the fence)."""
     lines = text.split("\n")
     for i, line in enumerate(lines):
@@ -112,7 +113,7 @@ def blocks(text: str):
             continue
         start = i + 1
         if not lines[start].startswith("```"):
-            raise SystemExit(f"README.md:{start + 1}: a readme-output marker must be followed by a code block")
+            raise SystemExit(f"{name}:{start + 1}: a readme-output marker must be followed by a code block")
         end = next(j for j in range(start + 1, len(lines)) if lines[j].startswith("```"))
         yield m.group(1), m.group(2), start + 1, end
 
@@ -163,31 +164,38 @@ def same(expected: str, got: str, rel_tol: float = REL_TOL) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="regenerate the README's output blocks")
+    mode.add_argument("--write", action="store_true", help="regenerate the output blocks of README.md and docs/*.md")
     mode.add_argument("--check", action="store_true", help="exit 1 when a block differs from what the runs print")
     parser.add_argument("--only", default=None, help="only the blocks whose marker contains this text")
     args = parser.parse_args(argv)
-    text = README.read_text()
+    failed = []
+    for page in PAGES:
+        failed += _page(page, args)
+    for f in failed:
+        print(f, file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _page(page: Path, args) -> list[str]:
+    """One page's blocks checked (the differences, as messages) or, with ``--write``, regenerated."""
+    name = str(page.relative_to(ROOT))
+    text = page.read_text()
     lines = text.split("\n")
     failed = []
-    for kind, arg, start, end in reversed(list(blocks(text))):
-        if args.only and args.only not in f"{kind} {arg or ''}":
-            continue
+    found = [b for b in blocks(text, name) if not args.only or args.only in f"{b[0]} {b[1] or ''}"]
+    for kind, arg, start, end in reversed(found):
         current = lines[start:end]
         fresh = produce(kind, arg, current)
         if args.write:
             lines[start:end] = fresh
         elif not same("\n".join(current), "\n".join(fresh)):
-            failed.append(f"README.md:{start + 1}: the {kind} block ({arg or 'its commands'}) differs from what "
-                          "the runs print now:\n" + "\n".join(difflib.unified_diff(current, fresh, "README", "now",
+            failed.append(f"{name}:{start + 1}: the {kind} block ({arg or 'its commands'}) differs from what "
+                          "the runs print now:\n" + "\n".join(difflib.unified_diff(current, fresh, name, "now",
                                                                                   lineterm="")))
-    if args.write:
-        README.write_text("\n".join(lines))
-        print("README.md: output blocks regenerated")
-        return 0
-    for f in failed:
-        print(f, file=sys.stderr)
-    return 1 if failed else 0
+    if args.write and found:
+        page.write_text("\n".join(lines))
+        print(f"{name}: output blocks regenerated")
+    return failed
 
 
 if __name__ == "__main__":

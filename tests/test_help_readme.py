@@ -1,7 +1,7 @@
-"""Help = README (issue 44): every option and target mode each subcommand's ``--help`` knows is in README.md's
-"Command line" reference, every option the reference's synopsis gives a subcommand is one it takes, the
-numbers it shows as defaults are the parser's, every target spec it names parses, and the documented default
-output folders are where files land."""
+"""Help = README (issue 44): every option and target mode each subcommand's ``--help`` knows is in the
+command-line reference (docs/cli.md, linked from README.md), every option the reference's synopsis gives a
+subcommand is one it takes, the numbers it shows as defaults are the parser's, every target spec it names
+parses, and the documented default output folders are where files land."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from convcheck.cli.main import build_parser, main
 from convcheck.targets.runners import known_modes
 from convcheck.targets.spec import DDP_FORMS, DEVICES, SPEC_FORM, Target
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CLI_PAGE = ROOT / "docs" / "cli.md"  # the command-line reference, moved out of the README (issue 44)
+WATCH_PAGE = ROOT / "docs" / "watch.md"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 SUBCOMMANDS = ("compare", "record", "diff", "env", "models", "targets")
 
 
-def _section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else len(text)]
+REFERENCE = CLI_PAGE.read_text(encoding="utf-8")
 
 
-REFERENCE = _section("Command line")
+def test_the_readme_links_the_reference():
+    assert "(docs/cli.md)" in README.read_text(encoding="utf-8")
 
 
 def _synopsis() -> dict[str, set[str]]:
@@ -60,7 +60,7 @@ def _options(p: argparse.ArgumentParser) -> set[str]:
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_option_of_the_help_is_in_the_reference(name):
     missing = sorted(o for o in _options(_subparsers()[name]) if not re.search(rf"(?<![\w-]){o}(?![\w-])", REFERENCE))
-    assert not missing, f"convcheck {name} --help has options README.md's 'Command line' does not name: {missing}"
+    assert not missing, f"convcheck {name} --help has options docs/cli.md does not name: {missing}"
 
 
 def test_every_subcommand_has_a_synopsis_line():
@@ -70,7 +70,7 @@ def test_every_subcommand_has_a_synopsis_line():
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_option_of_the_synopsis_is_the_subcommands(name):
     unknown = sorted(_synopsis().get(name, set()) - _options(_subparsers()[name]))
-    assert not unknown, f"README.md's synopsis of convcheck {name} gives options it does not take: {unknown}"
+    assert not unknown, f"docs/cli.md's synopsis of convcheck {name} gives options it does not take: {unknown}"
 
 
 def test_the_synopsis_defaults_are_the_parsers():
@@ -82,22 +82,22 @@ def test_the_synopsis_defaults_are_the_parsers():
     assert shown, "no default shown in the synopsis"
     wrong = [(flag, value, defaults.get(flag)) for flag, value in shown
              if defaults.get(flag) is not None and float(value) != float(defaults[flag])]
-    assert not wrong, f"(option, README's default, the parser's): {wrong}"
+    assert not wrong, f"(option, docs/cli.md's default, the parser's): {wrong}"
 
 
 def test_every_mode_and_device_of_the_help_is_in_the_reference():
     missing = [m for m in known_modes() if not re.search(rf"\b(cpu|cuda|mps)(:\d+)?:{re.escape(m)}(?![\w-])", REFERENCE)]
-    assert not missing, f"target modes the help lists and README.md's reference does not: {missing}"
+    assert not missing, f"target modes the help lists and docs/cli.md does not: {missing}"
     assert not [d for d in DEVICES if f"`{d}" not in REFERENCE and f"{d}:" not in REFERENCE], DEVICES
     for form in (SPEC_FORM, *DDP_FORMS):
-        assert form in REFERENCE, f"{form} (compare --help's target form) is not in README.md's reference"
+        assert form in REFERENCE, f"{form} (compare --help's target form) is not in docs/cli.md"
 
 
 def test_every_target_spec_of_the_reference_parses():
     specs = set(re.findall(r"`((?:ddp:)?(?:cpu|cuda|mps)(?::[a-z0-9-]+)*)`", REFERENCE))
     assert len(specs) > 10
     for spec in sorted(specs):
-        Target.parse(spec)  # a UsageError names the spec the README gets wrong
+        Target.parse(spec)  # a UsageError names the spec docs/cli.md gets wrong
 
 
 def test_the_help_names_every_mode_and_form():
@@ -109,7 +109,7 @@ def test_the_help_names_every_mode_and_form():
 
 
 def test_diff_of_watched_runs_writes_nothing_without_out(tmp_path, monkeypatch, capsys):
-    """The help and the README: two bundles' diff writes a reports/ folder by default, two watched runs' none."""
+    """The help and the docs (docs/watch.md): two bundles' diff writes a reports/ folder by default, two watched runs' none."""
     import torch
 
     import convcheck
@@ -132,4 +132,4 @@ def test_diff_of_watched_runs_writes_nothing_without_out(tmp_path, monkeypatch, 
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     help_text = _subparsers()["diff"].format_help()
     assert "no files without --out" in " ".join(help_text.split())
-    assert "no files without `--out`" in " ".join(README.read_text(encoding="utf-8").split())
+    assert "no files without `--out`" in " ".join(WATCH_PAGE.read_text(encoding="utf-8").split())
