@@ -279,3 +279,20 @@ def dcgan_run(out, precision: str = "fp32", flip_labels: bool = False, steps: in
             opt_g.zero_grad()
             err_g.backward()
             opt_g.step()
+
+
+def twin_run(out, dtype=torch.float32, steps: int = 40):
+    """A regression script and its float64 twin: the model and every batch cast to ``dtype``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            x = torch.randn(64, 8, generator=g)
+            y = torch.sin(x.sum(1, keepdim=True))
+            loss = F.mse_loss(model(x.to(dtype)), y.to(dtype))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

@@ -148,3 +148,13 @@ def test_a_bf16_run_ending_far_above_float32_is_not_ok_although_the_loss_fell_or
     assert code == 1
     assert verdict(out).startswith("verdict: numerics: ")
     assert "the losses end apart (B worse)" in out
+
+
+def test_a_float64_model_against_its_float32_twin_is_a_healthy_precision_pair(tmp_path, capsys):
+    """The float64 twin is fed x.to(torch.float64): the same data, rounded to float32 (issue 48)."""
+    L.twin_run(tmp_path / "fp32")
+    L.twin_run(tmp_path / "fp64", dtype=torch.float64)
+    code, out = diff(capsys, tmp_path / "fp32", tmp_path / "fp64")
+    assert code == 0, out
+    assert "data: the same batches at every aligned step" in out
+    assert "precision: weights kept in float32 | float64" in out
