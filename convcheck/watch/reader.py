@@ -198,6 +198,9 @@ def _check_recipe_fields(rec: dict, where: str) -> None:
     autocast = bundle_reader.get_field(rec, "autocast", (str, type(None)), where, optional=True)
     if autocast is not None and autocast not in STORAGE:
         raise _Bad(f"{where}.autocast is {autocast!r:.40}, not a floating dtype")
+    evaluations = bundle_reader.get_field(rec, "closure_evaluations", int, where, optional=True)
+    if evaluations is not None and evaluations < 2:
+        raise _Bad(f"{where}.closure_evaluations is {evaluations}, expected 2 or more")
     modes = bundle_reader.get_field(rec, "modes_differ", list, where, optional=True) or []
     if not all(isinstance(m, str) for m in modes):
         raise _Bad(f"{where}.modes_differ holds a non-name")

@@ -109,6 +109,7 @@ class Watch(ProducerHooks):
         # detached, a generator's fakes handed to a discriminator are the process's, not data
         self.made_before, self.made = getattr(self, "made", []), []
         self.loss_dtype: str | None = None  # the dtype of the loss handed to ``w.step`` (``recipe.loss_dtype``)
+        self.closure_step = False  # the optimizer stepped with a closure (``_pre_step``)
         self.layers: dict[str, dict] = {}
         self.order: list[str] = []
         self.hashes: list[str] = []
@@ -339,6 +340,7 @@ class Watch(ProducerHooks):
     def _pre_step(self, optimizer, args, kwargs):
         self.lr_used = learning_rates(self.optimizer)  # what this step used: a scheduler may change it before w.step
         if closure(args, kwargs):  # step(closure): forward and backward run inside it (Lightning, LBFGS)
+            self.closure_step = True  # LBFGS may move the parameters between the closure's evaluations
             return None
         self._read_grads(optimizer)
         return None
@@ -416,6 +418,8 @@ class Watch(ProducerHooks):
         record.update(self.forward_state or {})
         if self.loss_dtype:
             record["loss_dtype"] = self.loss_dtype
+        if self.closure_step and len(self.hashes) > 1:  # the closure's evaluations, each a forward of the model
+            record["closure_evaluations"] = len(self.hashes)
         if self.grad_sample:
             record["grad_sample"] = self.grad_sample
         if not self.chosen:
