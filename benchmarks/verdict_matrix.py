@@ -1,7 +1,10 @@
 """The watched diff's fault matrix (issue 42): generated cases, each two watched runs and ``diff_watched``.
 
-    python benchmarks/verdict_matrix.py [--families mlp,cnn,...] [--faults no_zero_grad,identical,...]
+    python benchmarks/verdict_matrix.py [--set tuned|heldout] [--families mlp,cnn,...] [--faults no_zero_grad,...]
                                         [--out benchmarks/results/verdict_matrix.md] [--jobs N] [--list]
+
+``--set heldout`` runs the held-out matrix instead (``matrix/heldout.py``: families, faults and a loop the diff's
+method was never tuned on; written to ``benchmarks/results/verdict_matrix-heldout.md`` unless ``--out`` says).
 
 Every case is a model family (``matrix/families.py``) and a kind (``matrix/cases.py``): a planted fault, run B
 against a healthy run A of the same family (same seed, data, initial weights), or a healthy variation (truth ``ok``).
@@ -74,16 +77,20 @@ def run_case(family: str, kind: str, check: bool = True) -> dict:
 
 
 def _task(args):
-    return run_case(*args)
+    if args[0] == "heldout":
+        from matrix.heldout import run_case as run_heldout
+
+        return run_heldout(*args[1:])
+    return run_case(*args[1:])
 
 
-def run_all(cases, jobs: int = 1, progress=None) -> list[dict]:
+def run_all(cases, jobs: int = 1, progress=None, which: str = "tuned") -> list[dict]:
     """Every case in its own process (spawned, one task per process): no global state leaks between cases."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned workers' own thread pools: one thread each
     ctx = mp.get_context("spawn")
     out = []
     with ctx.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:
-        for r in pool.imap_unordered(_task, [(c.family, c.kind) for c in cases]):
+        for r in pool.imap_unordered(_task, [(which, c.family, c.kind) for c in cases]):
             out.append(r)
             if progress:
                 progress(r, len(out), len(cases))
@@ -121,11 +128,14 @@ def _short(s, n=150):
     return s if len(s) <= n else s[:n - 1] + "…"
 
 
-def report(results, command: str, seconds: float, jobs: int) -> str:
+def report(results, command: str, seconds: float, jobs: int, kinds=None, families=None,
+           title: str = "# The watched diff's verdict matrix (issue 42)") -> str:
+    kinds = KINDS if kinds is None else kinds
+    families = FAMILIES if families is None else families
     s = summary(results)
     table = confusion(results)
     cols = [c for c in COLUMNS if any(table[t][c] for t in ROWS) or c in ("ok", "setup", "numerics")]
-    lines = ["# The watched diff's verdict matrix (issue 42)", "",
+    lines = [title, "",
              f"- command: `{command}`",
              f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
              f"- commit: {_git('rev-parse', '--short', 'HEAD')}"
@@ -142,12 +152,12 @@ def report(results, command: str, seconds: float, jobs: int) -> str:
     for t in ROWS:
         row = table[t]
         lines.append(f"| **{t}** | " + " | ".join(str(row[c]) for c in cols) + f" | {sum(row.values())} |")
-    lines += ["", "## By kind (right / cases)", "", "| kind | truth | " + " | ".join(FAMILIES) + " |",
-              "|---|---|" + "---|" * len(FAMILIES)]
+    lines += ["", "## By kind (right / cases)", "", "| kind | truth | " + " | ".join(families) + " |",
+              "|---|---|" + "---|" * len(families)]
     by = {(r["family"], r["kind"]): r for r in results}
-    for kind, k in KINDS.items():
+    for kind, k in kinds.items():
         cells = []
-        for f in FAMILIES:
+        for f in families:
             r = by.get((f, kind))
             if r is None:
                 cells.append("")
@@ -177,9 +187,9 @@ def report(results, command: str, seconds: float, jobs: int) -> str:
                      f"{r.get('sub_cause') or ''} | {_short(r['headline'] or r['error'], 110).replace('|', '/')} | "
                      f"{r['seconds']} |")
     lines += ["", "## Kinds", ""]
-    lines += [f"- `{k.name}` ({k.truth}): {k.about}" for k in KINDS.values()]
+    lines += [f"- `{k.name}` ({k.truth}): {k.about}" for k in kinds.values()]
     lines += ["", "## Families", ""]
-    lines += [f"- `{f.name}`: {f.about}" for f in FAMILIES.values()]
+    lines += [f"- `{f.name}`: {f.about}" for f in families.values()]
     return "\n".join(lines) + "\n"
 
 
@@ -198,23 +208,36 @@ def _torch_version() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", dest="which", choices=("tuned", "heldout"), default="tuned",
+                   help="tuned: the matrix the diff was tuned on (default); heldout: matrix/heldout.py")
     p.add_argument("--families", default="", help="comma-separated (default: all): " + ",".join(FAMILIES))
     p.add_argument("--faults", default="", help="comma-separated kinds, faults or variations (default: all): "
                    + ",".join(KINDS))
-    p.add_argument("--out", default=str(HERE / "results" / "verdict_matrix.md"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/verdict_matrix.md "
+                   "(--set heldout: verdict_matrix-heldout.md)")
     p.add_argument("--json", default=None, help="also write every case's result as JSON here")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     args = p.parse_args(argv)
+    if args.which == "heldout":
+        from matrix import heldout
+
+        set_kinds, set_families, set_cases = heldout.KINDS, heldout.FAMILIES, heldout.all_cases
+        title = "# The watched diff's held-out verdict matrix (families and faults it was never tuned on)"
+        args.out = args.out or str(HERE / "results" / "verdict_matrix-heldout.md")
+    else:
+        set_kinds, set_families, set_cases = KINDS, FAMILIES, all_cases
+        title = "# The watched diff's verdict matrix (issue 42)"
+        args.out = args.out or str(HERE / "results" / "verdict_matrix.md")
     fams = [f for f in args.families.split(",") if f]
     kinds = [k for k in args.faults.split(",") if k]
-    bad = [f for f in fams if f not in FAMILIES] + [k for k in kinds if k not in KINDS]
+    bad = [f for f in fams if f not in set_families] + [k for k in kinds if k not in set_kinds]
     if bad:
         p.error(f"unknown: {', '.join(bad)}")
-    cases = all_cases(fams or None, kinds or None)
+    cases = set_cases(fams or None, kinds or None)
     if args.list:
         for c in cases:
-            print(c.name, KINDS[c.kind].truth)
+            print(c.name, set_kinds[c.kind].truth)
         return 0
     command = "python benchmarks/verdict_matrix.py " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
@@ -224,9 +247,9 @@ def main(argv=None) -> int:
         print(f"[{i}/{n}] {r['family']}/{r['kind']}: {mark}: {r['category']}: {_short(r['headline'] or r['error'], 110)}"
               f" ({r['seconds']} s)", flush=True)
 
-    results = run_all(cases, args.jobs, progress)
+    results = run_all(cases, args.jobs, progress, args.which)
     seconds = time.perf_counter() - t0
-    text = report(results, command.strip(), seconds, args.jobs)
+    text = report(results, command.strip(), seconds, args.jobs, set_kinds, set_families, title)
     print()
     print(text[:text.index("## Cases")] if "## Cases" in text else text)
     out = Path(args.out)
