@@ -342,7 +342,9 @@ def _loss_parting(a: WatchedRun, b: WatchedRun, steps: int, end: Outcome | None 
         if x is not None and y is not None and x != y and not (abs(x - y) <= tol * max(abs(x), abs(y))):
             first = k
             break
-    if first is None or (_loss_unit(a, b) <= FLOAT32.unit_roundoff and not policy):
+    # at step 0 (the same weights, the same batch) the precision's own tolerance is all rounding can explain: a
+    # loss apart beyond it there (another random mask, another loss) is no drift to be judged by the outcome
+    if first is None or first == 0 or (_loss_unit(a, b) <= FLOAT32.unit_roundoff and not policy):
         return first, None
     if end is not None and end.alike is not None:  # measured against the runs' own noise (issue 42)
         return (None, (first, *end.final)) if end.alike else (first, None)

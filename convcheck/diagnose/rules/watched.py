@@ -16,10 +16,11 @@ W012 35   watched-both-fail    setup          neither run converges on its own, 
 W005 50   watched-layer        layer          a layer the float64 judge finds above its floor
 W006 60   watched-underflow    numerics       a gradient exactly zero in one run only, no earlier parting
                                               (one run's own exploding loss is evidence of the parting below)
+W013 79   watched-compiled-rng nondeterminism a parting beyond rounding, one run compiled and the other eager,
+                                              with random layers (inductor draws its own masks; before W008:
+                                              compiled against eager is also a precision policy difference)
 W008 80   watched-precision    numerics       a parting beyond rounding at different precisions
 W009 85   watched-stack        version        a parting beyond rounding with different stacks
-W013 86   watched-compiled-rng nondeterminism a parting beyond rounding, one run compiled and the other eager,
-                                              with random layers (inductor draws its own masks)
 W010 88   watched-unexplained  nondeterminism a parting beyond rounding, nothing recorded explains it
 W011 90   watched-stopped      setup          no parting, but a run's block raised or was interrupted
 ==== ==== ==================== ============== =======================================================
@@ -242,7 +243,7 @@ def watched_stack(ev: PairEvidence) -> Verdict | None:
                                  layer=part.layer)
 
 
-@verdict_rule("W013", "watched-compiled-rng", priority=86, category="nondeterminism", reads=PairEvidence,
+@verdict_rule("W013", "watched-compiled-rng", priority=79, category="nondeterminism", reads=PairEvidence,
               headline="the runs part at step {step} in {layer}: one runs its model compiled, whose random layers "
                        "draw other masks than eager's")
 def watched_compiled_random(ev: PairEvidence) -> Verdict | None:
