@@ -8,6 +8,7 @@ Exit codes (``convcheck --help`` and the README list them):
 2     usage or input error, including the user's model, loss or data failing
 3     resource: out of memory (CPU or GPU), disk full, interrupted (Ctrl-C, SIGTERM, SIGHUP)
 4     internal error: a bug in convcheck (traceback plus a request to report it)
+5     inconclusive: the float64 judge checked less than the layers the verdict rests on (``diff RUN --judge``)
 ====  ==========================================================================
 
 Whose code failed is read from the traceback: the innermost frame that is
@@ -34,7 +35,7 @@ from typing import Callable
 
 from convcheck.errors import ConvcheckError, RunFailed, UserCodeError
 
-EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_RESOURCE, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_DISCREPANCY, EXIT_USAGE, EXIT_RESOURCE, EXIT_INTERNAL, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4, 5
 
 EXIT_CODES = (
     (EXIT_OK, "ok: the targets agree, or an environment audit found nothing critical"),
@@ -43,7 +44,14 @@ EXIT_CODES = (
                  "the traceback)"),
     (EXIT_RESOURCE, "out of memory (CPU or GPU), disk full, or interrupted (Ctrl-C, SIGTERM, SIGHUP)"),
     (EXIT_INTERNAL, "internal error: a bug in convcheck (traceback, please report it)"),
+    (EXIT_INCONCLUSIVE, "inconclusive: the float64 judge could not check the layers the verdict rests on (it says "
+                        "which and why; never ok on a judge that replayed nothing)"),
 )
+
+
+def verdict_exit(category: str | None) -> int:
+    """The exit code of a verdict's category: 0 ok, 5 inconclusive, 1 any finding."""
+    return {"ok": EXIT_OK, "inconclusive": EXIT_INCONCLUSIVE}.get(category, EXIT_DISCREPANCY)
 
 _OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate memory")
 _DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

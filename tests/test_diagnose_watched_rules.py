@@ -4,7 +4,7 @@ before it, and no rule fires on a clean pair. The rules read data only (``PairEv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -36,8 +36,18 @@ class Replay:
     overflows: tuple = ()
     rows: tuple = (1,)
 
+    layers: tuple = ("fc",)  # the judge's coverage (issue 43): every layer checked
+    checked: tuple = ("fc",)
+    exempt: tuple = ()
+    unchecked: dict = field(default_factory=dict)
+    complete: bool = True
+    note: str | None = None
+
     def summary(self) -> str:
         return f"{len(self.rows)} layer calls at step 0 replayed"
+
+    def coverage(self) -> str:
+        return "the judge checked 1 of 1 layers (snapshot step 0)"
 
 
 CLEAN = PairEvidence(steps=(8, 8), loss_tol=1e-3, replays=(Replay(), Replay()))

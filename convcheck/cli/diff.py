@@ -24,6 +24,9 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
                    help="a float64 target to re-run the judge here (default: this machine's judge), or a bundle "
                         "recorded with a float64 target; with one watched run, the judge it is diagnosed against "
                         "(e.g. cpu:float64)")
+    p.add_argument("--trust-run", action="store_true",
+                   help="watched runs: load the model the run recorded by value (a pickle, the script's classes) "
+                        "even when it was not recorded by you on this machine; a run folder from elsewhere is code")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the report files there (default: two bundles: a new folder "

@@ -121,8 +121,8 @@ def run_watched_diff(args, kinds) -> int:
         raise UsageError("diff: one run is watched (convcheck.watch) and the other recorded (convcheck record); "
                          "diff two of the same kind")
     csv = _csv_file(args) if getattr(args, "csv", None) is not None else None  # before any work
-    judge = watch_judge(args.judge)
-    return run_watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge),
+    judge, trust = watch_judge(args.judge), getattr(args, "trust_run", False)  # --trust-run: load recorded code
+    return run_watched(args, "watch_diff.json", lambda: diff_watched(args.run_a, args.run_b, judge=judge, trust=trust),
                     pair=(args.run_a, args.run_b), csv=csv)
 
 
@@ -153,12 +153,14 @@ def run_watched_judge(args) -> int:
         raise UsageError(f"diff: {args.run_a} is not a watched run (convcheck.watch); a recorded run needs a "
                          "second one: convcheck diff RUN_A RUN_B")
     judge = watch_judge(args.judge) or str(default_judge()[0])
-    return run_watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge))
+    trust = getattr(args, "trust_run", False)  # --trust-run: load the model the run recorded by value
+    return run_watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge, trust))
 
 
 def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> int:
     """Write the folder (``name``, and with ``tables`` the tables and the page of ``report/watch_report.py``)
-    and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, else 1."""
+    and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, 5 when it is
+    inconclusive (the judge could not check what the verdict rests on), else 1."""
     from convcheck.files import atomic_write_text, check_writable_file, write_error
 
     if folder is not None:
@@ -183,6 +185,8 @@ def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> 
         from convcheck.report.verdict_lines import fit_prose
 
         print(fit_prose(result.lines(), sys.stdout))  # wrapped to the terminal (--json keeps every line whole)
-    return 0 if result else 1
+    from convcheck.exit_codes import verdict_exit
+
+    return 0 if result else verdict_exit(getattr(getattr(result, "verdict", None), "category", None))
 
 

@@ -101,3 +101,41 @@ VERSION_REMEDIES = ["run both sides with the same torch / CUDA / cuDNN build, th
 # --- a run that stopped -----------------------------------------------------------------------------------
 STOPPED_REMEDIES = ["pass the loss to w.step(loss) before the loop's own NaN check (or let the step end at the "
                     "optimizer's step), then run again and diff: the watch then names the first NaN/Inf producer"]
+
+
+# --- remedies name only the formats the runs used (issue 43) ----------------------------------------------
+import re as _re  # noqa: E402 - the one place this module needs it
+
+_FORMAT_NAMES = {"float16": r"float16|fp16", "bfloat16": r"bfloat16|bf16", "tf32": r"tf32",
+                 "fp8": r"fp8|float8\w*|e4m3\w*|e5m2\w*"}
+_FORMAT_RE = {f: _re.compile(rf"(?<![\w.]){p}(?![\w])", _re.IGNORECASE) for f, p in _FORMAT_NAMES.items()}
+_SLASHED = _re.compile(r"\b([\w.]+(?:/[\w.]+)+)\b")
+_SWITCH = _re.compile(r",? or (\w+) instead of (\w+)", _re.IGNORECASE)
+
+
+def formats_named(text: str) -> set[str]:
+    """The reduced-precision formats (float16, bfloat16, TF32, FP8) ``text`` names; float32/float64 are the general
+    fix and never counted."""
+    return {f for f, rx in _FORMAT_RE.items() if rx.search(text)}
+
+
+def only_used_formats(remedies, used: set[str]) -> list[str]:
+    """``remedies`` naming only the reduced-precision formats in ``used`` (the one rule, applied by the watched
+    verdicts' builder ``watch/verdict.py``): an alternation (``bf16/fp16``) keeps the formats used; a switch offered
+    from an unused format (``, or bfloat16 instead of float16`` to a bfloat16 run) is cut; a remedy still naming a
+    format no run used is dropped, and when none is left, the general fix (float32) is given."""
+    out = []
+    for r in remedies:
+        def trim(m):
+            parts = m.group(1).split("/")
+            kept = [p for p in parts if not formats_named(p) or formats_named(p) <= used]
+            return "/".join(kept) if kept else m.group(1)
+
+        text = _SLASHED.sub(trim, r)
+        text = _SWITCH.sub(lambda m: m.group(0) if formats_named(m.group(2)) <= used else "", text)
+        if formats_named(_SWITCH.sub("", text)) - used:  # a switch kept names its target, offered from a used one
+            continue
+        out.append(text)
+    if remedies and not out:
+        out.append(KEEP_FLOAT32)
+    return out

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CATEGORIES = ("ok", "numerics", "layer", "version", "hardware", "setup", "nondeterminism")
+# ``inconclusive``: the float64 judge checked less than the layers the outcome rests on (a watched run whose
+# layers it could not replay): never ``ok`` on a judge that replayed nothing (issue 43; exit code 5)
+CATEGORIES = ("ok", "numerics", "layer", "version", "hardware", "setup", "nondeterminism", "inconclusive")
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ def _post(module, args, kwargs, output):
     entry = _LAYERS.get(id(module))
     if entry is not None and entry[0] is module:
         for w in list(entry[1]):
-            w._forward(module, args, output)
+            w._forward(module, args, output, kwargs)
     return None
 
 

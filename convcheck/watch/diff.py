@@ -176,11 +176,12 @@ def refuse_empty(run: WatchedRun) -> None:
     raise UsageError(f"watched run {run.path} recorded no step: {why}")
 
 
-def judge_watched(path, judge: str) -> WatchJudge:
-    """One watched run against the float64 judge ``judge`` (a float64 target of this machine)."""
+def judge_watched(path, judge: str, trust: bool = False) -> WatchJudge:
+    """One watched run against the float64 judge ``judge`` (a float64 target of this machine); ``trust``: load
+    its model recorded by value even when this user did not sign it (``--trust-run``)."""
     run = open_watched(path)
     refuse_empty(run)
-    replay = replay_run(run, judge)
+    replay = replay_run(run, judge, trust=trust)
     own = tuple(run_findings(run, "the run"))
     return WatchJudge(str(run.path), len(run.steps), first_nonfinite(run), replay, decide_single(run, replay, own),
                       stopped=run.manifest.get("stopped"), own=own, compiled=hidden_layers(run),
@@ -374,7 +375,7 @@ def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
     return (found,) if found is not None else ()
 
 
-def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
+def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) -> WatchDiff:
     """Two watched runs compared; a one-line ``UsageError`` when they did not watch the same model.
     ``judge``: the float64 target that replays the snapshot steps (default: this machine's judge)."""
     a, b = open_watched(path_a), open_watched(path_b)
@@ -425,5 +426,5 @@ def diff_watched(path_a, path_b, judge: str | None = None) -> WatchDiff:
         from convcheck.targets.spec import default_judge
 
         judge = str(default_judge()[0])
-    result = replace(result, replays=(replay_run(a, judge), replay_run(b, judge)))
+    result = replace(result, replays=(replay_run(a, judge, trust=trust), replay_run(b, judge, trust=trust)))
     return replace(result, verdict=decide(result, a, b))

@@ -23,7 +23,11 @@ def manifest_of(w, complete: bool) -> dict:
                                  for n, p in w.params],
                   "layers": [w.names[m] for m in w.names if m in w.leaves],
                   # each leaf's class: compare's dead-unit detector reads the ReLUs' zeros (older runs: none)
-                  "layer_types": {w.names[m]: type(m).__name__ for m in w.names if m in w.leaves}},
+                  "layer_types": {w.names[m]: type(m).__name__ for m in w.names if m in w.leaves},
+                  # torch's own leaves as safe data, rebuilt by the judge without the run's code (``by_value.py``)
+                  "leaf_specs": getattr(w, "leaf_specs", None)},
+        # the model by value (``snapshots/model.pkl``, the script) and this user's signature of it, or None
+        "code": getattr(w, "code", None),
         "optimizer": type(w.optimizer).__name__ if w.optimizer is not None else None,
         "optimizer_settings": getattr(w, "settings", None),
         "recipe": getattr(w, "recipe", None),  # the recipe whole (``recipe.recipe_of``), diffed before any tensor

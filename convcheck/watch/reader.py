@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import tokenize
 import zipfile
@@ -29,6 +30,10 @@ from convcheck.errors import UsageError
 from convcheck.watch.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
 
 _Bad = bundle_reader.BadField
+# a layer's integer/bool tensor arguments (``snapshots.EXACT``, keys ``arg/``), stored as they were
+EXACT_STORAGE = {"int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+                 "bool": "bool"}
+MAX_SPEC_BYTES = 1 << 16
 _NUM = (int, float)
 LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "mean": _NUM, "std": _NUM,
                 "zeros": _NUM, "nan": int, "inf": int, "dtype": str, "calls": int}
@@ -68,6 +73,15 @@ def _check_manifest(m) -> None:
     types = bundle_reader.get_field(model, "layer_types", dict, "model", optional=True)  # older runs: none
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (types or {}).items()):
         raise _Bad("model.layer_types holds a non-string")
+    specs = bundle_reader.get_field(model, "leaf_specs", dict, "model", optional=True) or {}  # issue 43; older: none
+    if not all(isinstance(k, str) and isinstance(v, dict) for k, v in specs.items()):
+        raise _Bad("model.leaf_specs holds something other than a layer's data")
+    code = bundle_reader.get_field(m, "code", dict, "manifest", optional=True)  # the model by value, or None
+    for k in ("pickle_sha256", "script_sha256"):
+        if code is not None and code.get(k) is not None:
+            bundle_reader.sha_field(code[k], f"code.{k}")
+    if code is not None and not isinstance(code.get("hmac"), (str, type(None))):
+        raise _Bad("code.hmac is not a string")
     bundle_reader.get_field(m, "fingerprint", dict, "manifest")
     bundle_reader.get_field(m, "math_flags", dict, "manifest")
     bundle_reader.get_field(m, "scaler", bool, "manifest")
@@ -138,13 +152,18 @@ def _check_snapshots(snaps: list) -> None:
                 raise _Bad(f"{where}.arrays[{j}].key {key!r:.60} is listed twice")
             keys.add(key)
             bundle_reader.shape_field(a.get("shape"), f"{where}.arrays[{j}].shape")
-            bundle_reader.dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
+            if not (key.startswith("arg/") and a.get("dtype") in EXACT_STORAGE):  # an integer/bool argument
+                bundle_reader.dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
             first = bundle_reader.get_field(a, "same_as", str, f"{where}.arrays[{j}]", optional=True)
             if first is None:
                 stored[key] = (a["shape"], a["dtype"])
             elif stored.get(first) != (a["shape"], a["dtype"]):
                 raise _Bad(f"{where}.arrays[{j}].same_as {first!r:.60} is not an earlier stored array "
                            "of the same shape and dtype")
+        calls = bundle_reader.get_field(e, "calls", dict, where, optional=True) or {}
+        for name, spec in calls.items():  # the arguments of calls (``snapshots.arg_spec``): read, never run
+            if not isinstance(spec, dict) or len(json.dumps(spec)) > MAX_SPEC_BYTES:
+                raise _Bad(f"{where}.calls[{name!r:.40}] is not a call's arguments")
 
 
 
@@ -226,7 +245,8 @@ class WatchedRun:
             return None
         stored = [a for a in e["arrays"] if "same_as" not in a]
         expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(stored)}
-        limit = sum(bundle_reader.nbytes_of(s, d) + NPZ_SLACK for _, s, d in expected.values()) + NPZ_SLACK
+        limit = sum((bundle_reader.nbytes_of(s, d) if d in STORAGE else 8 * math.prod(s)) + NPZ_SLACK
+                    for _, s, d in expected.values()) + NPZ_SLACK
         try:
             data = self.source.read(e["file"], limit)
             if e.get("sha256") is not None and hashlib.sha256(data).hexdigest() != e["sha256"]:
@@ -238,9 +258,10 @@ class WatchedRun:
                 out = {}
                 for name, (key, shape, dtype) in expected.items():
                     a = z[name]
-                    if a.dtype != np.dtype(STORAGE[dtype]) or tuple(a.shape) != shape:
+                    want = STORAGE.get(dtype) or EXACT_STORAGE[dtype]
+                    if a.dtype != np.dtype(want) or tuple(a.shape) != shape:
                         raise _Bad(f"{e['file']}: {key} is {a.dtype}{list(a.shape)}, the index says "
-                                   f"{STORAGE[dtype]}{list(shape)}")
+                                   f"{want}{list(shape)}")
                     out[key] = a
                 for a in e["arrays"]:  # a tensor seen twice at the same version: stored once
                     if "same_as" in a:

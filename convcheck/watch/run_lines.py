@@ -36,6 +36,8 @@ def judge_lines(replays, sides: str = "AB") -> list[str]:
         label = f" on {side}" if len(sides) > 1 else ""
         out.append(f"float64 judge ({judge}){label}: {r.summary()}" + ("; diffed without the replay"
                                                                       if not r.rows and r.note else ""))
+        if r.rows or r.layers:
+            out.append(f"  coverage: {r.coverage()}")  # n of m layers, which steps, what was not (issue 43)
         out += [f"  above its floor: {row.text()}" for row in r.flagged[:5]]
         out += [f"  overflow: {row.text()}" for row in r.overflows[:3]]
         out += [f"  not replayed: {why}" for why in r.skipped[:3]]

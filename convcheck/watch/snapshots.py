@@ -22,6 +22,10 @@ import torch
 
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
+# a layer's non-floating tensor arguments (position ids, indices, masks), stored as they are (issue 43)
+EXACT = {torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+         torch.bool: "bool"}
+MAX_SPEC_DEPTH = 8  # nesting of a call's recorded arguments (``arg_spec``)
 MEMBER_SLACK = 512  # an .npz member's zip headers and .npy header: a bound, so the cap is never passed
 FILE_SLACK = 4096
 
@@ -65,6 +69,9 @@ class SnapshotTaker:
         self.seen: dict[tuple, tuple] = {}  # identity -> (first key, a weak reference to the tensor:
         # once it is gone, its memory may hold another tensor with the same identity, so no match)
         self.calls: dict[str, int] = {}
+        self.specs: dict[str, dict] = {}  # "layer/k" -> the call's arguments as made (``arg_spec``)
+        self.versions: dict[int, int] = {}  # each parameter's version when the snapshot took it
+        self.stale: list[str] = []  # "layer/k": calls made after their parameters changed (an LBFGS closure, a GAN)
         self.params = False
         self.grads = False
         self.partial = partial
@@ -93,17 +100,47 @@ class SnapshotTaker:
         self.arrays[key] = got
         self.held += got[0].nbytes
 
-    def take_call(self, layer: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    def _put_exact(self, key: str, t: torch.Tensor) -> None:
+        """A non-floating tensor argument, stored in its own dtype (no rounding: it is an index or a mask)."""
+        size = t.numel() * t.element_size()
+        if self.over is not None:
+            self.over += size
+            return
+        if self.budget is not None and file_bound(self.held + size, len(self.arrays) + 1) > self.budget:
+            self.over = self.held + size
+            self.drop()
+            return
+        a = t.detach().to("cpu").contiguous().clone().numpy()
+        self.arrays[key] = (a, EXACT[t.dtype])
+        self.held += a.nbytes
+
+    def take_call(self, layer: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], args=None,
+                  kwargs=None, module=None) -> None:
+        """One leaf call: its floating inputs (``in/``) and outputs (``out/``); with ``args``/``kwargs`` (the call
+        as made), anything else it was given - integer or bool tensors (``arg/``), numbers, None, tuples, nested
+        structures, keyword arguments - as ``arg_spec`` in the index (``specs``), so the judge replays the call as
+        it was made."""
         k = self.calls.get(layer, 0)
         self.calls[layer] = k + 1
+        if module is not None and self.params and any(
+                self.versions.get(id(p), p._version) != p._version for p in module.parameters(recurse=False)):
+            self.stale.append(f"{layer}/{k}")  # its weights are not the snapshot's: the judge leaves the call out
         for i, t in enumerate(inputs):
             self._put(f"in/{layer}/{k}/{i}", t)
         for i, t in enumerate(outputs):
             self._put(f"out/{layer}/{k}/{i}", t)
+        if args is not None:
+            spec = arg_spec(args, kwargs or {})
+            if not spec["plain"]:
+                for j, t in enumerate(spec.pop("exact")):
+                    self._put_exact(f"arg/{layer}/{k}/{j}", t)
+                spec.pop("plain")
+                self.specs[f"{layer}/{k}"] = spec
 
     def take_params(self, params) -> None:
         self.params = True
         for n, p in params:
+            self.versions[id(p)] = p._version
             self._put(f"param/{n}", p)
 
     def take_grads(self, params) -> None:
@@ -120,6 +157,8 @@ class SnapshotTaker:
 
     def drop(self) -> None:
         self.arrays.clear()
+        self.specs.clear()
+        self.stale.clear()
         self.held = 0
 
     def write(self, folder, step: int) -> dict:
@@ -148,5 +187,52 @@ class SnapshotTaker:
                                "dtype": self.arrays[first][1], "same_as": first})
         entry = {"step": step, "file": rel, "bytes": path.stat().st_size, "sha256": file_sha256(path),
                  "partial": self.partial, "arrays": arrays}
+        if self.specs:
+            entry["calls"] = dict(self.specs)
+        if self.stale:
+            entry["stale_calls"] = list(self.stale)
         self.drop()
         return entry
+
+
+def arg_spec(args, kwargs: dict) -> dict:
+    """A call's arguments as JSON: ``{"args": [...], "kwargs": {...}, "plain", "exact"}``. Each floating tensor
+    is ``{"in": i}`` (the i-th floating tensor, in the order ``producers.floats`` lists them: ``in/layer/k/i``),
+    a non-floating one ``{"arg": j, "dtype"}`` (``arg/layer/k/j``, kept in ``exact``), a number, string, bool or
+    None ``{"v": value}`` (a non-finite float as its text), a tuple/list/dict ``{"tuple"|"list"|"dict": ...}``, a
+    dtype or device by name; anything else ``{"opaque": its type}`` (the replay says it cannot rebuild it).
+    ``plain``: the call took its floating tensors only, positionally (no spec needed)."""
+    counts = {"in": 0}
+    exact: list = []
+
+    def enc(o, depth: int):
+        if isinstance(o, torch.Tensor):
+            if o.dtype in STORED:
+                counts["in"] += 1
+                return {"in": counts["in"] - 1}
+            if o.dtype in EXACT:
+                exact.append(o)
+                return {"arg": len(exact) - 1, "dtype": EXACT[o.dtype]}
+            return {"opaque": f"a {str(o.dtype)[6:]} tensor"}
+        if o is None or isinstance(o, (bool, int, str)):
+            return {"v": o}
+        if isinstance(o, float):
+            return {"v": o} if o == o and abs(o) != float("inf") else {"float": repr(o)}
+        if isinstance(o, torch.dtype):
+            return {"dtype": str(o)[6:]}
+        if isinstance(o, torch.device):
+            return {"device": str(o)}
+        if depth >= MAX_SPEC_DEPTH:
+            return {"opaque": "a structure nested deeper than recorded"}
+        if isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return {"tuple": [enc(x, depth + 1) for x in o]}
+        if isinstance(o, list):
+            return {"list": [enc(x, depth + 1) for x in o]}
+        if isinstance(o, dict) and all(isinstance(k, str) for k in o):
+            return {"dict": {k: enc(v, depth + 1) for k, v in o.items()}}
+        return {"opaque": type(o).__name__[:60]}
+
+    spec_args = [enc(a, 0) for a in args]
+    spec_kwargs = {str(k): enc(v, 0) for k, v in kwargs.items()}
+    plain = not spec_kwargs and all(set(a) == {"in"} for a in spec_args)
+    return {"args": spec_args, "kwargs": spec_kwargs, "plain": plain, "exact": exact}

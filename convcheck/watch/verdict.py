@@ -5,12 +5,15 @@ that read them (``diagnose/rules/watched.py``, ``watched_run.py``). Nothing is d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from convcheck.diagnose.detectors.watched import (converges, first_nonfinite, precision_difference, random_layers,
                                                   scaled_backward)
 from convcheck.diagnose.detectors.watched_setup import clip_before_unscale, compiled_random, divergence, eval_from
 from convcheck.diagnose.detectors.watched_scaler import step_without_scaler
 from convcheck.diagnose.registry import decide as choose
-from convcheck.diagnose.rules.watched import watched_ok
+from convcheck.diagnose.remedies import only_used_formats
+from convcheck.diagnose.rules.watched_coverage import pair_ok
 from convcheck.diagnose.rules.watched_run import run_ok
 from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import PairEvidence, RunEvidence
@@ -48,9 +51,33 @@ def run_evidence(run, replay, own=()) -> RunEvidence:
                                    if f is not None))
 
 
+def formats_of(run) -> set[str]:
+    """The reduced-precision formats ``run`` computed in (``diagnose.remedies.formats_named``'s names): its weights'
+    and layers' dtypes, autocast, the loss's format, TF32 where a CUDA run allowed it."""
+    names = {"float16": "float16", "bfloat16": "bfloat16"}
+    dtypes = {p.get("dtype") for p in run.manifest.get("model", {}).get("parameters", []) if isinstance(p, dict)}
+    for st in run.steps:
+        dtypes.update(row.get("dtype") for row in (st.get("layers") or {}).values() if isinstance(row, dict))
+        dtypes.update((st.get("autocast"), st.get("loss_dtype")))
+    out = {names[d] for d in dtypes if d in names}
+    flags = run.manifest.get("math_flags") or {}
+    if str(run.manifest.get("model", {}).get("device", "")).startswith("cuda") and (
+            flags.get("matmul.allow_tf32") is True or flags.get("cudnn.allow_tf32") is True
+            or flags.get("float32_matmul_precision") in ("high", "medium")):
+        out.add("tf32")
+    return out
+
+
+def _formats_kept(v: Verdict, used: set[str]) -> Verdict:
+    """The one place a watched verdict's remedies are held to the formats its runs used (issue 43)."""
+    kept = only_used_formats(v.remedies, used)
+    return v if kept == list(v.remedies) else replace(v, remedies=kept)
+
+
 def decide(d, a, b) -> Verdict:
-    return choose(pair_evidence(d, a, b), watched_ok)
+    v = choose(pair_evidence(d, a, b), pair_ok)  # ``watched_ok``, held against the judge's coverage
+    return _formats_kept(v, formats_of(a) | formats_of(b))
 
 
 def decide_single(run, replay, own=()) -> Verdict:
-    return choose(run_evidence(run, replay, own), run_ok)
+    return _formats_kept(choose(run_evidence(run, replay, own), run_ok), formats_of(run))

@@ -236,13 +236,14 @@ def test_dropout_masks_of_two_seeds_are_named_with_the_seed_remedy(runs, capsys)
     assert v["remedies"][0].startswith("the model's random layers (net.2) draw random numbers: seed both runs")
 
 
-def test_an_embedding_is_not_replayed_and_says_why_in_words(tmp_path, capsys):
-    """New-user trial 6: every nn.Embedding said 'its recorded inputs do not re-run it (TypeError)'."""
+def test_an_embedding_is_replayed_on_its_recorded_indices(tmp_path, capsys):
+    """New-user trial 6: every nn.Embedding said 'its recorded inputs do not re-run it (TypeError)'; then it was
+    skipped (its integer indices were not kept); since issue 43 its indices are recorded and it is replayed."""
     from .recipe_loops import embedding_run
 
     embedding_run(tmp_path / "emb")
     code = main(["diff", str(tmp_path / "emb"), "--judge", "cpu:float64", "--no-save"])
     out = capsys.readouterr()[0]
     assert code == 0, out
-    assert ("not replayed: step 0, emb (Embedding): it reads integer indices, which the snapshot does not keep" in out)
-    assert "TypeError" not in out and "1 layer calls at step 0 replayed: all within their floors" in out
+    assert "TypeError" not in out and "2 layer calls at step 0 replayed: all within their floors" in out
+    assert "the judge checked 2 of 2 layers (snapshot step 0)" in out

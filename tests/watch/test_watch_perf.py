@@ -132,7 +132,8 @@ def test_a_snapshot_past_the_cap_is_skipped_whole_with_one_warning(tmp_path, cap
     assert run["steps"] == 3 and run["snapshots"] == [] and run.snapshot(0) is None
     (skipped,) = run["skipped_snapshots"]
     assert skipped["step"] == 0 and skipped["bytes"] > 20_000 and "max_bytes" in skipped["reason"]
-    assert os.listdir(tmp_path / "run" / "snapshots") == []  # never a half-written file
+    # never a half-written file (the model kept by value, issue 43, is not a snapshot)
+    assert [f for f in os.listdir(tmp_path / "run" / "snapshots") if not f.startswith(("model.pkl", "script.py"))] == []
     assert w.taker is None or not w.taker.arrays
 
 

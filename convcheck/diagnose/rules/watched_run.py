@@ -1,5 +1,6 @@
 """The rules for one watched run against the float64 judge (``convcheck diff RUN --judge SPEC``), reading
-``RunEvidence``; ``run_ok`` when none fires. The earliest of a flagged layer, an exploding loss and the
+``RunEvidence``; ``run_ok`` when none fires - and ``run_ok`` is ``inconclusive`` unless the judge checked every
+layer (``watched_coverage.run_judged``: never ``ok`` on a judge that replayed nothing). The earliest of a flagged layer, an exploding loss and the
 first NaN/Inf decides (in that order on the same step):
 
 ==== ==== =================== ========= ===========================================================
@@ -24,6 +25,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.remedies import TRAIN_MODE_REMEDIES
+from convcheck.diagnose.rules.watched_coverage import run_judged
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, setup_remedies,
                                                     interrupt_line, interrupted, stopped_verdict, training_problem)
@@ -145,8 +147,8 @@ def run_ok(ev: RunEvidence) -> Verdict:
         if ev.truncated else []
     cut += [interrupt_line(ev.stopped)] if interrupted(ev.stopped) else []
     upto = f" up to step {ev.stopped['step']}, where it was interrupted" if interrupted(ev.stopped) else ""
-    if ev.replay is None or not ev.replay.rows:
-        return Verdict("ok", f"the run stays finite{upto}; no layer was replayed through the judge",
-                       evidence=([ev.replay.summary()] if ev.replay is not None else []) + cut)
-    return Verdict("ok", f"every replayed layer is within its floor and the run stays finite{upto}",
-                   evidence=[ev.replay.summary()] + cut)
+    if ev.replay is None or not ev.replay.rows:  # never ok: the judge checked nothing (issue 43)
+        return run_judged(Verdict("ok", f"the run stays finite{upto}",
+                                  evidence=([ev.replay.summary()] if ev.replay is not None else []) + cut), ev.replay)
+    return run_judged(Verdict("ok", f"every replayed layer is within its floor and the run stays finite{upto}",
+                              evidence=[ev.replay.summary()] + cut), ev.replay)
