@@ -369,10 +369,21 @@ def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
         return ()
     tol = max(BACKWARD_RTOL, PART_FACTOR * _loss_unit(a, b))
     k = gradient_parting(a, b, steps, tol)
-    if k is None or any(s is not None and s <= k for s in (data_step, loss_step, parting and parting.step)):
+    forward = None if parting is None else parting.step + (0.5 if _after_first_evaluation(a, b, parting.step) else 0)
+    if k is None or any(s is not None and s <= k for s in (data_step, loss_step, forward)):
         return ()
     found = backward_difference(a, b, k, tol)
     return (found,) if found is not None else ()
+
+
+def _after_first_evaluation(a: WatchedRun, b: WatchedRun, k: int) -> bool:
+    """Whether step ``k``'s parting came after its gradients: an optimizer that evaluated a closure several times
+    (LBFGS) moved the parameters between the evaluations, and the first evaluation - the snapshot's calls - agrees
+    element by element; the statistics, merged over every evaluation, part only after the first update."""
+    if not (a.steps[k].get("closure_evaluations") and b.steps[k].get("closure_evaluations")):
+        return False
+    snapped = {s["step"] for s in a["snapshots"]} & {s["step"] for s in b["snapshots"]}
+    return k in snapped and snapshot_parting(a, b, k) is None
 
 
 def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) -> WatchDiff:

@@ -296,3 +296,39 @@ def twin_run(out, dtype=torch.float32, steps: int = 40):
             loss.backward()
             opt.step()
             w.step(loss)
+
+
+def lbfgs_run(out, zero_grad: bool = True, steps: int = 6):
+    """A small LSTM-cell forecaster trained with LBFGS, whose closure evaluates the model up to max_iter times
+    a step (zero_grad in the closure, as the LBFGS docs show; ``zero_grad=False`` leaves it out)."""
+    torch.manual_seed(0)
+    cell, head = nn.LSTMCell(1, 16), nn.Linear(16, 1)
+    model = nn.ModuleDict({"cell": cell, "head": head})
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    t = torch.linspace(0, 6.28, 41)
+    series = torch.sin(t).unsqueeze(-1)
+
+    class Forecaster(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x):
+            h = c = torch.zeros(1, 16)
+            outs = []
+            for i in range(x.shape[0]):
+                h, c = self.net["cell"](x[i:i + 1], (h, c))
+                outs.append(self.net["head"](h))
+            return torch.cat(outs)
+
+    forecaster = Forecaster()
+    with convcheck.watch(forecaster, opt, out=out) as w:
+        for _ in range(steps):
+            def closure():
+                if zero_grad:
+                    opt.zero_grad()
+                loss = F.mse_loss(forecaster(series[:-1]), series[1:])
+                loss.backward()
+                return loss
+            loss = opt.step(closure)
+            w.step(loss)

@@ -158,3 +158,17 @@ def test_a_float64_model_against_its_float32_twin_is_a_healthy_precision_pair(tm
     assert code == 0, out
     assert "data: the same batches at every aligned step" in out
     assert "precision: weights kept in float32 | float64" in out
+
+
+def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_the_gradients(tmp_path, capsys):
+    """LBFGS evaluates its closure up to max_iter times a step and moves the parameters between the evaluations
+    (issue 48): the same command twice is ok; the closure without zero_grad accumulates gradients across its
+    evaluations - the first evaluation's forward agrees, the gradients are the first place the runs differ."""
+    L.lbfgs_run(tmp_path / "a")
+    L.lbfgs_run(tmp_path / "b")
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0 and verdict(out).startswith("verdict: ok: "), out
+    L.lbfgs_run(tmp_path / "c", zero_grad=False)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "c")
+    assert code == 1
+    assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward agrees")
