@@ -11,13 +11,18 @@ end reads that buffer once (one transfer per device) and finds from it, as the l
 - failing that, the backward producer: the first gradient into a leaf's output that is not finite, in the
   order backward made them, named by the layer that consumed that output (``Watch._grad_hook``'s rule).
 
-What a live read gave and this cannot: the op inside the producer (``replay.live_op`` needs the call's
-inputs, gone by the step's end) and a snapshot begun at the first NaN/Inf. The watch therefore reads layer by
+What a live read gave and this gives otherwise (issue 43): the op inside the producer - ``replay.live_op`` needs
+the call's inputs, gone by the step's end - is read from the autograd graph the step left (``producers.
+forward_op``: node types only) with its line in the module's ``forward``, and the magnitude going into the
+producer (``in_max``, the same one pass as the NaN/Inf flag it replaces) is read with the rest. Not given: a
+snapshot begun at the first NaN/Inf. The watch therefore reads layer by
 layer again from the step after a producer is found (``Watch.defer`` turns off), so the next NaN/Inf -
 a GradScaler's skipped step recurs - is resolved to its op and snapshotted; the note says so.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -44,16 +49,17 @@ class StepBuffer:
         return len(self.parts) - 1
 
     def leaf(self, name: str, out: torch.Tensor, others: list, inputs: list) -> None:
-        """A leaf's call: its first output's statistics, whether its other outputs or its inputs hold NaN/Inf."""
+        """A leaf's call: its first output's statistics, whether its other outputs hold NaN/Inf, and its inputs'
+        largest magnitude (NaN/Inf when they hold one: ``in_max``)."""
         self.calls.append(("leaf", name, _stats.dtype_name(out),
                            [self._put(_stats.device_row(out)), self._put(_stats.device_bad(others)),
-                            self._put(_stats.device_bad(inputs))]))
+                            self._put(in_max(inputs))]))
 
     def container(self, name: str, outs: list, inputs: list, same_as: int | None = None) -> None:
-        """A module with children: whether its outputs or its inputs hold NaN/Inf (``same_as``: the index in
-        ``calls`` of the leaf whose output it hands on unchanged, measured already)."""
+        """A module with children: whether its outputs hold NaN/Inf, its inputs' largest magnitude (``same_as``:
+        the index in ``calls`` of the leaf whose output it hands on unchanged, measured already)."""
         out_bad = None if same_as is not None else self._put(_stats.device_bad(outs))
-        self.calls.append(("container", name, same_as, [out_bad, self._put(_stats.device_bad(inputs))]))
+        self.calls.append(("container", name, same_as, [out_bad, self._put(in_max(inputs))]))
 
     def grad(self, name: str, grad: torch.Tensor, ref=None) -> None:
         """The gradient into ``name``'s output (backward order): whether it holds NaN/Inf (``ref``: a weak
@@ -86,6 +92,15 @@ class StepBuffer:
         return values
 
 
+def in_max(ts) -> torch.Tensor | None:
+    """The largest ``|value|`` of the tensors ``ts`` as a float64 on their device, NaN or Inf when any holds one:
+    one pass, as the NaN/Inf flag it replaces, and the magnitude going into the producer (issue 43)."""
+    vals = [t.detach().abs().amax().double() for t in ts if t.numel()]
+    if not vals:
+        return None
+    return torch.stack(vals).amax() if len(vals) > 1 else vals[0]
+
+
 def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
     """``(layers, norms, producer)`` of a step from its buffer: the layers' merged rows, the gradient norms
     (None when none were taken), and the first NaN/Inf producer as ``Watch._found``'s arguments
@@ -96,6 +111,12 @@ def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
     def bad(i):
         return i is not None and values[i][0] > 0
 
+    def bad_in(i):  # ``in_max``: not finite when an input held NaN/Inf
+        return i is not None and not math.isfinite(values[i][0])
+
+    def going_in(i) -> dict:
+        return {"input_max": values[i][0]} if i is not None else {}
+
     layers: dict = {}
     forward = backward = None
     outs_bad: list[bool] = []  # per call: its output holds NaN/Inf
@@ -105,12 +126,14 @@ def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
             row = _stats.row_of(values[idx[0]], extra)
             layers[name] = _stats.merge(layers.get(name), row)
             out_bad = row["nan"] + row["inf"] > 0 or bad(idx[1])
-            if forward is None and out_bad and not bad(idx[2]):
-                forward = {"layer": name, "direction": "forward", "kind": "module", "detail": None}
+            if forward is None and out_bad and not bad_in(idx[2]):
+                forward = {"layer": name, "direction": "forward", "kind": "module", "detail": None,
+                           **going_in(idx[2])}
         elif kind == "container":  # ``extra``: the leaf call whose output it hands on, or None
             out_bad = outs_bad[extra] if extra is not None else bad(idx[0])
-            if forward is None and out_bad and not bad(idx[1]):
-                forward = {"layer": name, "direction": "forward", "kind": "own code", "detail": None}
+            if forward is None and out_bad and not bad_in(idx[1]):
+                forward = {"layer": name, "direction": "forward", "kind": "own code", "detail": None,
+                           **going_in(idx[1])}
         elif backward is None and bad(idx[0]):  # a gradient into a leaf's output (``extra``: its reference)
             backward = {**consumer(name, extra), "direction": "backward", "detail": f"gradient into {name}'s output"}
         outs_bad.append(out_bad)

@@ -34,24 +34,68 @@ _OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0"
                 "PowBackward0": "pow", "PowBackward1": "pow", "PowBackward2": "pow"}
 
 
+_LOSS_OPS = {**_OVERFLOWING, "LogBackward0": "log", "Log2Backward0": "log2", "Log10Backward0": "log10",
+             "DivBackward0": "div", "SqrtBackward0": "sqrt", "RsqrtBackward0": "rsqrt"}
+_LOSS_TIERS = ({"exp", "exp2", "expm1", "pow"}, {"log", "log2", "log10"}, {"div"}, {"sqrt", "rsqrt"})
+_NORMS = {"NormBackward1", "NormBackward0", "LinalgVectorNormBackward0"}
+# the patterns whose stable form a remedy names (``rules/numerics._OP_REMEDIES``): said in the producer's detail
+_PATTERNS = {"log": "log of a softmax (softmax underflows to 0 at low precision, and log(0) is -inf): "
+                    "F.log_softmax, or F.cross_entropy on the logits",
+             "div": "division by a norm that reaches 0: add an eps (x / x.norm(...).clamp_min(eps), F.normalize)"}
+
+
+def _pattern(node) -> str | None:
+    """``log`` of a softmax, or ``div`` by a norm: the node and its inputs' types (a few levels down)."""
+    kind = type(node).__name__
+    inputs = [n for n, _ in node.next_functions if n is not None]
+    if kind.startswith("Log") and any(type(n).__name__ in ("SoftmaxBackward0", "SigmoidBackward0") for n in inputs):
+        return "log"
+    if kind == "DivBackward0" and len(inputs) > 1:
+        todo, seen = [node.next_functions[1][0]], 0
+        while todo and seen < 8:
+            n = todo.pop()
+            seen += 1
+            if n is None:
+                continue
+            if type(n).__name__ in _NORMS:
+                return "div"
+            todo += [m for m, _ in n.next_functions]
+    return None
+
+
 def loss_op(loss, value: float, model_fns, limit: int = 512) -> dict:
-    """``{"op": "exp"}``: the one op of the loss's own code (its autograd graph from the loss back to the
-    model's output, ``model_fns``) that overflows to Inf, when the loss is Inf and that graph holds exactly
-    one such op (exp, pow); ``{}`` otherwise. Reads the graph's node types only (its saved tensors are
-    freed by the backward)."""
-    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or not math.isinf(value):
+    """``{"op": "exp"}``: the op of the loss's own code (its autograd graph from the loss back to the model's
+    output, ``model_fns``) that made it Inf/NaN - the one overflowing op (exp, pow), else a log (of 0), a
+    division, a root, by ``_LOSS_TIERS``; with ``detail`` when it is a known pattern (log of a softmax,
+    division by a norm: ``_PATTERNS``); ``{}`` when the graph says nothing. Reads the graph's node types only
+    (its saved tensors are freed by the backward)."""
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or math.isfinite(value):
         return {}
-    stop, seen, todo, found = set(model_fns), set(), [loss.grad_fn], set()
+    stop, seen, todo, found, patterns = set(model_fns), set(), [loss.grad_fn], set(), set()
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ in _OVERFLOWING:
-            found.add(_OVERFLOWING[type(node).__name__])
+        if type(node).__name__ in _LOSS_OPS:
+            found.add(_LOSS_OPS[type(node).__name__])
+            hit = _pattern(node)
+            if hit is not None:
+                patterns.add(hit)
         if node not in stop:
             todo += [n for n, _ in node.next_functions]
-    return {"op": found.pop()} if len(found) == 1 and len(seen) < limit else {}
+    if len(seen) >= limit:
+        return {}
+    for tier in _LOSS_TIERS:
+        hit = sorted(found & tier)
+        if len(hit) == 1:
+            out = {"op": hit[0]}
+            if hit[0] in patterns:
+                out["detail"] = f"the loss is {value}: {_PATTERNS[hit[0]]}"
+            return out
+        if hit:
+            return {}
+    return {}
 
 
 # the backward nodes that can turn finite gradients into Inf/NaN while their forward stayed finite: each
@@ -80,6 +124,41 @@ def backward_op(start, stops, limit: int = 512) -> set[str]:
     return found if len(seen) < limit else set()
 
 
+# the forward ops that turn finite values into Inf/NaN, by how often they do: exp/pow overflow first, then a
+# matmul's sum, then a division, log or root, then a plain sum or product (node types of the autograd graph)
+FORWARD_OPS = {"ExpBackward0": "exp", "Exp2Backward0": "exp", "PowBackward0": "pow", "PowBackward1": "pow",
+               "PowBackward2": "pow", "MmBackward0": "matmul", "BmmBackward0": "matmul", "AddmmBackward0": "matmul",
+               "BaddbmmBackward0": "matmul", "AddbmmBackward0": "matmul", "DivBackward0": "div",
+               "ReciprocalBackward0": "reciprocal", "LogBackward0": "log", "SqrtBackward0": "sqrt",
+               "RsqrtBackward0": "rsqrt", "SumBackward0": "sum", "SumBackward1": "sum", "MulBackward0": "mul",
+               "SoftmaxBackward0": "softmax", "ConvolutionBackward0": "convolution"}
+_TIERS = ({"exp", "pow"}, {"matmul", "convolution"}, {"div", "reciprocal", "log", "sqrt", "rsqrt"},
+          {"sum", "mul", "softmax"})
+
+
+def forward_op(start, stops, limit: int = 512) -> str | None:
+    """The op that most likely made a forward's first NaN/Inf, read from the autograd graph the step left (node
+    types only, no re-run: ``sync="step"`` has no inputs left to re-run): the ops of ``FORWARD_OPS`` between
+    ``start`` (the producer's output node; a child's node it hands on is stepped through) and ``stops`` (its
+    children's output nodes), the first tier of ``_TIERS`` that holds any; several there: all named."""
+    if start is None:
+        return None
+    seen, todo, found = set(), [n for n, _ in start.next_functions] if start in stops else [start], set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if type(node).__name__ in FORWARD_OPS:
+            found.add(FORWARD_OPS[type(node).__name__])
+        todo += [n for n, _ in node.next_functions]
+    for tier in _TIERS:
+        hit = sorted(found & tier)
+        if hit:
+            return " or ".join(hit)
+    return None
+
+
 def closure(args, kwargs) -> bool:
     """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
     return (args[0] if args else kwargs.get("closure")) is not None
@@ -104,6 +183,8 @@ class ProducerHooks:
         if outs and outs[0].grad_fn is not None:
             (self.leaf_nodes.add(outs[0].grad_fn) if leaf and module not in self.roots
              else self.out_nodes.__setitem__(name, outs[0].grad_fn))
+            if leaf and self.buffer is not None:  # a deferred step's producer is named from its node (``forward_op``)
+                self.__dict__.setdefault("leaf_out", {})[name] = outs[0].grad_fn
         if leaf and name not in self.call_lines:
             self.call_lines[name] = caller_line()
 
@@ -227,11 +308,37 @@ class ProducerHooks:
         skipped = self.scaler is not None and not self.stepped and found is not None and found["direction"] == "backward"
         self.scaled_infs = self.scaled_infs + (skipped and self.producer is None)
         if found is not None and self.producer is None and not skipped:
+            if found["direction"] == "forward":
+                found.update(self._deferred_op(found))
             extra = {k: v for k, v in found.items() if k not in ("layer", "direction", "kind", "detail")}
             self._found(found["layer"], found["direction"], found["kind"], found["detail"], ended=True)
             self.producer.update(extra)
             self.defer = False
+            named = "its op read from the autograd graph the step left" if found.get("op") else \
+                "its op was not resolved"
             self.notes.append(f"the first non-finite value was found at the end of step {self.step_index}, where the "
-                              f"watch reads its statistics once a step on {self.device}: its op was not resolved and no "
+                              f"watch reads its statistics once a step on {self.device}: {named} and no "
                               "snapshot was begun; from the next step each layer is read as it runs")
+
+    def _deferred_op(self, found: dict) -> dict:
+        """A forward producer found at a deferred step's end: its op (``forward_op``), the line that wrote it, and
+        the largest magnitude that went into it (``deferred.in_max``), in the producer's words."""
+        name, out = found["layer"], {}
+        module = self.by_name.get(name)
+        if found["kind"] == "own code":
+            op = forward_op(self.out_nodes.get(name), self.leaf_nodes)
+            src = op_line(module, op, first=True) if op and " or " not in op and module is not None else None
+        else:
+            node = getattr(self, "leaf_out", {}).get(name)
+            op = FORWARD_OPS.get(type(node).__name__) if node is not None else None
+            src = self.call_lines.get(name)
+        if op:
+            out["op"] = op
+        if src is not None:
+            out["source"] = src
+        m = found.pop("input_max", None)
+        if m is not None and math.isfinite(m):
+            out["detail"] = (f"its inputs reach {m:.4g} (the largest |value| going in; read once at the step's end, "
+                             "sync=\"step\")")
+        return out
 

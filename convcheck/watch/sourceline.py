@@ -51,8 +51,9 @@ def caller_line(limit: int = 60) -> dict | None:
     return None
 
 
-def op_line(module, op: str) -> dict | None:
-    """The line of ``module``'s own ``forward`` that writes ``op`` (its forward's line when not exactly one)."""
+def op_line(module, op: str, first: bool = False) -> dict | None:
+    """The line of ``module``'s own ``forward`` that writes ``op`` (its forward's line when not exactly one;
+    ``first``: the first that does - a forward's first overflow is the one the later ops inherit)."""
     try:
         lines, start = inspect.getsourcelines(type(module).forward)
         path = inspect.getsourcefile(type(module).forward)
@@ -64,5 +65,5 @@ def op_line(module, op: str) -> dict | None:
     body = [(start + i, text) for i, text in enumerate(lines)
             if i > 0 and not text.strip().startswith(("#", '"', "'"))]
     hits = [(n, t) for n, t in body if pattern and re.search(pattern, t.split("#")[0])]
-    n, text = hits[0] if len(hits) == 1 else (start, lines[0])
+    n, text = hits[0] if len(hits) == 1 or first and hits else (start, lines[0])
     return {"file": path, "line": n, "code": text.strip()[:160]}

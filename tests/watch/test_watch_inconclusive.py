@@ -29,6 +29,7 @@ from convcheck.diagnose.registry import RULES
 from convcheck.diagnose.rules.watched_coverage import pair_ok
 from convcheck.diagnose.rules.watched_run import run_ok
 from convcheck.diagnose.watched_evidence import PairEvidence, Parting, RunEvidence, Setup
+from convcheck.report.verdict_lines import unwrapped
 from convcheck.watch.replay import Replay
 
 SCRIPT = textwrap.dedent('''
@@ -95,7 +96,7 @@ SCRIPT = textwrap.dedent('''
 def diff(capsys, *args) -> tuple[int, str, str]:
     code = main(["diff", *map(str, args), "--no-save"])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, unwrapped(out), err  # the prose wrapped at the terminal's width, read whole
 
 
 @pytest.fixture(scope="module")

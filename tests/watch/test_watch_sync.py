@@ -117,7 +117,10 @@ def test_sync_step_finds_the_first_nonfinite_producer_at_the_steps_end(tmp_path,
     run = open_watched(tmp_path / "fp16")
     p = run["first_nonfinite"]
     assert (p["layer"], p["step"], p["direction"], p["kind"]) == ("att", 4, "forward", "own code")
-    assert any("found at the end of step 4" in n and "its op was not resolved" in n for n in run["notes"])
+    # issue 43: the op and its line from the graph the step left, the magnitude going in from the one read
+    assert p["op"] == "matmul" and p["source"]["code"] == "s = self.q(x) @ self.k(x).transpose(1, 2)"
+    assert "its inputs reach" in p["detail"]
+    assert any("found at the end of step 4" in n and "its op read from the autograd graph" in n for n in run["notes"])
     assert run["settings_from_env"]["CONVCHECK_WATCH_SYNC"] == "step"
 
 
