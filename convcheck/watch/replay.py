@@ -370,6 +370,12 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None, trust: bool 
             out.note = ("the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none, or none of "
                         "its snapshot steps was reached; the default keeps step 0)")
         return out
+    chosen = (run.manifest.get("selection") or {}).get("layers")
+    if chosen:  # layers= left some out: never recorded, so never replayed - said as such
+        seen = {n for st in run.steps for n in (st.get("layers") or {})}
+        for n in out.layers:
+            if n not in seen:
+                out.reasons.setdefault(n, f"not recorded: the watch's layers={chosen!r:.80} left it out")
     leaves = _Leaves(run, trust)
     if leaves.model is None and not leaves.specs:
         out.note = leaves.why or "the run recorded nothing the judge can rebuild its layers from"

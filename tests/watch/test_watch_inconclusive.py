@@ -331,3 +331,21 @@ def test_the_format_rule_is_one_function():
     assert "instead of" not in only_used_formats([GRAD_SCALER_UNDERFLOW], {"bfloat16"})[0]
     # nothing left that the runs used: the general fix
     assert only_used_formats([LOSS_SCALE_REMEDIES[1]], {"bfloat16"}) == [KEEP_FLOAT32]
+
+
+def test_layers_left_out_by_the_selection_make_a_single_run_inconclusive(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CONVCHECK_CONFIG_DIR", str(tmp_path / "config"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "run", layers=["0"]) as w:
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    code, out, _ = diff(capsys, tmp_path / "run", "--judge", "cpu:float64")
+    assert code == 5, out
+    assert "it checked 1 of 3 layers" in out
+    assert "not checked: 1 (not recorded: the watch's layers=['0'] left it out)" in out
