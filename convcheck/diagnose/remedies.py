@@ -16,6 +16,10 @@ LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimize
 INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
                  "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
                  "then diff again"]
+TARGET_REMEDIES = ["give both runs the same targets: the same labels for the same inputs (a label offset, a class "
+                   "mapping or a target transform applied on one side only), then diff again"]
+MODEL_REMEDIES = ["build the same model on both sides (each layer with the same arguments: Dropout's p, BatchNorm's "
+                  "momentum and eps...), then diff again"]
 GROUP_REMEDIES = ["build both optimizers with the same parameter groups: each parameter in the group with the same "
                   "settings on both sides (e.g. weight decay off for the norms and biases in both, or in neither), "
                   "then diff again"]

@@ -198,7 +198,7 @@ def _post(module, args, kwargs, output):
     _DEPTH[0] = max(_DEPTH[0] - 1, 0)
     if _DEPTH[0] == 0 and id(module) not in _ROOT_IDS:
         for w in list(_WATCHES):
-            w.made_elsewhere(module, output)
+            w.made_elsewhere(module, args, kwargs, output)
     entry = _LAYERS.get(id(module))
     if entry is not None and entry[0] is module:
         for w in list(entry[1]):

@@ -32,8 +32,9 @@ from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, cli
 from convcheck.diagnose.detectors.watched_causal import (Outcome, accumulation, backward_difference, gradient_parting,
                                                          outcome)
 from convcheck.diagnose.detectors.watched_recipe import has_recipe, precision_policy, recipe_differences
+from convcheck.diagnose.remedies import TARGET_REMEDIES
 from convcheck.diagnose.verdict import Verdict
-from convcheck.diagnose.watched_evidence import Parting, producer_text
+from convcheck.diagnose.watched_evidence import Parting, Setup, producer_text
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
@@ -289,6 +290,27 @@ def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
                for x, y, rx, ry in zip(sa["batch_sha256"], sb["batch_sha256"], ra, rb))
 
 
+def target_difference(a: WatchedRun, b: WatchedRun, steps: int) -> Setup | None:
+    """The first aligned step whose loss modules were given other targets (labels) - compared as batches are, the
+    same bytes or the same values rounded to the coarser run's format - with the model's inputs the same."""
+    for k in range(steps):
+        sa, sb = a.steps[k], b.steps[k]
+        ta, tb = sa.get("target_sha256"), sb.get("target_sha256")
+        if not ta or not tb or len(ta) != len(tb) or ta == tb:
+            continue
+        fmt = coarsest_dtype({r["dtype"] for s in (sa, sb) for r in s["layers"].values()} | {"float32"})
+        ra, rb = sa.get("target_rounded") or [None] * len(ta), sb.get("target_rounded") or [None] * len(tb)
+        if all(x == y or (isinstance(u, dict) and isinstance(v, dict) and u.get(fmt) is not None
+                          and u.get(fmt) == v.get(fmt)) for x, y, u, v in zip(ta, tb, ra, rb)):
+            continue
+        return Setup(f"the loss was given other targets (labels) from step {k}, with the same model inputs",
+                     "targets", evidence=[f"the hashes of what the loss modules were given besides the model's "
+                                          f"output differ at step {k}: a label mapping, a target transform or a "
+                                          "loader that pairs inputs with other labels"],
+                     remedies=list(TARGET_REMEDIES), step=k)
+    return None
+
+
 def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
     """The first aligned step whose batches differ; a step trained in eval mode on either side recorded no batch
     (not a data difference: ``eval_mode_difference`` names it)."""
@@ -411,7 +433,7 @@ def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) 
                               clip_before_unscale(a, "A"), clip_before_unscale(b, "B"),
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               scaler_difference(a, b, steps),
-                              initial_weights_difference(a, b)) if f is not None)
+                              initial_weights_difference(a, b), target_difference(a, b, steps)) if f is not None)
     policy = tuple(precision_policy(a, b))
     end = outcome(a, b, steps, loss_tolerance(a, b))
     loss_step, wander = _loss_parting(a, b, steps, end, policy)

@@ -217,6 +217,13 @@ def _check_recipe_fields(rec: dict, where: str) -> None:
     autocast = bundle_reader.get_field(rec, "autocast", (str, type(None)), where, optional=True)
     if autocast is not None and autocast not in STORAGE:
         raise _Bad(f"{where}.autocast is {autocast!r:.40}, not a floating dtype")
+    for h in bundle_reader.get_field(rec, "target_sha256", list, where, optional=True) or []:
+        bundle_reader.sha_field(h, f"{where}.target_sha256")
+    for r in bundle_reader.get_field(rec, "target_rounded", list, where, optional=True) or []:
+        if r is not None and not (isinstance(r, dict) and all(isinstance(v, str) for v in r.values())):
+            raise _Bad(f"{where}.target_rounded holds {type(r).__name__}, expected an object of hashes or null")
+    if bundle_reader.get_field(rec, "memory_format", str, where, optional=True) not in (None, "channels_last"):
+        raise _Bad(f"{where}.memory_format is {rec['memory_format']!r:.40}, not channels_last")
     evaluations = bundle_reader.get_field(rec, "closure_evaluations", int, where, optional=True)
     if evaluations is not None and evaluations < 2:
         raise _Bad(f"{where}.closure_evaluations is {evaluations}, expected 2 or more")

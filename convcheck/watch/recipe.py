@@ -53,7 +53,11 @@ def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
     except (RuntimeError, TypeError, AttributeError):  # a device type autocast does not know
         autocast = None
     odd = sorted(names[m] for m in names if m is not model and m.training != model.training)
-    return {"autocast": autocast, "modes_differ": odd}
+    state = {"autocast": autocast, "modes_differ": odd}
+    if any(p.dim() == 4 and not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
+           for p in model.parameters()):
+        state["memory_format"] = "channels_last"  # other conv kernels: rounding-level differences, as threads
+    return state
 
 
 def sample_parts(params) -> tuple[list[str], list[int], torch.Tensor | None]:

@@ -114,6 +114,8 @@ class Watch(ProducerHooks):
         self.order: list[str] = []
         self.hashes: list[str] = []
         self.rounded: list[dict | None] = []  # each batch's ``rounded_hashes``
+        self.targets: list[str] = []  # the hashes of what the loss modules were given besides the model's output
+        self.targets_rounded: list[dict | None] = []
         self.model_fns: list = []  # the autograd nodes of the model's output this step
         self.grad_norms: dict[str, float] | None = None
         self.grad_sample: dict | None = None  # a few entries of each gradient (``recipe.grad_sample``)
@@ -259,14 +261,19 @@ class Watch(ProducerHooks):
                 self.taker.take_params(self.params)
         return None
 
-    def made_elsewhere(self, module, output) -> None:
+    def made_elsewhere(self, module, args, kwargs, output) -> None:
         """The output of an outermost call of a module no watch holds (``attach._post``): made by the process; a
-        loss module's class and settings go into the recipe (``recipe.criterion_of``)."""
+        loss module's class and settings go into the recipe (``recipe.criterion_of``), the data it was given
+        besides the model's output - the targets, the labels - is hashed as a batch is."""
         if self._recording():
-            self.made.extend(floats(output))
             found = criterion_of(module)
-            if found is not None and found not in self.recipe.setdefault("criteria", []):
-                self.recipe["criteria"].append(found)
+            if found is not None:
+                if found not in self.recipe.setdefault("criteria", []):
+                    self.recipe["criteria"].append(found)
+                data = data_tensors(args, kwargs, self.made_before + self.made)
+                self.targets.append(batch_hash(data, {}))
+                self.targets_rounded.append(rounded_hashes(data, {}))
+            self.made.extend(floats(output))
 
     def _root_forward(self, module, args, kwargs, output):
         if not self._recording():
@@ -426,6 +433,7 @@ class Watch(ProducerHooks):
         self._scaler_skip()
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else learning_rates(self.optimizer), "batch_sha256": self.hashes,
                   "batch_rounded": self.rounded,
+                  **({"target_sha256": self.targets, "target_rounded": self.targets_rounded} if self.targets else {}),
                   "grad_norms": self.grad_norms or {}, "stepped": self.stepped,
                   "layers": {n: _stats.finish(self.layers[n]) for n in self.order if n in self.layers}}
         record.update(self.forward_state or {})

@@ -332,3 +332,27 @@ def lbfgs_run(out, zero_grad: bool = True, steps: int = 6):
                 return loss
             loss = opt.step(closure)
             w.step(loss)
+
+
+def mlp_run(out, p: float = 0.1, label_offset: int = 0, freeze_at: int | None = None, steps: int = 20):
+    """A classifier with dropout and an nn.CrossEntropyLoss criterion; ``p`` its dropout, ``label_offset`` a label
+    mapping bug ((y + offset) % classes), ``freeze_at``: the first layer's requires_grad turned off at that step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(21)
+    teacher = torch.randn(12, 4, generator=g)
+    with convcheck.watch(model, opt, out=out) as w:
+        for step in range(steps):
+            if step == freeze_at:
+                for q in model[0].parameters():
+                    q.requires_grad_(False)
+            x = torch.randn(32, 12, generator=g)
+            y = ((x @ teacher).argmax(1) + label_offset) % 4
+            torch.manual_seed(100 + step)  # the same dropout masks in both runs
+            loss = criterion(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)

@@ -110,13 +110,15 @@ def test_a_dcgan_with_the_discriminator_watched_alone_is_ok_in_bf16(tmp_path, ca
 
 
 def test_a_step0_loss_difference_outranks_a_later_difference_of_made_inputs(tmp_path, capsys):
-    """The discriminator's real batch labelled fake in B: its loss differs at step 0 (same weights, same batch);
-    that is the cause, whatever parts after it."""
+    """The discriminator's real batch labelled fake in B: its loss is given other targets at step 0 (same weights,
+    same batch); that is the cause, whatever parts after it (the generator's fakes, model-made)."""
     L.dcgan_run(tmp_path / "a")
     L.dcgan_run(tmp_path / "b", flip_labels=True)
     code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
     assert code == 1
-    assert verdict(out).startswith("verdict: setup: the runs compute a different loss: at step 0")
+    assert verdict(out) == ("verdict: setup: the loss was given other targets (labels) from step 0, with the same "
+                            "model inputs")
+    assert "also: the runs compute a different loss: at step 0" in out
 
 
 def test_weight_decay_on_the_norms_in_one_run_only_is_named_per_parameter(tmp_path, capsys):
@@ -172,3 +174,18 @@ def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_
     code, out = diff(capsys, tmp_path / "a", tmp_path / "c")
     assert code == 1
     assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward agrees")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(p=0.3), "verdict: setup: the models' layers are built differently: 2.p is 0.3 in B, 0.1 in A"),
+    (dict(label_offset=1), "verdict: setup: the loss was given other targets (labels) from step 0"),
+    (dict(freeze_at=8), "verdict: setup: 0.* stop getting a gradient in B from step 8"),
+])
+def test_a_layer_setting_a_label_mapping_or_a_mid_run_freeze_in_one_run_is_named(tmp_path, capsys, change, words):
+    """Each invisible to the optimizer's settings and the batches: a Dropout built with another p, labels offset
+    by one class before the loss, requires_grad turned off mid-run."""
+    L.mlp_run(tmp_path / "a")
+    L.mlp_run(tmp_path / "b", **change)
+    code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 1
+    assert verdict(out).startswith(words), out

@@ -13,7 +13,7 @@ What a precision policy is (the autocast dtype, the weights' dtype, the TF32 swi
 from __future__ import annotations
 
 from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
-                                         RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
+                                         MODEL_REMEDIES, RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.thresholds import LR_RTOL
 
@@ -138,8 +138,9 @@ def unheld(a, b) -> Setup | None:
 
 
 def frozen(a, b, steps: int) -> Setup | None:
-    """Parameters that train in one run only: ``requires_grad`` False as the block starts, or never given a
-    gradient over the aligned steps (a backbone never unfrozen, a branch the loss does not reach)."""
+    """Parameters that train in one run only: ``requires_grad`` False as the block starts, or given no gradient from
+    a step on where the other run's are (a backbone never unfrozen, requires_grad turned off mid-run, a branch the
+    loss does not reach)."""
     every = _all_params(a)
     ta, tb = recipe(a), recipe(b)
     if ta is not None and tb is not None:
@@ -150,22 +151,49 @@ def frozen(a, b, steps: int) -> Setup | None:
             return Setup(f"{text} frozen in {side} (requires_grad False) and trained in {_other(side)}", "frozen",
                          evidence=[f"the recipes' trainable parameters: {text} in {_other(side)} only"],
                          remedies=list(FREEZE_REMEDIES), step=0)
-    got = [set(), set()]
-    first = [{}, {}]
-    for k in range(steps):
-        for i, run in enumerate((a, b)):
-            for n in run.steps[k].get("grad_norms") or {}:
-                got[i].add(n)
-                first[i].setdefault(n, k)
-    if not got[0] or not got[1] or got[0] == got[1]:
+    for k in range(steps):  # the first step at which one run's parameters get a gradient the other's do not
+        ga, gb = (set(r.steps[k].get("grad_norms") or {}) for r in (a, b))
+        if not ga or not gb or ga == gb:
+            continue
+        side, names = ("B", ga - gb) if ga - gb else ("A", gb - ga)
+        run = b if side == "B" else a
+        text = names_text(names, every)
+        got = [j for j in range(steps) if names & set(run.steps[j].get("grad_norms") or {})]
+        if not got:
+            other = a if side == "B" else b
+            since = min(j for j in range(steps) if names & set(other.steps[j].get("grad_norms") or {}))
+            head = f"{text} never get a gradient in {side}; in {_other(side)} they do from step {since}"
+        elif max(got) < k:
+            head = (f"{text} stop getting a gradient in {side} from step {k} (requires_grad turned off, or the loss no "
+                    f"longer reaches them); in {_other(side)} they still do")
+        else:
+            head = f"{text} get no gradient in {side} at step {k} where they do in {_other(side)}"
+        return Setup(head, "frozen", evidence=[f"steps.jsonl grad_norms at step {k}: no gradient for {text} in {side}"],
+                     remedies=list(FREEZE_REMEDIES), step=k)
+    return None
+
+
+def module_settings(a, b) -> Setup | None:
+    """torch's own layers built with other settings (a Dropout's p, a BatchNorm's momentum, eps or
+    track_running_stats, an activation's slope), from the manifests' ``model.leaf_specs``: the model differs."""
+    sa, sb = (r.manifest.get("model", {}).get("leaf_specs") or {} for r in (a, b))
+    found = []
+    for layer in sa:
+        x, y = sa[layer], sb.get(layer)
+        if not isinstance(x, dict) or not isinstance(y, dict):
+            continue
+        if x.get("class") != y.get("class"):
+            found.append(f"{layer} is a {y.get('class')} in B, a {x.get('class')} in A")
+            continue
+        ax, ay = x.get("attrs") or {}, y.get("attrs") or {}
+        found += [f"{layer}.{k} is {ay.get(k)!r} in B, {ax.get(k)!r} in A" for k in sorted(set(ax) | set(ay))
+                  if ax.get(k) != ay.get(k)]
+    if not found:
         return None
-    side, names = ("B", got[0] - got[1]) if got[0] - got[1] else ("A", got[1] - got[0])
-    other = 0 if side == "B" else 1
-    text = names_text(names, every)
-    since = min(first[other][n] for n in names)
-    return Setup(f"{text} never get a gradient in {side}; in {_other(side)} they do from step {since}", "frozen",
-                 evidence=[f"steps.jsonl grad_norms: no gradient for {text} at any of {side}'s {steps} aligned steps"],
-                 remedies=list(FREEZE_REMEDIES), step=since)
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return Setup(f"the models' layers are built differently: {found[0]}{more}", "model",
+                 evidence=[f"the manifests' layer settings: {x}" for x in found[:8]],
+                 remedies=list(MODEL_REMEDIES), step=0)
 
 
 def _other(side: str) -> str:
@@ -252,9 +280,9 @@ def loss_function(a, b) -> Setup | None:
 
 
 def recipe_differences(a, b, steps: int) -> list[Setup]:
-    """Every recipe difference, in the order a step uses them: the loss function, which parameters train, their
-    groups, their settings, their learning rates, the modules' modes."""
-    found = (loss_function(a, b), unheld(a, b), frozen(a, b, steps), settings_per_parameter(a, b),
+    """Every recipe difference, in the order a step uses them: the layers' own settings, the loss function, which
+    parameters train, their groups, their settings, their learning rates, the modules' modes."""
+    found = (module_settings(a, b), loss_function(a, b), unheld(a, b), frozen(a, b, steps), settings_per_parameter(a, b),
              lr_per_parameter(a, b, steps), modes_difference(a, b, steps))
     return [f for f in found if f is not None]
 
@@ -287,6 +315,9 @@ def precision_policy(a, b) -> list[str]:
     la, lb = _loss_dtype(a), _loss_dtype(b)
     if la and lb and la != lb:  # a loss handed over as a number says nothing of its dtype
         out.append(f"the loss computed in {la} | {lb}")
+    ma, mb = (next((s.get("memory_format") for s in r.steps if s.get("memory_format")), None) for r in (a, b))
+    if ma != mb:
+        out.append(f"memory format: {ma or 'contiguous'} | {mb or 'contiguous'}")
     ka, kb = ((r.manifest.get("compiled") or {}).get("how") for r in (a, b))
     if ka != kb:  # another set of kernels (fused, reordered): rounding-level differences, as threads
         out.append(f"compiled: {ka or 'eager'} | {kb or 'eager'}")
