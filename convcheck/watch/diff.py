@@ -391,8 +391,9 @@ def _backward(a, b, steps, policy, data_step, parting, loss_step) -> tuple:
         return ()
     tol = max(BACKWARD_RTOL, PART_FACTOR * _loss_unit(a, b))
     k = gradient_parting(a, b, steps, tol)
-    forward = None if parting is None else parting.step + (0.5 if _after_first_evaluation(a, b, parting.step) else 0)
-    if k is None or any(s is not None and s <= k for s in (data_step, loss_step, forward)):
+    if k is None or any(s is not None and s <= k for s in (data_step, loss_step)):
+        return ()
+    if parting is not None and (parting.step < k or parting.step == k and not _after_first_evaluation(a, b, k)):
         return ()
     found = backward_difference(a, b, k, tol)
     return (found,) if found is not None else ()
