@@ -27,6 +27,10 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
     p.add_argument("--trust-run", action="store_true",
                    help="watched runs: load the model the run recorded by value (a pickle, the script's classes) "
                         "even when it was not recorded by you on this machine; a run folder from elsewhere is code")
+    p.add_argument("--backends", action="store_true",
+                   help="watched runs compiled with torch.compile: re-run the recorded step under eager, aot_eager, "
+                        "aot_eager_decomp_partition and inductor, name the first backend that changes the result, and "
+                        "write a repro (repro_backends.py) into --out")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout instead of the report")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write the report files there (default: two bundles: a new folder "

@@ -25,7 +25,26 @@ def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None
             from convcheck.watch.tables import watch_tables
 
             tables = watch_tables(*pair)
-    return _show_watched(result, name, args, folder, tables=tables, csv=csv)
+        backends = _backends(args, pair or (args.run_a,), folder) if getattr(args, "backends", False) else None
+    return _show_watched(result, name, args, folder, tables=tables, csv=csv, backends=backends)
+
+
+def _backends(args, paths, folder) -> list:
+    """``--backends``: each compiled run re-run backend by backend at its recorded step (``watch/backends.py``),
+    the repro written into ``--out``: ``[(side, Bisection)]``."""
+    from convcheck.watch.backends import bisect_backends, write_repro
+    from convcheck.watch.reader import open_watched
+
+    out = []
+    for side, path in zip("AB" if len(paths) > 1 else "-", paths):
+        run = open_watched(path)
+        if not (run.manifest.get("compiled") or {}).get("how"):
+            continue
+        b = bisect_backends(run, trust=getattr(args, "trust_run", False))
+        if folder is not None and b.first is not None:
+            b.repro = write_repro(run, b, folder.path if len(paths) == 1 else folder.path / f"backends_{side}")
+        out.append((side, b))
+    return out
 
 
 def _watched_out(args, name: str, also: tuple = ()):
@@ -157,7 +176,7 @@ def run_watched_judge(args) -> int:
     return run_watched(args, "watch_judge.json", lambda: judge_watched(args.run_a, judge, trust))
 
 
-def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> int:
+def _show_watched(result, name: str, args, folder, *, tables=None, csv=None, backends=None) -> int:
     """Write the folder (``name``, and with ``tables`` the tables and the page of ``report/watch_report.py``)
     and ``--csv`` (``csv``: the per-layer table), then show the diff; exit 0 when it is ok, 5 when it is
     inconclusive (the judge could not check what the verdict rests on), else 1."""
@@ -180,8 +199,14 @@ def _show_watched(result, name: str, args, folder, *, tables=None, csv=None) -> 
         except OSError as exc:
             raise write_error(exc, path) from None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        doc = result.to_dict()
+        if backends is not None:
+            doc["backends"] = {side: b.to_dict() for side, b in backends}
+        print(json.dumps(doc, indent=2))
     else:
+        if backends is not None:  # said before the verdict's lines end the report
+            print("\n".join(f"{'' if side == '-' else side + ': '}{x}" for side, b in backends for x in b.lines())
+                  or "backends: no compiled run to bisect")
         from convcheck.report.verdict_lines import fit_prose
 
         print(fit_prose(result.lines(), sys.stdout))  # wrapped to the terminal (--json keeps every line whole)

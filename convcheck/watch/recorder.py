@@ -292,11 +292,11 @@ class Watch(ProducerHooks):
         leaf = inner in self.leaves
         if not leaf and self.leaf_calls == getattr(self, "leaves_before", self.leaf_calls) and self.leaves \
                 and (self.selection.layers is None or self.compiled is not None):
-            self._hidden_forward(args, output)  # compiled whole: no leaf hook ran inside it
+            self._hidden_forward(args, output, kwargs)  # compiled whole: no leaf hook ran inside it
             return None
         return self._forward(inner, args, output, kwargs)
 
-    def _hidden_forward(self, args, output) -> None:
+    def _hidden_forward(self, args, output, kwargs=None) -> None:
         """A forward whose layers ran inside a compiled graph: the model's output recorded as its one layer."""
         if not self.hidden:
             self.hidden = True
@@ -305,8 +305,8 @@ class Watch(ProducerHooks):
         name = self.names[self.model]
         outs = floats(output)
         row = self._measure_leaf(name, args, outs)
-        if self.taker is not None:
-            self.taker.take_call(name, floats(args), outs)
+        if self.taker is not None:  # the call as made (a compiled run's backends are re-run on it: ``backends.py``)
+            self.taker.take_call(name, floats((args, kwargs or {})), outs, args, kwargs)
         self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
         self.model_out = weakref.ref(outs[0]) if outs else None
         self._check_producer(self.model, name, args, outs, row, leaf=True)

@@ -376,6 +376,10 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None, trust: bool 
         for n in out.layers:
             if n not in seen:
                 out.reasons.setdefault(n, f"not recorded: the watch's layers={chosen!r:.80} left it out")
+    if (run.manifest.get("compiled") or {}).get("layers_hidden"):  # its layers ran inside a compiled graph
+        for n in out.layers:
+            out.reasons.setdefault(n, "it ran inside a compiled graph (torch.compile), whose layer calls the watch "
+                                      "does not see")
     leaves = _Leaves(run, trust)
     if leaves.model is None and not leaves.specs:
         out.note = leaves.why or "the run recorded nothing the judge can rebuild its layers from"

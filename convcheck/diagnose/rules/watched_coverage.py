@@ -44,8 +44,12 @@ def remedies_for(replays) -> list[str]:
     if "--trust-run" in reasons:
         out.append("if you trust where this run folder came from, pass --trust-run to load the model it recorded "
                    "by value (loading a pickle runs code)")
-    if "snapshot" in reasons:
+    if "kept no snapshot" in reasons or "no snapshot was kept" in reasons or "before its first snapshot" in reasons:
         out.append("keep a snapshot for the judge to replay: convcheck.watch(..., snapshot_steps=(0,)) (the default)")
+    if "compiled graph" in reasons:
+        out.append("a compiled run's layers are not seen one by one: record it once without torch.compile for the "
+                   "judge to replay each layer, and bisect the compiled stages against eager with "
+                   "convcheck diff RUN --judge cpu:float64 --backends")
     if "defined inside a function" in reasons or "not importable" in reasons or "runs code when imported" in reasons:
         out.append("define the model's classes at the top level of a module, or record the run again with this "
                    "convcheck (it keeps the model by value, signed with your key)")
