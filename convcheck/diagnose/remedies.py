@@ -16,6 +16,9 @@ LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimize
 INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
                  "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
                  "then diff again"]
+PYTHON_ORDER = ("iterate in a fixed order in your own code (sorted(...) over a set's or a dict's keys, a list instead "
+                "of a set), or start both runs with the same PYTHONHASHSEED (PYTHONHASHSEED=0 python train.py): "
+                "torch's deterministic algorithms do not reach an order in Python")
 TARGET_REMEDIES = ["give both runs the same targets: the same labels for the same inputs (a label offset, a class "
                    "mapping or a target transform applied on one side only), then diff again"]
 MODEL_REMEDIES = ["build the same model on both sides (each layer with the same arguments: Dropout's p, BatchNorm's "

@@ -70,6 +70,10 @@ class PairEvidence:
     random_layers: tuple = ()  # the layers that draw random numbers (Dropout...), in A's model
     compiled_random: str | None = None  # one run compiled, the other eager, its random layers drawing differently
     outcome: object | None = None  # how the runs end against their own noise (``detectors/watched_causal.Outcome``)
+    # both runs on the CPU at one thread count (kernels that repeat themselves bitwise), and their PYTHONHASHSEED
+    # as each run had it: a parting there is an order in the user's code, not a kernel's
+    cpu_repeatable: bool = False
+    hash_seeds: tuple = (None, None)
 
 
 @dataclass(frozen=True)

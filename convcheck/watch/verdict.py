@@ -26,11 +26,19 @@ def pair_evidence(d, a, b) -> PairEvidence:
         steps=d.steps, data_step=d.data_step, parting=d.parting, loss_step=d.loss_step, loss_tol=d.loss_tol,
         loss_wander=d.loss_wander, producers=d.producers, replays=d.replays, setup=tuple(d.setup),
         stopped=d.stopped, env=tuple(d.env), own=d.own, outcome=d.outcome,
+        cpu_repeatable=cpu_repeatable(a, b), hash_seeds=tuple(r["math_flags"].get("PYTHONHASHSEED") for r in (a, b)),
         precision=precision_difference(a, b, d.flags) or ("; ".join(d.policy) if d.policy else None),
         pair=d.pair, divergence=(divergence(a), divergence(b)),
         scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
         truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a),
         compiled_random=compiled_random(a, b, random_layers(a)))
+
+
+def cpu_repeatable(a, b) -> bool:
+    """Both runs on the CPU at the same thread count: torch's CPU kernels repeat themselves bitwise there."""
+    devices = {str(r["model"].get("device", "")).split(":")[0] for r in (a, b)}
+    threads = {r["math_flags"].get("threads") for r in (a, b)}
+    return devices == {"cpu"} and len(threads) == 1
 
 
 def size_cap(run) -> str | None:

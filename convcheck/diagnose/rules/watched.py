@@ -34,7 +34,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.registry import verdict_rule
-from convcheck.diagnose.remedies import (BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
+from convcheck.diagnose.remedies import (PYTHON_ORDER, BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
                                          SEED_RANDOM_LAYERS,
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
@@ -268,14 +268,23 @@ def watched_unexplained(ev: PairEvidence) -> Verdict | None:
     if ev.random_layers:  # a Dropout's masks differ between two seeds: the seed, not the kernels
         names = ", ".join(ev.random_layers[:3]) + (" ..." if len(ev.random_layers) > 3 else "")
         remedies.insert(0, SEED_RANDOM_LAYERS.format(layers=f"the model's random layers ({names})"))
-    headline = None
+    headline, sub_cause, extra = None, None, []
     if part.layer in ev.random_layers:
         headline = (f"the runs part at step {part.step} in {part.layer}, a random layer (Dropout): its masks differ "
                     "with the same data, precision and stack")
-    return watched_unexplained.verdict([f"{_where(part)}: {part.why}"] + _own_divergence(ev),
+        sub_cause = "random layer"
+    elif ev.cpu_repeatable and not ev.random_layers:  # no kernel to blame: an order in the user's own code
+        seeds = ev.hash_seeds
+        headline = (f"the runs part at step {part.step} in {part.layer} with the same data, precision and stack, on "
+                    "CPU kernels that repeat themselves bitwise: an order in the code (a set or dict iterated, "
+                    "a hash seed) differs")
+        sub_cause = "python order"
+        extra = [f"both runs on the CPU at one thread count; PYTHONHASHSEED: {seeds[0] or 'unset (random)'} | "
+                 f"{seeds[1] or 'unset (random)'}"]
+        remedies.insert(0, PYTHON_ORDER)
+    return watched_unexplained.verdict([f"{_where(part)}: {part.why}"] + extra + _own_divergence(ev),
                                        {"step": part.step, "layer": part.layer},
-                                       headline=headline, remedies=remedies, layer=part.layer,
-                                       sub_cause="random layer" if headline else None)
+                                       headline=headline, remedies=remedies, layer=part.layer, sub_cause=sub_cause)
 
 
 def _compared(ev: PairEvidence) -> list[str]:
