@@ -177,7 +177,7 @@ def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(p=0.3), "verdict: setup: the models' layers are built differently: 2.p is 0.3 in B, 0.1 in A"),
+    (dict(p=0.3), "verdict: setup: the models' layers are built differently: 2 (Dropout).p is 0.3 in B, 0.1 in A"),
     (dict(label_offset=1), "verdict: setup: the loss was given other targets (labels) from step 0"),
     (dict(freeze_at=8), "verdict: setup: 0.* stop getting a gradient in B from step 8"),
 ])

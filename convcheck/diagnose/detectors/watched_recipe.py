@@ -186,8 +186,8 @@ def module_settings(a, b) -> Setup | None:
             found.append(f"{layer} is a {y.get('class')} in B, a {x.get('class')} in A")
             continue
         ax, ay = x.get("attrs") or {}, y.get("attrs") or {}
-        found += [f"{layer}.{k} is {ay.get(k)!r} in B, {ax.get(k)!r} in A" for k in sorted(set(ax) | set(ay))
-                  if ax.get(k) != ay.get(k)]
+        found += [f"{layer} ({x.get('class')}).{k} is {ay.get(k)!r} in B, {ax.get(k)!r} in A"
+                  for k in sorted(set(ax) | set(ay)) if ax.get(k) != ay.get(k)]
     if not found:
         return None
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
