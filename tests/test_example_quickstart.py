@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def _quick_start() -> list[str]:
     return [line[2:] for line in block[:block.index("```")].splitlines() if line.startswith("$ ")]
 
 
+@pytest.mark.slow  # three processes, ~8 s: the slow pass
 def test_the_watch_quick_start_runs_as_written(tmp_path):
     commands = _quick_start()
     assert [c.split()[:3] for c in commands] == [["python", "-m", "examples.watch_quickstart"]] * 2 + [

@@ -169,6 +169,7 @@ _FIELDS = ["schema", "convcheck_version", "created", "model", "target", "judge",
            "batches_sha256", "data_source", "data_stats", "notes", "parity", "training", "arrays"]
 
 
+@pytest.mark.slow  # the generated family: 22 bundles, ~18 s (the slow pass runs it; the lying manifest stays fast)
 @pytest.mark.parametrize("field", _FIELDS)
 def test_every_manifest_field_altered_no_traceback_nothing_written(capsys, recorded, tmp_path, field):
     """Issue 47's family: each field of the manifest altered, one at a time: ``diff`` answers (exit 0/1) or refuses

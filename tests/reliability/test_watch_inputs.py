@@ -201,7 +201,7 @@ print("recorded")
 """
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # four writers: ~6 s, the slow pass
 def test_racing_writers_with_force_one_run_whole_the_others_told(earlier, n):
     from convcheck.watch.reader import open_watched
 

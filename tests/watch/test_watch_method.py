@@ -191,6 +191,7 @@ def test_a_layer_setting_a_label_mapping_or_a_mid_run_freeze_in_one_run_is_named
     assert verdict(out).startswith(words), out
 
 
+@pytest.mark.slow  # three processes of 150 steps, ~8 s: the slow pass
 def test_an_order_in_the_users_code_is_named_not_kernels(tmp_path, capsys):
     """The model sums its heads over a set of names, whose order is the hash seed's (issue 43): on CPU kernels that
     repeat themselves bitwise the parting is an order in the code, its remedy the code's, not
