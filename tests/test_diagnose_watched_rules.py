@@ -60,6 +60,8 @@ EXPLODES = Setup("the loss explodes: 43.05 at step 4, 40.3x its first value 1.06
 LOST = S.Symptom(S.SMALL_UPDATES_LOST, "B", "median update ratio 8.4e-05 is below 3.9e-03", extra={"format": "bfloat16"})
 UNDERFLOW = S.Symptom(S.GRADIENT_UNDERFLOW, "B", "the gradient of att.q.weight is exactly 0 in B at step 3",
                       layer="att.q.weight", step=3, extra={"compute": "float16"})
+ZERO_IN_FLOAT32 = S.Symptom(S.GRADIENT_UNDERFLOW, "B", "the gradient of conv1.weight is exactly 0 in B at step 0",
+                            layer="conv1.weight", step=0, extra={"compute": "float32"})
 SCALED = S.Symptom(SCALED_BACKWARD, "B", "gradient into fc3's output is Inf at step 0", layer="the loss", step=0,
                    value=1.67, extra={"what": "gradient into fc3's output"})
 PART = Parting(3, "fc3", "max |x| differs by 0.1 (relative), 25x the roundoff of bfloat16")
@@ -81,6 +83,9 @@ PAIR_CASES = {
              "layer", "B's norm computes beyond its floor at step 0", "B", "norm"),
     "W006": (replace(CLEAN, pair=(UNDERFLOW,)), "numerics", "gradient underflow in B: att.q.weight's gradient is "
                                                             "exactly zero at step 3", "B", "att.q.weight"),
+    "W007": (replace(CLEAN, pair=(ZERO_IN_FLOAT32,), precision="compiled: eager | torch.compile(model)"), "layer",
+             "conv1.weight's gradient is exactly zero at step 0 in B where A's is not, and B computes in no 16-bit "
+             "format", "B", "conv1.weight"),
     "W008": (replace(CLEAN, parting=PART, precision="A's layers output float32, B's bfloat16"),
              "numerics", "the runs part at step 3 in fc3: they compute at different precisions", None, "fc3"),
     "W009": (replace(CLEAN, parting=PART, env=(Difference("torch", "2.11", "2.13", "another build"),)),

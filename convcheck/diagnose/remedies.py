@@ -16,6 +16,11 @@ LR_REMEDIES = ["give both runs the same learning rate and schedule (the optimize
 INIT_REMEDIES = ["seed the model's construction identically on both sides (torch.manual_seed(s) right before "
                  "building it), or load the same initial state_dict into both (model.load_state_dict(...)), "
                  "then diff again"]
+BISECT_BACKENDS = ("bisect the compiler: convcheck diff A B --backends re-runs the recorded step under eager, aot_eager "
+                   "and inductor and names the first backend whose result changes (with --out, a repro script to "
+                   "attach to a PyTorch bug report)")
+KERNEL_ZEROS = ("compare that layer against the float64 judge (convcheck diff RUN --judge cpu:float64): a float32 "
+                "kernel that returns exact zeros where another does not computes something else")
 PYTHON_ORDER = ("iterate in a fixed order in your own code (sorted(...) over a set's or a dict's keys, a list instead "
                 "of a set), or start both runs with the same PYTHONHASHSEED (PYTHONHASHSEED=0 python train.py): "
                 "torch's deterministic algorithms do not reach an order in Python")

@@ -18,6 +18,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.cli.main import main
 from convcheck.watch.backends import bisect_backends
+from convcheck.report.verdict_lines import unwrapped
 from convcheck.watch.reader import open_watched
 
 
@@ -47,7 +48,7 @@ class Net(nn.Module):
 if __name__ == "__main__":
     torch.manual_seed(0)
     model = Net()
-    compiled = torch.compile(model, backend="inductor")
+    compiled = model if sys.argv[2:] == ["eager"] else torch.compile(model, backend="inductor")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     with convcheck.watch(compiled, opt, out=sys.argv[1]) as w:
@@ -61,9 +62,9 @@ if __name__ == "__main__":
 '''
 
 
-def _compiled_run(tmp_path) -> None:
+def _compiled_run(tmp_path, name: str = "run", *how: str) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
-    subprocess.run([sys.executable, "train.py", str(tmp_path / "run")], cwd=tmp_path, check=True, timeout=600,
+    subprocess.run([sys.executable, "train.py", str(tmp_path / name), *how], cwd=tmp_path, check=True, timeout=600,
                    env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
 
 
@@ -93,6 +94,26 @@ def test_an_inductor_gradient_of_zero_is_bisected_to_inductor_with_a_repro(tmp_p
     line = next(x for x in shown.stdout.splitlines() if x.startswith("conv1.weight "))
     values = dict(kv.split("=") for kv in line.split()[1:])
     assert float(values["inductor"]) == 0.0 and float(values["eager"]) > 0 and float(values["aot_eager"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _inductor_works(), reason="inductor needs a C++ compiler")
+def test_an_eager_run_against_its_inductor_twin_names_the_zero_gradient_as_the_kernels_not_underflow(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    """Issue 43: neither run computes in a 16-bit format, so an exactly-zero gradient is no underflow: the layer's
+    compiled kernels compute something else, and the remedy is to bisect the compiler's backends."""
+    monkeypatch.setenv("CONVCHECK_CONFIG_DIR", str(tmp_path / "config"))
+    _compiled_run(tmp_path, "eager", "eager")
+    _compiled_run(tmp_path, "inductor")
+    if bisect_backends(open_watched(tmp_path / "inductor")).first is None:
+        pytest.skip(f"this torch's inductor ({torch.__version__}) does not reproduce the difference")
+    code = main(["diff", str(tmp_path / "eager"), str(tmp_path / "inductor")])
+    out = capsys.readouterr().out
+    assert code == 1
+    verdict = unwrapped(out)
+    assert "verdict: layer: conv1.weight's gradient is exactly zero at step 0 in B where A's is not" in verdict
+    assert "bf16" not in verdict and "bfloat16" not in verdict
+    assert "convcheck diff A B --backends" in verdict
 
 
 def test_an_eager_run_is_not_bisected(tmp_path, capsys, monkeypatch):

@@ -19,6 +19,8 @@ W006 60   watched-underflow    numerics       a gradient exactly zero in one run
 W013 79   watched-compiled-rng nondeterminism a parting beyond rounding, one run compiled and the other eager,
                                               with random layers (inductor draws its own masks; before W008:
                                               compiled against eager is also a precision policy difference)
+W007 61   watched-zero-gradient layer         a gradient exactly zero in one run only that computes in no 16-bit
+                                              format: another kernel's (a compiler's: bisect its backends)
 W008 80   watched-precision    numerics       a parting beyond rounding at different precisions
 W009 85   watched-stack        version        a parting beyond rounding with different stacks
 W010 88   watched-unexplained  nondeterminism a parting beyond rounding, nothing recorded explains it
@@ -34,7 +36,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.registry import verdict_rule
-from convcheck.diagnose.remedies import (PYTHON_ORDER, BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
+from convcheck.diagnose.remedies import (PYTHON_ORDER, BISECT_BACKENDS, KERNEL_ZEROS, BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
                                          SEED_RANDOM_LAYERS,
                                          PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
@@ -186,12 +188,32 @@ def watched_underflow(ev: PairEvidence) -> Verdict | None:
     """A parameter's gradient exactly zero in one run only, with no earlier parting of the forward to explain
     the zeros (zeros downstream of a parting are its consequence)."""
     u = next((x for x in ev.pair if x.name == S.GRADIENT_UNDERFLOW), None)
-    if u is None or (ev.parting is not None and ev.parting.step <= u.step):
+    if u is None or (ev.parting is not None and ev.parting.step <= u.step) or not _sixteen_bit(u):
         return None
     remedy = GRAD_SCALER_UNDERFLOW if u.extra.get("compute") == "float16" else BF16_ZEROS
     return watched_underflow.verdict([u.evidence] + parting_lines(ev),
                                      {"side": u.arm, "layer": u.layer, "step": u.step, "other": _other(u.arm)},
                                      remedies=[remedy], target=u.arm, layer=u.layer, sub_cause=u.name)
+
+
+def _sixteen_bit(u) -> bool:
+    return u.extra.get("compute") in ("float16", "bfloat16")
+
+
+@verdict_rule("W007", "watched-zero-gradient", priority=61, category="layer", reads=PairEvidence,
+              headline="{layer}'s gradient is exactly zero at step {step} in {side} where {other}'s is not, and {side} "
+                       "computes in no 16-bit format: its kernels compute something else")
+def watched_zero_gradient(ev: PairEvidence) -> Verdict | None:
+    """A parameter's gradient exactly zero in one run only that no 16-bit format can have underflowed (the run
+    computes in float32 or wider): another kernel computes it - a compiler's (bisect its backends), a library's."""
+    u = next((x for x in ev.pair if x.name == S.GRADIENT_UNDERFLOW), None)
+    if u is None or (ev.parting is not None and ev.parting.step <= u.step) or _sixteen_bit(u):
+        return None
+    compiled = ev.precision is not None and "compiled:" in ev.precision
+    return watched_zero_gradient.verdict([u.evidence] + ([ev.precision] if compiled else []) + parting_lines(ev),
+                                         {"side": u.arm, "layer": u.layer, "step": u.step, "other": _other(u.arm)},
+                                         remedies=[BISECT_BACKENDS if compiled else KERNEL_ZEROS], target=u.arm,
+                                         layer=u.layer, sub_cause="compiled kernels" if compiled else "kernels")
 
 
 def _parting(ev: PairEvidence) -> Parting | None:
