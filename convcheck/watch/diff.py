@@ -22,7 +22,8 @@ import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
-from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, random_layers, recipe_difference,
+from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, precision_difference,
+                                                  random_layers, recipe_difference,
                                                   run_findings)
 from convcheck.diagnose.detectors.watched_scaler import step_without_scaler
 from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, clipping_difference, compiled_random, eval_mode_difference,
@@ -435,7 +436,9 @@ def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) 
                               clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
                               scaler_difference(a, b, steps),
                               initial_weights_difference(a, b), target_difference(a, b, steps)) if f is not None)
-    policy = tuple(precision_policy(a, b))
+    # the recorded policy, else what the layers' output dtypes show (an autocast entered inside the model's own
+    # call - accelerate's, Lightning's - is not seen as the call starts)
+    policy = tuple(precision_policy(a, b)) or tuple(x for x in (precision_difference(a, b, flags),) if x)
     end = outcome(a, b, steps, loss_tolerance(a, b))
     loss_step, wander = _loss_parting(a, b, steps, end, policy)
     data_step = _first_data_difference(a, b, steps)

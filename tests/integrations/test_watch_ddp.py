@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 
 from convcheck.cli.main import main
+from convcheck.report.verdict_lines import unwrapped
 
 LOOP = Path(__file__).resolve().parent / "ddp_loop.py"
 
 
 def diff(capsys, *args) -> tuple[int, str, str]:
+    """The diff's exit code, its output with the wrapped prose joined back (``verdict_lines.unwrapped``), stderr."""
     code = main(["diff", *map(str, args), "--no-save"])
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, unwrapped(out), err
 
 
 @pytest.fixture(scope="module")
