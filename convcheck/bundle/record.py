@@ -42,7 +42,7 @@ def parse_snapshot_steps(text: str | None, steps: int, n_params: int) -> list[in
         return [steps]
     if text.strip().lower() == "none":
         return []
-    from convcheck.watch.selection import whole_number  # the one step parser (API, environment, command line)
+    from convcheck.steps import whole_number  # the one step parser (API, environment, command line)
 
     out = []
     for part in text.split(","):
