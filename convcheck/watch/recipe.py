@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from convcheck.numerics.formats import coarsest_dtype
 from convcheck.watch.settings import optimizer_settings
 
 SAMPLES = 4  # gradient entries kept per parameter per step (evenly spaced, the same indices every step)
@@ -110,7 +111,6 @@ def grad_sample(params) -> dict[str, list[float]]:
 
 LOSS_GRAPH_NODES = 256  # the most autograd nodes ``loss_dtype`` reads between the loss and the model's output
 
-_WIDTH = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 3, torch.float16: 2}
 
 
 def loss_dtype(loss, stop=()) -> str | None:
@@ -128,11 +128,10 @@ def loss_dtype(loss, stop=()) -> str | None:
             continue
         seen.add(id(node))
         for m in getattr(node, "_input_metadata", ()) or ():
-            if getattr(m, "dtype", None) in _WIDTH:
+            if getattr(m, "dtype", None) is not None and m.dtype.is_floating_point:
                 found.add(m.dtype)
         todo.extend(n for n, _ in getattr(node, "next_functions", ()) if n is not None)
-    coarse = max((d for d in found if d in _WIDTH), key=_WIDTH.get, default=loss.dtype)
-    return str(coarse).removeprefix("torch.")
+    return coarsest_dtype(str(d).removeprefix("torch.") for d in found if d.is_floating_point)
 
 
 def criterion_of(module: torch.nn.Module) -> dict | None:

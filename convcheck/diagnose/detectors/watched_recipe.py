@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
                                          MODEL_REMEDIES, RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
+from convcheck.diagnose.detectors.watched_setup import lrs_text, same_setting
 from convcheck.diagnose.watched_evidence import Setup
-from convcheck.numerics.thresholds import LR_RTOL
 
 SHOWN_NAMES = 4  # parameter names spelled out before "and N more"
 
@@ -68,14 +68,6 @@ def _group_of(r: dict) -> dict[str, int]:
     return {n: g for g, grp in enumerate(r["param_groups"]) for n in grp.get("parameters", [])}
 
 
-def _same(x, y) -> bool:
-    if isinstance(x, float) and isinstance(y, float):
-        return x == y or abs(x - y) <= LR_RTOL * max(abs(x), abs(y))
-    if isinstance(x, list) and isinstance(y, list):
-        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
-    return x == y
-
-
 def _show(v) -> str:
     return "none" if v is None else (f"{v:g}" if isinstance(v, float) else repr(v))
 
@@ -102,7 +94,7 @@ def settings_per_parameter(a, b) -> Setup | None:
             continue
         sa, sb = ra["param_groups"][ga[n]].get("settings") or {}, rb["param_groups"][gb[n]].get("settings") or {}
         for key in sorted(set(sa) | set(sb)):
-            if not _same(sa.get(key), sb.get(key)):
+            if not same_setting(sa.get(key), sb.get(key)):
                 diffs.setdefault(key, {})[n] = (sa.get(key), sb.get(key))
     if not diffs:
         return None
@@ -212,22 +204,18 @@ def lr_per_parameter(a, b, steps: int) -> Setup | None:
         la, lb = a.steps[k]["lr"], b.steps[k]["lr"]
         per = {n: (float(la[ga[n]]), float(lb[gb[n]])) for n in every
                if n in ga and n in gb and ga[n] < len(la) and gb[n] < len(lb)}
-        apart = {n: v for n, v in per.items() if not _same(*v)}
+        apart = {n: v for n, v in per.items() if not same_setting(*v)}
         if not apart:
             continue
         (va, vb), names = _by_values(apart)[0]
         where = "" if len(apart) == len(per) else f" on {names_text(names, every)}"
-        before = f" (the same before: {_lrs(a.steps[k - 1]['lr'])})" if k and all(
-            _same(*v) for v in _lr_at(a, b, ga, gb, every, k - 1)) else ""
+        before = f" (the same before: {lrs_text(a.steps[k - 1]['lr'])})" if k and all(
+            same_setting(*v) for v in _lr_at(a, b, ga, gb, every, k - 1)) else ""
         return Setup(f"different learning rates: B's learning rate{where} is {vb!r} where A's is {va!r} from step "
                      f"{k}{before}",
                      "learning rate", evidence=[f"steps.jsonl lr at step {k}: {la} | {lb}"],
                      remedies=list(LR_REMEDIES), step=k)
     return None
-
-
-def _lrs(lr: list) -> str:
-    return repr(float(lr[0])) if len(lr) == 1 else "[" + ", ".join(repr(float(v)) for v in lr) + "]"
 
 
 def _lr_at(a, b, ga, gb, every, k):

@@ -48,7 +48,7 @@ def settings_difference(a, b) -> Setup | None:
     for g, (ga, gb) in enumerate(zip(sa, sb)):
         for key in sorted(set(ga) & set(gb)):
             va, vb = ga[key], gb[key]
-            if _same_setting(va, vb):
+            if same_setting(va, vb):
                 continue
             group = f" (parameter group {g})" if len(sa) > 1 else ""
             name = _optimizer(a) or "optimizer"
@@ -58,12 +58,12 @@ def settings_difference(a, b) -> Setup | None:
     return None
 
 
-def _same_setting(va, vb) -> bool:
+def same_setting(va, vb) -> bool:
     """Settings compared as learning rates are (``_same``: one given as a float32 tensor is the same)."""
     if isinstance(va, float) and isinstance(vb, float):
         return _same(va, vb)
     if isinstance(va, list) and isinstance(vb, list):
-        return len(va) == len(vb) and all(_same_setting(x, y) for x, y in zip(va, vb))
+        return len(va) == len(vb) and all(same_setting(x, y) for x, y in zip(va, vb))
     return va == vb
 
 
@@ -71,7 +71,7 @@ def _same(x: float, y: float) -> bool:
     return x == y or abs(x - y) <= LR_RTOL * max(abs(x), abs(y))
 
 
-def _lrs(lr: list) -> str:
+def lrs_text(lr: list) -> str:
     return repr(float(lr[0])) if len(lr) == 1 else "[" + ", ".join(repr(float(v)) for v in lr) + "]"
 
 
@@ -82,16 +82,16 @@ def lr_difference(a, b, steps: int) -> Setup | None:
         if len(la) == len(lb) and all(_same(x, y) for x, y in zip(la, lb)):
             continue
         if len(la) != len(lb):
-            what = (f"A's optimizer has {len(la)} parameter groups, B's {len(lb)} (learning rates {_lrs(la)} | "
-                    f"{_lrs(lb)}) from step {k}")
+            what = (f"A's optimizer has {len(la)} parameter groups, B's {len(lb)} (learning rates {lrs_text(la)} | "
+                    f"{lrs_text(lb)}) from step {k}")
         else:
             g = next(i for i, (x, y) in enumerate(zip(la, lb)) if not _same(x, y))
             group = f" (parameter group {g})" if len(la) > 1 else ""
             what = f"B's learning rate{group} is {float(lb[g])!r} where A's is {float(la[g])!r} from step {k}"
         if k > 0:
-            what += f" (the same before: {_lrs(a.steps[k - 1]['lr'])})"
+            what += f" (the same before: {lrs_text(a.steps[k - 1]['lr'])})"
         return Setup(f"different learning rates: {what}", "learning rate",
-                     evidence=[f"steps.jsonl lr at step {k}: {_lrs(la)} | {_lrs(lb)}"], remedies=list(LR_REMEDIES),
+                     evidence=[f"steps.jsonl lr at step {k}: {lrs_text(la)} | {lrs_text(lb)}"], remedies=list(LR_REMEDIES),
                      step=k)
     return None
 
