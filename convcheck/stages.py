@@ -41,7 +41,7 @@ from convcheck.plan.builder import initial_state, model_builder
 from convcheck.plan.config import CompareConfig
 from convcheck.plan.data_sources import data_input_shape, is_user_data, open_data
 from convcheck.errors import RunFailed, UsageError
-from convcheck.exit_codes import RunStage, user_failures
+from convcheck.run_stage import RunStage, user_failures
 from convcheck.plan.models import ResolvedModel, check_input_shape, checked_factory, resolve_model
 from convcheck.measure.parity import ParityResult, run_parity
 from convcheck.plan.preflight import check_trainable

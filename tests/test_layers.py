@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # From the ground up. A name is a package (every module under it) or a top-level module.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "exit_codes", "files", "seeding", "batch", "capture", "discovery", "numerics", "steps"),
+    ("errors", "exit_codes", "run_stage", "files", "seeding", "batch", "capture", "discovery", "numerics", "steps"),
     ("env",),
     ("targets",),
     ("plan",),

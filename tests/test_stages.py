@@ -15,7 +15,7 @@ import torch.nn as nn
 import convcheck.stages as stages
 from convcheck.plan.config import CompareConfig
 from convcheck.errors import RunFailed, UsageError, UserCodeError
-from convcheck.exit_codes import RunStage
+from convcheck.run_stage import RunStage
 from convcheck.pipeline import CompareResult, compare
 from convcheck.targets.spec import Target
 from convcheck.measure.train import make_arms

@@ -15,7 +15,8 @@ import json
 import sys
 
 from convcheck.errors import ConvcheckError, RunFailed, UsageError
-from convcheck.exit_codes import RunStage, classify, resource_reason
+from convcheck.exit_codes import classify, resource_reason
+from convcheck.run_stage import RunStage
 
 
 def run_compare(args) -> int:

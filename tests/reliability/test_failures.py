@@ -14,13 +14,12 @@ from convcheck.exit_codes import (
     EXIT_INTERNAL,
     EXIT_RESOURCE,
     EXIT_USAGE,
-    RunStage,
     as_convcheck_error,
     classify,
     report,
     resource_reason,
-    user_failures,
 )
+from convcheck.run_stage import RunStage, user_failures
 
 
 def _raised(fn):
