@@ -11,7 +11,7 @@ against a healthy run A of the same family (same seed, data, initial weights), o
 Each case runs in its own process (a pool of ``--jobs``, one task a process): first both runs in plain torch,
 checking that the fault does what it claims (a fault that does not show is a bug in the matrix: the case is
 ``INVALID`` and the matrix exits 2), then both runs under ``convcheck.watch`` into a temporary folder and
-``convcheck.watch.diff.diff_watched``. A case is right when the verdict's category is its truth and its headline,
+``convcheck.analysis.diff.diff_watched``. A case is right when the verdict's category is its truth and its headline,
 sub-cause or evidence names the cause (one of the case's words). A case that crashes counts as wrong, with the
 exception. Prints the confusion table (truth rows x diagnosed columns), the % right, the false alarms on healthy
 cases and each wrong case with its headline, and writes them with the command and the date to ``--out``.
@@ -57,7 +57,7 @@ def run_case(family: str, kind: str, check: bool = True) -> dict:
         if check:
             a, b = train(fam, k.a), train(fam, k.b)
             k.check(fam, a, b)
-        from convcheck.watch.diff import diff_watched
+        from convcheck.analysis.diff import diff_watched
 
         with tempfile.TemporaryDirectory(prefix="verdict-matrix-") as tmp:
             train(fam, k.a, out=Path(tmp) / "A")

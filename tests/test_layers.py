@@ -19,15 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "exit_codes", "run_stage", "files", "seeding", "batch", "capture", "discovery", "numerics", "steps"),
     ("env",),
+    ("runformat",),
     ("targets",),
     ("plan",),
     ("measure",),
+    ("watch",),
     ("diagnose", "verify"),
     ("ddp",),
     ("report",),
     ("stages",),
     ("pipeline",),
-    ("bundle", "watch"),
+    ("bundle", "analysis"),
     ("assertions", "integrations"),
     ("cli", "pytest_plugin", "__main__"),
 ]
@@ -108,7 +110,7 @@ def test_the_check_catches_an_import_back_up(tmp_path):
     (pkg / "errors.py").write_text("")
     (pkg / "env" / "audit.py").write_text("def f():\n    from convcheck.cli import main\n")
     (pkg / "cli.py").write_text("from convcheck.env import audit\nfrom . import errors\n")
-    assert imports_back_up(tmp_path) == ["convcheck.env.audit (layer 1) -> convcheck.cli (layer 12)"]
+    assert imports_back_up(tmp_path) == ["convcheck.env.audit (layer 1) -> convcheck.cli (layer 14)"]
 
 
 def test_every_layer_name_exists():
@@ -125,4 +127,4 @@ def test_every_import_form_is_read(tmp_path, text):
     (pkg / "__init__.py").write_text("")
     (pkg / "errors.py").write_text(text + "\n")
     (pkg / "cli.py").write_text("")
-    assert imports_back_up(tmp_path) == ["convcheck.errors (layer 0) -> convcheck.cli (layer 12)"]
+    assert imports_back_up(tmp_path) == ["convcheck.errors (layer 0) -> convcheck.cli (layer 14)"]

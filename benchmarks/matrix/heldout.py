@@ -708,7 +708,7 @@ def run_case(family: str, kind: str, check: bool = True) -> dict:
                 check_healthy(fam, a, b, a_cfg)
             else:
                 k.check(fam, a, b)
-        from convcheck.watch.diff import diff_watched
+        from convcheck.analysis.diff import diff_watched
 
         with tempfile.TemporaryDirectory(prefix="verdict-heldout-") as tmp:
             train(fam, a_cfg, out=Path(tmp) / "A")

@@ -4,6 +4,6 @@ streamed to disk layer by layer), ``reader`` validates one field by field (a hos
 one-line ``UsageError``), ``record`` runs one target and writes its bundle, ``diff`` rebuilds a
 ``CompareResult`` from two bundles and a judge."""
 
-from convcheck.bundle.schema import SCHEMA
+from convcheck.runformat.schema import SCHEMA
 
 __all__ = ["SCHEMA"]

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from convcheck.bundle.schema import (
+from convcheck.runformat.schema import (
     ARRAY_GROUPS, CALLABLES, DETAIL_KINDS, MANIFEST, MAX_MANIFEST_BYTES, MAX_TOTAL_BYTES, NPZ_SLACK,
     READABLE, SCHEMA, STORAGE, WATCH_SCHEMA,
 )
-from convcheck.bundle.fields import (BadField, _check_rows, dtype_field, get_field, kinds_of,  # noqa: F401
-                                     nbytes_of, sha_field, shape_field)
-from convcheck.bundle.members import BundleFiles, safe_member  # noqa: F401
+from convcheck.runformat.fields import (BadField, _check_rows, check_fingerprint, dtype_field, get_field,  # noqa: F401
+                                        kinds_of, nbytes_of, sha_field, shape_field)
+from convcheck.runformat.members import BundleFiles, safe_member  # noqa: F401
 from convcheck.errors import UsageError
 from convcheck.files import array_load_error
 from convcheck.measure.table_schema import ActivationRow, CurveRow, LayerGradRow, ParityRow, json_kinds
@@ -320,12 +320,3 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
     except BadField as exc:
         raise UsageError(f"bundle {path}: {exc}") from None
     return Bundle(path, manifest, source)
-
-
-def check_fingerprint(d: dict) -> None:
-    from convcheck.env.fingerprint import Fingerprint
-
-    try:
-        Fingerprint.from_dict(d)
-    except UsageError as exc:
-        raise BadField(f"fingerprint: {exc}") from None

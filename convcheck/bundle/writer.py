@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convcheck.bundle.schema import ARRAY_GROUPS, MANIFEST, SCHEMA, storage_dtype
+from convcheck.runformat.schema import ARRAY_GROUPS, MANIFEST, SCHEMA, storage_dtype
 from convcheck.errors import UsageError
 from convcheck.files import atomic_write_bytes, path_kind, refuse_special
 

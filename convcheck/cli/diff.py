@@ -49,8 +49,8 @@ def add_diff_parser(sub, run) -> argparse.ArgumentParser:
 def run_diff(args) -> int:
     from convcheck.cli.diff_watched import run_watched, run_watched_diff, run_watched_judge, watch_judge
     from convcheck.errors import UsageError
-    from convcheck.watch.rankdiff import is_ranked_pair
-    from convcheck.watch.reader import schema_of
+    from convcheck.analysis.rankdiff import is_ranked_pair
+    from convcheck.runformat.reader import schema_of
 
     if args.out is not None and not str(args.out).strip():
         raise UsageError("--out is empty: name a folder (or pass --no-save to write no files)")
@@ -63,7 +63,7 @@ def run_diff(args) -> int:
                              "name a second run to tabulate")
         return run_watched_judge(args)
     if is_ranked_pair(args.run_a, args.run_b):  # watched under torchrun/DDP: one folder per rank
-        from convcheck.watch.rankdiff import diff_ranked
+        from convcheck.analysis.rankdiff import diff_ranked
 
         if csv is not None:
             raise UsageError("--csv: a DDP diff (a folder per rank) is not one pair of runs: diff one rank folder of "

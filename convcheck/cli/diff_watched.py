@@ -13,7 +13,7 @@ from convcheck.cli.run_paths import not_a_run, removed_if_empty
 def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None) -> int:
     """A watched diff (``compute()``) with its ``--out`` checked (and made) first; the folder goes again,
     if this run made it, when ``compute`` fails. ``pair``: two watched runs whose tables
-    (``watch/tables.py``) go into the folder (``report/watch_report.py``) and to ``csv`` (``--csv``, checked
+    (``analysis/tables.py``) go into the folder (``report/watch_report.py``) and to ``csv`` (``--csv``, checked
     by ``_csv_file``)."""
     from convcheck.report.watch_report import REPORT_FILES
 
@@ -22,7 +22,7 @@ def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None
         result = compute()
         tables = None
         if pair and (folder is not None or csv is not None):
-            from convcheck.watch.tables import watch_tables
+            from convcheck.analysis.tables import watch_tables
 
             tables = watch_tables(*pair)
         backends = _backends(args, pair or (args.run_a,), folder) if getattr(args, "backends", False) else None
@@ -30,10 +30,10 @@ def run_watched(args, name: str, compute, *, pair: tuple | None = None, csv=None
 
 
 def _backends(args, paths, folder) -> list:
-    """``--backends``: each compiled run re-run backend by backend at its recorded step (``watch/backends.py``),
+    """``--backends``: each compiled run re-run backend by backend at its recorded step (``analysis/backends.py``),
     the repro written into ``--out``: ``[(side, Bisection)]``."""
-    from convcheck.watch.backends import bisect_backends, write_repro
-    from convcheck.watch.reader import open_watched
+    from convcheck.analysis.backends import bisect_backends, write_repro
+    from convcheck.runformat.reader import open_watched
 
     out = []
     for side, path in zip("AB" if len(paths) > 1 else "-", paths):
@@ -77,8 +77,8 @@ def _run_around(out, args, this: str = "that folder") -> str | None:
     from pathlib import Path
 
     from convcheck.errors import UsageError
-    from convcheck.watch.ranks import rank_folders
-    from convcheck.watch.reader import schema_of
+    from convcheck.runformat.ranks import rank_folders
+    from convcheck.runformat.reader import schema_of
 
     runs = [Path(r) for r in (args.run_a, args.run_b) if r is not None]
     try:  # the folder and every folder above it, links followed: a link to a run, or a folder inside one
@@ -129,9 +129,9 @@ def _csv_file(args):
 
 
 def run_watched_diff(args, kinds) -> int:
-    """Two runs from ``convcheck.watch``: their diff and verdict (``convcheck/watch/diff.py``)."""
+    """Two runs from ``convcheck.watch``: their diff and verdict (``convcheck/analysis/diff.py``)."""
     from convcheck.errors import UsageError
-    from convcheck.watch.diff import diff_watched
+    from convcheck.analysis.diff import diff_watched
 
     for path, kind in zip((args.run_a, args.run_b), kinds):
         if kind is None:  # not a run at all: what is wrong with that path
@@ -162,8 +162,8 @@ def run_watched_judge(args) -> int:
     """``convcheck diff RUN --judge SPEC``: one watched run against the float64 judge."""
     from convcheck.errors import UsageError
     from convcheck.targets.spec import default_judge
-    from convcheck.watch.diff import judge_watched
-    from convcheck.watch.reader import schema_of
+    from convcheck.analysis.diff import judge_watched
+    from convcheck.runformat.reader import schema_of
 
     kind = schema_of(args.run_a)
     if kind is None:

@@ -133,7 +133,7 @@ def formats_named(text: str) -> set[str]:
 
 def only_used_formats(remedies, used: set[str]) -> list[str]:
     """``remedies`` naming only the reduced-precision formats in ``used`` (the one rule, applied by the watched
-    verdicts' builder ``watch/verdict.py``): an alternation (``bf16/fp16``) keeps the formats used; a switch offered
+    verdicts' builder ``analysis/verdict.py``): an alternation (``bf16/fp16``) keeps the formats used; a switch offered
     from an unused format (``, or bfloat16 instead of float16`` to a bfloat16 run) is cut; a remedy still naming a
     format no run used is dropped, and when none is left, the general fix (float32) is given."""
     out = []

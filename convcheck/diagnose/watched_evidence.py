@@ -8,7 +8,7 @@ that read the record's type, by priority, as for a comparison.
 
 A producer is the watch's record of the first NaN/Inf (``layer``, ``step``, ``direction``, ``kind``,
 ``detail``, ``op``, ``magnitude``, ``dtype``); a replay is the float64 judge's replay of one run's snapshot
-steps (``watch/replay.Replay``: ``flagged`` and ``overflows`` rows with ``step``, ``layer``, ``local``,
+steps (``analysis/replay.Replay``: ``flagged`` and ``overflows`` rows with ``step``, ``layer``, ``local``,
 ``floor`` and ``text()``, and ``summary()``), read through those members only.
 """
 
@@ -47,7 +47,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class PairEvidence:
-    """Two watched runs, A and B, aligned step by step (``watch/diff.diff_watched``)."""
+    """Two watched runs, A and B, aligned step by step (``analysis/diff.diff_watched``)."""
 
     steps: tuple[int, int] = (0, 0)
     data_step: int | None = None  # the first aligned step whose batches differ
@@ -78,7 +78,7 @@ class PairEvidence:
 
 @dataclass(frozen=True)
 class RunEvidence:
-    """One watched run against the float64 judge (``watch/diff.judge_watched``)."""
+    """One watched run against the float64 judge (``analysis/diff.judge_watched``)."""
 
     producer: dict | None = None
     replay: object | None = None
@@ -110,7 +110,7 @@ class RankFinding:
 
 @dataclass(frozen=True)
 class RankEvidence:
-    """Watched DDP runs (``watch/rankdiff.diff_ranked``): each run's ranks against its rank 0 (``findings``),
+    """Watched DDP runs (``analysis/rankdiff.diff_ranked``): each run's ranks against its rank 0 (``findings``),
     and the verdicts of the rank-by-rank pairs (``per_rank``, each chosen from its ``PairEvidence``; empty for
     two ranks of one run)."""
 

@@ -14,7 +14,7 @@ callback for a failed run: a run that raised leaves its watch open and its bundl
 from __future__ import annotations
 
 from convcheck.integrations._extra import require, scalar
-from convcheck.watch.layout import DEFAULT_MAX_BYTES
+from convcheck.runformat.layout import DEFAULT_MAX_BYTES
 from convcheck.watch.recorder import watch
 
 _transformers = require("transformers", "hf", "Hugging Face transformers")

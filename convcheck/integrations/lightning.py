@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 from convcheck.integrations._extra import require, scalar
-from convcheck.watch.layout import DEFAULT_MAX_BYTES
+from convcheck.runformat.layout import DEFAULT_MAX_BYTES
 from convcheck.watch.recorder import watch
 
 

@@ -233,7 +233,7 @@ BACKWARD_RTOL = 1e-4
 # between eager and inductor) and says nothing of the backward.
 GRAD_SHARE = 1e-3
 
-# A compiled run's backends re-run on its recorded step (``watch/backends.py``, issue 43): a backend whose output or
+# A compiled run's backends re-run on its recorded step (``analysis/backends.py``, issue 43): a backend whose output or
 # parameter gradients differ from eager's by more than this (relative L2), or are exactly zero where eager's are
 # not, is where the compiled result changes. Fused kernels reorder float32 sums: ~1e-6 relative; 1e-3 leaves that
 # a thousandfold margin while a real difference (a gradient of 0 against 0.05) is a relative 1.

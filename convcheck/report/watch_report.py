@@ -1,5 +1,5 @@
 """The report folder of ``convcheck diff RUN_A RUN_B --out DIR`` on two watched runs, beside ``watch_diff.json``:
-the three tables of ``watch/tables.py`` as CSV (``watch_layers.csv``, ``watch_snapshots.csv``,
+the three tables of ``analysis/tables.py`` as CSV (``watch_layers.csv``, ``watch_snapshots.csv``,
 ``watch_grads.csv``) and one self-contained ``watch_report.html``: the diff's lines (verdict included), the loss
 and the global gradient norm of both runs per step (PNG plots embedded), and each table's worst rows first
 (``SHOWN`` at most, the rest counted: every row is in its CSV). Every text that comes from a run (paths, layer

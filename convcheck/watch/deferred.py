@@ -11,7 +11,7 @@ end reads that buffer once (one transfer per device) and finds from it, as the l
 - failing that, the backward producer: the first gradient into a leaf's output that is not finite, in the
   order backward made them, named by the layer that consumed that output (``Watch._grad_hook``'s rule).
 
-What a live read gave and this gives otherwise (issue 43): the op inside the producer - ``replay.live_op`` needs
+What a live read gave and this gives otherwise (issue 43): the op inside the producer - ``op_probe.live_op`` needs
 the call's inputs, gone by the step's end - is read from the autograd graph the step left (``producers.
 forward_op``: node types only) with its line in the module's ``forward``, and the magnitude going into the
 producer (``in_max``, the same one pass as the NaN/Inf flag it replaces) is read with the rest. Not given: a

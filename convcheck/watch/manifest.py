@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.compiled import fallback_random
-from convcheck.watch.layout import WATCH_SCHEMA
+from convcheck.runformat.layout import WATCH_SCHEMA
 from convcheck.watch.settings import module_of
 
 

@@ -246,7 +246,7 @@ class ProducerHooks:
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
                 if module in self.leaves and self.call_lines.get(name):
                     self.producer["source"] = self.call_lines[name]  # the line of the forward that called it
-                from convcheck.watch.replay import live_op  # once a run, at its first NaN/Inf
+                from convcheck.watch.op_probe import live_op  # once a run, at its first NaN/Inf
 
                 self.producer.update(live_op(module, args))  # the op that made them (and its line in own code)
             elif outs and outs[0].requires_grad and (leaf or module in self.roots):

@@ -31,13 +31,13 @@ from convcheck.watch import several as _several
 from convcheck.watch.compiled import HIDDEN, parallel, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
-from convcheck.watch.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
-from convcheck.watch.layout import release, take
+from convcheck.runformat.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
+from convcheck.runformat.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import ProducerHooks, closure, floats, loss_op
-from convcheck.watch.ranks import rank_out
+from convcheck.runformat.ranks import rank_out
 from convcheck.watch.sampler_use import SamplerSpy
 from convcheck.watch.scaler_use import ScalerSpy
 from convcheck.watch.selection import selection, unmatched
@@ -172,7 +172,7 @@ class Watch(ProducerHooks):
         return self
 
     def _record_model(self) -> None:
-        from convcheck.watch.by_value import leaf_specs, record_model
+        from convcheck.runformat.by_value import leaf_specs, record_model
 
         try:
             self.leaf_specs = leaf_specs({self.names[m]: m for m in self.names if m in self.leaves})

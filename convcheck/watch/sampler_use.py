@@ -5,7 +5,7 @@ the same by choice, whatever ``set_epoch`` says.
 
 While the watch is open, ``DistributedSampler.__iter__`` (the class's, restored on exit) records each sampler's
 ``shuffle`` and the epoch it iterates at; the manifest's ``sampler`` holds them (None when no
-``DistributedSampler`` was iterated). ``watch/rankdiff.py`` names an epoch order that repeats only when the
+``DistributedSampler`` was iterated). ``analysis/rankdiff.py`` names an epoch order that repeats only when the
 sampler shuffles and was never told another epoch."""
 
 from __future__ import annotations

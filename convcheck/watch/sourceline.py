@@ -2,7 +2,7 @@
 
 - ``caller_line()``: the innermost frame of the running stack that is the user's code (not torch's, not
   convcheck's, not the standard library's): inside a leaf's forward hook it is the parent's forward line that
-  called the leaf; inside ``replay.live_op``'s re-run of a module's own code it is the line of the op itself.
+  called the leaf; inside ``op_probe.live_op``'s re-run of a module's own code it is the line of the op itself.
 - ``op_line(module, op)``: for an op found in a module's own code from the autograd graph (a backward
   producer: the graph keeps no stack), the one line of the module's ``forward`` that writes that op
   (``/`` for div, ``sqrt(`` ...), or the ``forward``'s own line when none or several do.

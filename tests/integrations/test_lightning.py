@@ -68,7 +68,7 @@ def test_an_accumulated_step_is_one_watched_step_with_its_micro_batches(runs, tm
     import torch
     import torch.nn.functional as F
 
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     snapshot = open_watched(tmp_path / "accumulated").snapshot(0)
     model = example["SmallCNN"]()

@@ -84,7 +84,7 @@ def test_a_huge_every_is_echoed_as_given_not_none(monkeypatch):
 
 def test_an_open_window_is_every_step_from_its_start(tmp_path, monkeypatch):
     """``CONVCHECK_WATCH_STEPS='1-'`` recorded step 1 only, silently; it is step 1 on."""
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     monkeypatch.setenv("CONVCHECK_WATCH_STEPS", "1-")
     assert selection()[0].steps == ((1, MAX_STEP),)
@@ -203,7 +203,7 @@ print("recorded")
 
 @pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # four writers: ~6 s, the slow pass
 def test_racing_writers_with_force_one_run_whole_the_others_told(earlier, n):
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     start = str(time.time_ns() + 3_000_000_000)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -221,7 +221,7 @@ def test_racing_writers_with_force_one_run_whole_the_others_told(earlier, n):
 
 
 def test_a_second_watch_in_this_process_is_refused_and_the_first_stays_whole(earlier):
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     torch.manual_seed(0)
     first, second = Tiny(), Tiny()

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.cli.main import main
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 
 
 def _amp_run(out, through_scaler: bool, steps: int = 5) -> None:

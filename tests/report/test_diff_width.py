@@ -59,7 +59,7 @@ def test_a_watched_diff_fits_columns(runs, capsys, monkeypatch, columns):
     assert main(["diff", str(runs / "a"), str(runs / "b"), "--json"]) == code
     whole = json.loads(capsys.readouterr().out)
     assert any(len(e) > int(columns) for e in whole["verdict"]["evidence"] + [whole["verdict"]["headline"]])
-    from convcheck.watch.diff import diff_watched
+    from convcheck.analysis.diff import diff_watched
 
     assert unwrapped(out).splitlines() == diff_watched(runs / "a", runs / "b").lines()
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.errors import UsageError
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 from convcheck.report.verdict_lines import unwrapped
 
 from .loops import dataset, offset_run
@@ -141,7 +141,7 @@ def test_the_size_cap_stops_recording_with_a_clear_message(tmp_path, capsys):
     assert run["truncated"] and 0 < run["steps"] < 20
     assert any("max_bytes=3000" in n for n in run["notes"])
     # the diff says it was cut, never "compared the first N" as if nothing were missing (issue 35)
-    from convcheck.watch.diff import diff_watched, judge_watched
+    from convcheck.analysis.diff import diff_watched, judge_watched
 
     d = diff_watched(tmp_path / "run", tmp_path / "run", judge="cpu:float64")
     assert any(line.startswith("truncated: A's recording stopped at step") for line in d.lines())

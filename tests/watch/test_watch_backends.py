@@ -17,9 +17,9 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.cli.main import main
-from convcheck.watch.backends import bisect_backends
+from convcheck.analysis.backends import bisect_backends
 from convcheck.report.verdict_lines import unwrapped
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 
 
 SCRIPT = '''

@@ -183,7 +183,7 @@ def test_two_watches_started_at_once_on_one_folder_the_second_is_refused(tmp_pat
     """Issue 35: two processes on the same empty folder both wrote into it (steps mixed). The folder is claimed
     before anything is written; the second is refused in one line and the first's record is whole."""
     import convcheck.watch.recorder as recorder
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     out = tmp_path / "run"
     out.mkdir()

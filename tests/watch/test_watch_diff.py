@@ -133,7 +133,7 @@ def test_a_symlinked_member_and_a_tampered_snapshot_are_refused(runs, tmp_path, 
     (run / "steps.jsonl").symlink_to(runs / "fp32" / "steps.jsonl")
     _one_line_refusal(capsys, runs / "fp32", run, "symbolic link")
     from convcheck.errors import UsageError
-    from convcheck.watch.reader import open_watched
+    from convcheck.runformat.reader import open_watched
 
     run = _copy(runs, tmp_path, "snap")
     m = json.loads((run / "manifest.json").read_text())

@@ -30,7 +30,7 @@ from convcheck.diagnose.rules.watched_coverage import pair_ok
 from convcheck.diagnose.rules.watched_run import run_ok
 from convcheck.diagnose.watched_evidence import PairEvidence, Parting, RunEvidence, Setup
 from convcheck.report.verdict_lines import unwrapped
-from convcheck.watch.replay import Replay
+from convcheck.analysis.replay import Replay
 
 SCRIPT = textwrap.dedent('''
     """A user's script: the model is defined here (``__main__``), built with arguments; its rotary layer takes
@@ -278,7 +278,7 @@ def test_the_pairs_ok_needs_the_judge_only_where_the_runs_part():
     v = pair_ok(wander)
     assert v.category == "inconclusive" and "every layer" in v.headline
     replayed = Replay("cpu:float64", layers=["fc1", "fc2"], steps=[0])
-    from convcheck.watch.replay import LayerRow
+    from convcheck.analysis.replay import LayerRow
 
     replayed.rows = [LayerRow(0, "fc1", 0, "bfloat16", 1e-3, 1e-3, 4e-3, False),
                      LayerRow(0, "fc2", 0, "bfloat16", 1e-3, 1e-3, 4e-3, False)]

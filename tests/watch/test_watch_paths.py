@@ -229,7 +229,7 @@ def test_the_same_script_with_a_main_guard_is_replayed(tmp_path, monkeypatch, ca
 
 
 def test_what_counts_as_code_on_import(tmp_path, monkeypatch):
-    from convcheck.watch.model_import import runs_code_on_import
+    from convcheck.analysis.model_import import runs_code_on_import
 
     monkeypatch.syspath_prepend(str(tmp_path))
     # what model files do at import: none of it is a script's work

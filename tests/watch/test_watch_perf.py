@@ -21,7 +21,7 @@ import convcheck
 from convcheck.cli.main import main
 from convcheck.errors import UsageError
 from convcheck.watch import stats
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 
 from .loops import dataset
 

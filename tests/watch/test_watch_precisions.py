@@ -132,7 +132,7 @@ def _curve(first, last, n=30):
     (_curve(2.40, 0.040)[:15] + [5.0] + _curve(2.40, 0.040)[16:], True),  # a mid-run spike of 100x
 ])
 def test_losses_at_different_precisions_part_unless_they_end_alike(b_losses, parts):
-    from convcheck.watch.diff import _loss_parting
+    from convcheck.analysis.diff import _loss_parting
 
     a, b = _runs(_curve(2.34, 0.18) if not parts else _curve(2.34, 0.040), b_losses)
     step, wander = _loss_parting(a, b, 30)
@@ -141,7 +141,7 @@ def test_losses_at_different_precisions_part_unless_they_end_alike(b_losses, par
 
 
 def test_final_losses_on_either_side_of_zero_do_not_end_alike():
-    from convcheck.watch.diff import ends_alike
+    from convcheck.analysis.diff import ends_alike
 
     assert not ends_alike(-0.5, 0.45, 2.0, 2.0, 0.01)  # an NLL ending below 0 beside one above it (review)
     assert ends_alike(-0.50, -0.45, 2.0, 2.0, 0.01)

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.cli.main import main
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 from convcheck.report.verdict_lines import unwrapped
 
 from .loops import attention_run

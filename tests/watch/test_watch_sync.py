@@ -16,7 +16,7 @@ import torch.nn as nn
 import convcheck
 from convcheck.cli.main import main
 from convcheck.errors import UsageError
-from convcheck.watch.reader import open_watched
+from convcheck.runformat.reader import open_watched
 
 from .loops import attention_run
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.cli.main import main
-from convcheck.watch.tables import (GRAD_COLUMNS, LAYER_COLUMNS, SNAPSHOT_COLUMNS, Table, compare_arrays, ratio,
+from convcheck.analysis.tables import (GRAD_COLUMNS, LAYER_COLUMNS, SNAPSHOT_COLUMNS, Table, compare_arrays, ratio,
                                     relative, watch_tables)
 
 
@@ -164,7 +164,7 @@ def test_out_writes_the_tables_and_a_page(runs, tmp_path, capsys):
 
 def test_names_from_the_run_are_escaped_in_the_page(runs):
     from convcheck.report.watch_report import render_watch_report, table_html
-    from convcheck.watch.diff import diff_watched
+    from convcheck.analysis.diff import diff_watched
 
     t = watch_tables(runs / "a", runs / "b")
     hostile = "x<script>alert(1)</script>"

@@ -1,4 +1,4 @@
-"""A watched run's files (``convcheck.watch/1``, beside ``convcheck.bundle/1``: ``bundle/schema.py``)::
+"""A watched run's files (``convcheck.watch/1``, beside ``convcheck.bundle/1``: ``runformat/schema.py``)::
 
     manifest.json              written when the watch starts (``complete: false``) and again when it ends:
                                the model's parameters and layers, the env fingerprint and math-mode flags,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from convcheck.bundle.schema import MANIFEST, WATCH_SCHEMA
+from convcheck.runformat.schema import MANIFEST, WATCH_SCHEMA
 from convcheck.errors import UsageError
 from convcheck.files import path_kind, refuse_linked_folder
 
@@ -144,7 +144,7 @@ def from_env(environ=None) -> dict:
         if text.lower() in ("", "none"):
             got["snapshot_steps"] = ()
         else:
-            from convcheck.watch.selection import whole_number
+            from convcheck.steps import whole_number
 
             parts = [p.strip() for p in text.split(",")]
             if len(parts) > 10_000:

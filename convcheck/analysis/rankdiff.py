@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
+from convcheck.runformat.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.registry import decide as choose
 from convcheck.diagnose.rules.watched_ranks import ranks_otherwise
 from convcheck.diagnose.verdict import Verdict
@@ -28,9 +28,9 @@ from convcheck.errors import UsageError
 from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import PART_FACTOR
-from convcheck.watch.diff import WatchDiff, diff_watched
-from convcheck.watch.ranks import RANK_DIR, rank_folders
-from convcheck.watch.reader import WatchedRun, open_watched
+from convcheck.analysis.diff import WatchDiff, diff_watched
+from convcheck.runformat.ranks import RANK_DIR, rank_folders
+from convcheck.runformat.reader import WatchedRun, open_watched
 
 
 def _distributed(run: WatchedRun) -> dict:

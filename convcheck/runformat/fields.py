@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-from convcheck.bundle.schema import STORAGE
+from convcheck.errors import UsageError
+from convcheck.runformat.schema import STORAGE
 
 
 class BadField(Exception):
@@ -73,3 +74,12 @@ def _check_rows(rows, where: str, columns: dict) -> list[dict]:
         for col, kind in columns.items():
             get_field(row, col, kind, f"{where}[{i}]", optional=type(None) in kinds_of(kind))
     return rows
+
+
+def check_fingerprint(d: dict) -> None:
+    from convcheck.env.fingerprint import Fingerprint
+
+    try:
+        Fingerprint.from_dict(d)
+    except UsageError as exc:
+        raise BadField(f"fingerprint: {exc}") from None

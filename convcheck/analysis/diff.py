@@ -21,7 +21,7 @@ import math
 import numpy as np
 from dataclasses import dataclass, field, replace
 
-from convcheck.bundle.schema import WATCH_DIFF_SCHEMA
+from convcheck.runformat.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, precision_difference,
                                                   random_layers, recipe_difference,
                                                   run_findings)
@@ -43,11 +43,11 @@ from convcheck.report.verdict_lines import verdict_lines
 from convcheck.numerics.formats import FLOAT32, coarsest_dtype, unit_roundoff_of
 from convcheck.numerics.thresholds import (BACKWARD_RTOL, ENDS_ALIKE_FALL, ENDS_ALIKE_RATIO, LOSS_RTOL,
                                           LOSS_SPIKE, PART_FACTOR)
-from convcheck.watch.reader import WatchedRun, open_watched
-from convcheck.watch.run_lines import hidden_layers, judge_lines, scaler_notes, stopped_line, symptom_dict
+from convcheck.runformat.reader import WatchedRun, open_watched
+from convcheck.analysis.run_lines import hidden_layers, judge_lines, scaler_notes, stopped_line, symptom_dict
 from convcheck.watch.batches import ROUNDED
-from convcheck.watch.replay import Replay, replay_run
-from convcheck.watch.verdict import decide, decide_single, size_cap
+from convcheck.analysis.replay import Replay, replay_run
+from convcheck.analysis.verdict import decide, decide_single, size_cap
 
 
 

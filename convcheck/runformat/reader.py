@@ -24,12 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from convcheck.bundle import reader as bundle_reader
-from convcheck.bundle.schema import MANIFEST, MAX_MANIFEST_BYTES, NPZ_SLACK, SCHEMAS, STORAGE, WATCH_SCHEMA
+from convcheck.runformat.fields import (BadField, check_fingerprint, dtype_field, get_field, kinds_of, nbytes_of,
+                                        sha_field, shape_field)
+from convcheck.runformat.members import BundleFiles, safe_member
+from convcheck.runformat.schema import MANIFEST, MAX_MANIFEST_BYTES, NPZ_SLACK, SCHEMAS, STORAGE, WATCH_SCHEMA
 from convcheck.errors import UsageError
-from convcheck.watch.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
+from convcheck.runformat.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
 
-_Bad = bundle_reader.BadField
+_Bad = BadField
 # a layer's integer/bool tensor arguments (``snapshots.EXACT``, keys ``arg/``), stored as they were
 EXACT_STORAGE = {"int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
                  "bool": "bool"}
@@ -42,7 +44,7 @@ LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "
 def schema_of(path) -> str | None:
     """The bundle's ``schema`` field (or None when it has no readable manifest): which reader to use."""
     try:
-        m = json.loads(bundle_reader.BundleFiles(Path(path)).read(MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+        m = json.loads(BundleFiles(Path(path)).read(MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
     except (_Bad, UnicodeDecodeError, ValueError, RecursionError):
         return None
     s = m.get("schema") if isinstance(m, dict) else None
@@ -54,41 +56,41 @@ def _check_manifest(m) -> None:
         raise _Bad(f"manifest is {type(m).__name__}, expected an object")
     if m.get("schema") != WATCH_SCHEMA:
         raise _Bad(f"schema {m.get('schema')!r:.60} is not {WATCH_SCHEMA!r}")
-    if not bundle_reader.get_field(m, "complete", bool, "manifest"):
+    if not get_field(m, "complete", bool, "manifest"):
         raise _Bad("is incomplete: the process was killed inside its `with convcheck.watch(...)` block, before "
                    "the watch could close its record; diff reads closed records only (a block that raised or was "
                    "interrupted closes its record)")
-    steps = bundle_reader.get_field(m, "steps", int, "manifest")
+    steps = get_field(m, "steps", int, "manifest")
     if not 0 <= steps <= 10**8:
         raise _Bad(f"steps = {steps} is outside 0..10^8")
-    model = bundle_reader.get_field(m, "model", dict, "manifest")
-    bundle_reader.get_field(model, "class", str, "model")
-    for i, p in enumerate(bundle_reader.get_field(model, "parameters", list, "model")):
+    model = get_field(m, "model", dict, "manifest")
+    get_field(model, "class", str, "model")
+    for i, p in enumerate(get_field(model, "parameters", list, "model")):
         if not isinstance(p, dict):
             raise _Bad(f"model.parameters[{i}] is {type(p).__name__}, expected an object")
-        bundle_reader.get_field(p, "name", str, f"model.parameters[{i}]")
-        bundle_reader.shape_field(p.get("shape"), f"model.parameters[{i}].shape")
-    if not all(isinstance(n, str) for n in bundle_reader.get_field(model, "layers", list, "model")):
+        get_field(p, "name", str, f"model.parameters[{i}]")
+        shape_field(p.get("shape"), f"model.parameters[{i}].shape")
+    if not all(isinstance(n, str) for n in get_field(model, "layers", list, "model")):
         raise _Bad("model.layers holds a non-string")
-    types = bundle_reader.get_field(model, "layer_types", dict, "model", optional=True)  # older runs: none
+    types = get_field(model, "layer_types", dict, "model", optional=True)  # older runs: none
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (types or {}).items()):
         raise _Bad("model.layer_types holds a non-string")
-    specs = bundle_reader.get_field(model, "leaf_specs", dict, "model", optional=True) or {}  # issue 43; older: none
+    specs = get_field(model, "leaf_specs", dict, "model", optional=True) or {}  # issue 43; older: none
     if not all(isinstance(k, str) and isinstance(v, dict) for k, v in specs.items()):
         raise _Bad("model.leaf_specs holds something other than a layer's data")
-    code = bundle_reader.get_field(m, "code", dict, "manifest", optional=True)  # the model by value, or None
+    code = get_field(m, "code", dict, "manifest", optional=True)  # the model by value, or None
     for k in ("pickle_sha256", "script_sha256"):
         if code is not None and code.get(k) is not None:
-            bundle_reader.sha_field(code[k], f"code.{k}")
+            sha_field(code[k], f"code.{k}")
     if code is not None and not isinstance(code.get("hmac"), (str, type(None))):
         raise _Bad("code.hmac is not a string")
-    bundle_reader.get_field(m, "fingerprint", dict, "manifest")
-    bundle_reader.get_field(m, "math_flags", dict, "manifest")
-    bundle_reader.get_field(m, "scaler", bool, "manifest")
-    bundle_reader.get_field(m, "optimizer", str, "manifest", optional=True)
-    if not all(isinstance(n, str) for n in bundle_reader.get_field(m, "notes", list, "manifest")):
+    get_field(m, "fingerprint", dict, "manifest")
+    get_field(m, "math_flags", dict, "manifest")
+    get_field(m, "scaler", bool, "manifest")
+    get_field(m, "optimizer", str, "manifest", optional=True)
+    if not all(isinstance(n, str) for n in get_field(m, "notes", list, "manifest")):
         raise _Bad("notes holds a non-string")
-    settings = bundle_reader.get_field(m, "optimizer_settings", list, "manifest", optional=True)  # older: none
+    settings = get_field(m, "optimizer_settings", list, "manifest", optional=True)  # older: none
     for i, g in enumerate(settings or []):
         ok = isinstance(g, dict) and all(
             isinstance(k, str) and (v is None or isinstance(v, (bool, float)) or isinstance(v, str) and len(v) <= 60 or
@@ -97,36 +99,36 @@ def _check_manifest(m) -> None:
         if not ok:
             raise _Bad(f"optimizer_settings[{i}] is not an object of numbers, booleans, short strings and short "
                        "lists of numbers")
-    stopped = bundle_reader.get_field(m, "stopped", dict, "manifest", optional=True)  # older runs: no field
+    stopped = get_field(m, "stopped", dict, "manifest", optional=True)  # older runs: no field
     if stopped is not None:
         for key, kind in (("exception", str), ("message", str), ("step", int)):
-            bundle_reader.get_field(stopped, key, kind, "stopped")
+            get_field(stopped, key, kind, "stopped")
         if not 0 <= stopped["step"] <= 10**8:
             raise _Bad(f"stopped.step = {stopped['step']} is outside 0..10^8")
-    sampler = bundle_reader.get_field(m, "sampler", dict, "manifest", optional=True)  # older runs: none
+    sampler = get_field(m, "sampler", dict, "manifest", optional=True)  # older runs: none
     if sampler is not None:
-        bundle_reader.get_field(sampler, "shuffle", bool, "sampler")
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in bundle_reader.get_field(sampler, "epochs", list, "sampler")):
+        get_field(sampler, "shuffle", bool, "sampler")
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in get_field(sampler, "epochs", list, "sampler")):
             raise _Bad("sampler.epochs holds a non-integer")
-    compiled = bundle_reader.get_field(m, "compiled", dict, "manifest", optional=True)  # older runs: none
+    compiled = get_field(m, "compiled", dict, "manifest", optional=True)  # older runs: none
     if compiled is not None:
-        bundle_reader.get_field(compiled, "how", str, "compiled", optional=True)
-        bundle_reader.get_field(compiled, "layers_hidden", bool, "compiled")
-        bundle_reader.get_field(compiled, "fallback_random", bool, "compiled", optional=True)
-    p = bundle_reader.get_field(m, "first_nonfinite", dict, "manifest", optional=True)
+        get_field(compiled, "how", str, "compiled", optional=True)
+        get_field(compiled, "layers_hidden", bool, "compiled")
+        get_field(compiled, "fallback_random", bool, "compiled", optional=True)
+    p = get_field(m, "first_nonfinite", dict, "manifest", optional=True)
     if p is not None:
         for key, kind in (("layer", str), ("step", int), ("direction", str), ("kind", str)):
-            bundle_reader.get_field(p, key, kind, "first_nonfinite")
+            get_field(p, key, kind, "first_nonfinite")
         if p["direction"] not in ("forward", "backward"):
             raise _Bad(f"first_nonfinite.direction is {p['direction']!r:.40}, not forward or backward")
-    _check_snapshots(bundle_reader.get_field(m, "snapshots", list, "manifest"))
-    skipped = bundle_reader.get_field(m, "skipped_snapshots", list, "manifest", optional=True) or []
+    _check_snapshots(get_field(m, "snapshots", list, "manifest"))
+    skipped = get_field(m, "skipped_snapshots", list, "manifest", optional=True) or []
     for i, e in enumerate(skipped):  # the snapshot steps the size cap left out (older runs: no field)
         where = f"skipped_snapshots[{i}]"
         if not isinstance(e, dict):
             raise _Bad(f"{where} is {type(e).__name__}, expected an object")
         for key, kind in (("step", int), ("bytes", int), ("reason", str)):
-            bundle_reader.get_field(e, key, kind, where)
+            get_field(e, key, kind, where)
 
 
 def _check_snapshots(snaps: list) -> None:
@@ -135,32 +137,32 @@ def _check_snapshots(snaps: list) -> None:
         where = f"snapshots[{i}]"
         if not isinstance(e, dict):
             raise _Bad(f"{where} is {type(e).__name__}, expected an object")
-        f = bundle_reader.safe_member(bundle_reader.get_field(e, "file", str, where))
+        f = safe_member(get_field(e, "file", str, where))
         if not f.startswith("snapshots/") or not f.endswith(".npz") or f in files:
             raise _Bad(f"{where}.file {f!r:.60} is not a fresh snapshots/*.npz name")
         files.add(f)
-        bundle_reader.get_field(e, "step", int, where)
+        get_field(e, "step", int, where)
         if e.get("sha256") is not None:  # older runs: none
-            bundle_reader.sha_field(e["sha256"], f"{where}.sha256")
+            sha_field(e["sha256"], f"{where}.sha256")
         stored: dict[str, tuple] = {}
         keys = set()
-        for j, a in enumerate(bundle_reader.get_field(e, "arrays", list, where)):
+        for j, a in enumerate(get_field(e, "arrays", list, where)):
             if not isinstance(a, dict):
                 raise _Bad(f"{where}.arrays[{j}] is not an object")
-            key = bundle_reader.get_field(a, "key", str, f"{where}.arrays[{j}]")
+            key = get_field(a, "key", str, f"{where}.arrays[{j}]")
             if key in keys:
                 raise _Bad(f"{where}.arrays[{j}].key {key!r:.60} is listed twice")
             keys.add(key)
-            bundle_reader.shape_field(a.get("shape"), f"{where}.arrays[{j}].shape")
+            shape_field(a.get("shape"), f"{where}.arrays[{j}].shape")
             if not (key.startswith("arg/") and a.get("dtype") in EXACT_STORAGE):  # an integer/bool argument
-                bundle_reader.dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
-            first = bundle_reader.get_field(a, "same_as", str, f"{where}.arrays[{j}]", optional=True)
+                dtype_field(a.get("dtype"), f"{where}.arrays[{j}].dtype")
+            first = get_field(a, "same_as", str, f"{where}.arrays[{j}]", optional=True)
             if first is None:
                 stored[key] = (a["shape"], a["dtype"])
             elif stored.get(first) != (a["shape"], a["dtype"]):
                 raise _Bad(f"{where}.arrays[{j}].same_as {first!r:.60} is not an earlier stored array "
                            "of the same shape and dtype")
-        calls = bundle_reader.get_field(e, "calls", dict, where, optional=True) or {}
+        calls = get_field(e, "calls", dict, where, optional=True) or {}
         for name, spec in calls.items():  # the arguments of calls (``snapshots.arg_spec``): read, never run
             if not isinstance(spec, dict) or len(json.dumps(spec)) > MAX_SPEC_BYTES:
                 raise _Bad(f"{where}.calls[{name!r:.40}] is not a call's arguments")
@@ -171,19 +173,19 @@ def _check_step(rec, i: int) -> dict:
     where = f"{STEPS} line {i + 1}"
     if not isinstance(rec, dict):
         raise _Bad(f"{where} is {type(rec).__name__}, expected an object")
-    if bundle_reader.get_field(rec, "step", int, where) != i:
+    if get_field(rec, "step", int, where) != i:
         raise _Bad(f"{where} is step {rec['step']}, expected step {i} (steps 0..N-1 in order)")
-    bundle_reader.get_field(rec, "loss", _NUM, where, optional=True)
-    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in bundle_reader.get_field(rec, "lr", list, where)):
+    get_field(rec, "loss", _NUM, where, optional=True)
+    if not all(isinstance(v, _NUM) and not isinstance(v, bool) for v in get_field(rec, "lr", list, where)):
         raise _Bad(f"{where}.lr holds a non-number")
-    hashes = bundle_reader.get_field(rec, "batch_sha256", list, where)
+    hashes = get_field(rec, "batch_sha256", list, where)
     for h in hashes:
-        bundle_reader.sha_field(h, f"{where}.batch_sha256")
-    bundle_reader.get_field(rec, "model_eval", bool, where, optional=True)  # only on a step trained in eval mode
-    bundle_reader.get_field(rec, "layers_recorded", bool, where, optional=True)  # only on a step left out
-    bundle_reader.get_field(rec, "clip_before_unscale", bool, where, optional=True)  # a GradScaler misused
-    bundle_reader.get_field(rec, "step_without_scaler", bool, where, optional=True)  # scaled gradients applied
-    rounded = bundle_reader.get_field(rec, "batch_rounded", list, where, optional=True)  # runs before it: none
+        sha_field(h, f"{where}.batch_sha256")
+    get_field(rec, "model_eval", bool, where, optional=True)  # only on a step trained in eval mode
+    get_field(rec, "layers_recorded", bool, where, optional=True)  # only on a step left out
+    get_field(rec, "clip_before_unscale", bool, where, optional=True)  # a GradScaler misused
+    get_field(rec, "step_without_scaler", bool, where, optional=True)  # scaled gradients applied
+    rounded = get_field(rec, "batch_rounded", list, where, optional=True)  # runs before it: none
     if rounded is not None:
         if len(rounded) != len(hashes):
             raise _Bad(f"{where}.batch_rounded lists {len(rounded)} batches, batch_sha256 {len(hashes)}")
@@ -191,18 +193,18 @@ def _check_step(rec, i: int) -> dict:
             if r is not None and not isinstance(r, dict):
                 raise _Bad(f"{where}.batch_rounded holds {type(r).__name__}, expected an object or null")
             for fmt, h in (r or {}).items():
-                bundle_reader.sha_field(h, f"{where}.batch_rounded[{fmt!r:.20}]")
-    for n, v in bundle_reader.get_field(rec, "grad_norms", dict, where).items():
+                sha_field(h, f"{where}.batch_rounded[{fmt!r:.20}]")
+    for n, v in get_field(rec, "grad_norms", dict, where).items():
         if not isinstance(v, _NUM) or isinstance(v, bool):
             raise _Bad(f"{where}.grad_norms[{n!r:.40}] is not a number")
-    for name, row in bundle_reader.get_field(rec, "layers", dict, where).items():
+    for name, row in get_field(rec, "layers", dict, where).items():
         if not isinstance(row, dict):
             raise _Bad(f"{where}.layers[{name!r:.40}] is not an object")
         for col, kind in LAYER_FIELDS.items():
-            bundle_reader.get_field(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in bundle_reader.kinds_of(kind))
+            get_field(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in kinds_of(kind))
         if row["dtype"] not in STORAGE:
             raise _Bad(f"{where}.layers[{name!r:.40}].dtype is {row['dtype']!r:.40}, not a floating dtype")
-    bundle_reader.get_field(rec, "scale", _NUM, where, optional=True)
+    get_field(rec, "scale", _NUM, where, optional=True)
     _check_recipe_fields(rec, where)
     return rec
 
@@ -211,26 +213,26 @@ def _check_recipe_fields(rec: dict, where: str) -> None:
     """The step's recipe fields (``recipe.py``; runs before them have none): the autocast dtype, the modules in
     another training mode, a few entries of each gradient."""
     for key in ("autocast", "loss_dtype"):
-        fmt = bundle_reader.get_field(rec, key, (str, type(None)), where, optional=True)
+        fmt = get_field(rec, key, (str, type(None)), where, optional=True)
         if fmt is not None and fmt not in STORAGE:
             raise _Bad(f"{where}.{key} is {fmt!r:.40}, not a floating dtype")
-    autocast = bundle_reader.get_field(rec, "autocast", (str, type(None)), where, optional=True)
+    autocast = get_field(rec, "autocast", (str, type(None)), where, optional=True)
     if autocast is not None and autocast not in STORAGE:
         raise _Bad(f"{where}.autocast is {autocast!r:.40}, not a floating dtype")
-    for h in bundle_reader.get_field(rec, "target_sha256", list, where, optional=True) or []:
-        bundle_reader.sha_field(h, f"{where}.target_sha256")
-    for r in bundle_reader.get_field(rec, "target_rounded", list, where, optional=True) or []:
+    for h in get_field(rec, "target_sha256", list, where, optional=True) or []:
+        sha_field(h, f"{where}.target_sha256")
+    for r in get_field(rec, "target_rounded", list, where, optional=True) or []:
         if r is not None and not (isinstance(r, dict) and all(isinstance(v, str) for v in r.values())):
             raise _Bad(f"{where}.target_rounded holds {type(r).__name__}, expected an object of hashes or null")
-    if bundle_reader.get_field(rec, "memory_format", str, where, optional=True) not in (None, "channels_last"):
+    if get_field(rec, "memory_format", str, where, optional=True) not in (None, "channels_last"):
         raise _Bad(f"{where}.memory_format is {rec['memory_format']!r:.40}, not channels_last")
-    evaluations = bundle_reader.get_field(rec, "closure_evaluations", int, where, optional=True)
+    evaluations = get_field(rec, "closure_evaluations", int, where, optional=True)
     if evaluations is not None and evaluations < 2:
         raise _Bad(f"{where}.closure_evaluations is {evaluations}, expected 2 or more")
-    modes = bundle_reader.get_field(rec, "modes_differ", list, where, optional=True) or []
+    modes = get_field(rec, "modes_differ", list, where, optional=True) or []
     if not all(isinstance(m, str) for m in modes):
         raise _Bad(f"{where}.modes_differ holds a non-name")
-    for n, v in (bundle_reader.get_field(rec, "grad_sample", dict, where, optional=True) or {}).items():
+    for n, v in (get_field(rec, "grad_sample", dict, where, optional=True) or {}).items():
         if not isinstance(v, list) or not all(isinstance(x, _NUM) and not isinstance(x, bool) for x in v):
             raise _Bad(f"{where}.grad_sample[{n!r:.40}] is not a list of numbers")
 
@@ -252,7 +254,7 @@ class WatchedRun:
             return None
         stored = [a for a in e["arrays"] if "same_as" not in a]
         expected = {f"a{i:05d}": (a["key"], tuple(a["shape"]), a["dtype"]) for i, a in enumerate(stored)}
-        limit = sum((bundle_reader.nbytes_of(s, d) if d in STORAGE else 8 * math.prod(s)) + NPZ_SLACK
+        limit = sum((nbytes_of(s, d) if d in STORAGE else 8 * math.prod(s)) + NPZ_SLACK
                     for _, s, d in expected.values()) + NPZ_SLACK
         try:
             data = self.source.read(e["file"], limit)
@@ -286,13 +288,13 @@ def open_watched(path: str | os.PathLike) -> WatchedRun:
     """The watched run at ``path`` (folder or zip), manifest and every step checked."""
     path = Path(path)
     try:
-        source = bundle_reader.BundleFiles(path)
+        source = BundleFiles(path)
         manifest = _json(source.read(MANIFEST, MAX_MANIFEST_BYTES), MANIFEST)
         _check_manifest(manifest)
-        bundle_reader.check_fingerprint(manifest["fingerprint"])
+        check_fingerprint(manifest["fingerprint"])
         raw = source.read(STEPS, MAX_STEPS_BYTES)
         recorded = manifest.get("steps_sha256")  # older runs: none
-        if recorded is not None and hashlib.sha256(raw).hexdigest() != bundle_reader.sha_field(recorded, "steps_sha256"):
+        if recorded is not None and hashlib.sha256(raw).hexdigest() != sha_field(recorded, "steps_sha256"):
             raise _Bad(f"{STEPS} is not the file the watch wrote (its SHA-256 differs from the manifest's): "
                        "it was changed after the run")
         lines = raw.decode("utf-8", errors="strict").splitlines()

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from convcheck.bundle.schema import MANIFEST
+from convcheck.runformat.schema import MANIFEST
 from convcheck.errors import UsageError
 from convcheck.files import path_kind
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from convcheck.watch.reader import WatchedRun
+from convcheck.runformat.reader import WatchedRun
 
 
 def symptom_dict(s) -> dict:

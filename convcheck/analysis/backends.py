@@ -58,8 +58,8 @@ class Bisection:
 
 
 def _model(run, trust: bool):
-    from convcheck.watch.by_value import load_model
-    from convcheck.watch.model_import import build_model, model_class
+    from convcheck.runformat.by_value import load_model
+    from convcheck.analysis.model_import import build_model, model_class
 
     model, why = load_model(run, trust)
     if model is None:
@@ -72,7 +72,7 @@ def _model(run, trust: bool):
 
 def _call(run, root: str):
     """``(step, args, kwargs, params)`` of the first snapshot holding the root call and the parameters, or None."""
-    from convcheck.watch.replay import _Unrecorded, _decoder, _tensor
+    from convcheck.analysis.replay import _Unrecorded, _decoder, _tensor
 
     for entry in run["snapshots"]:
         dtypes = {a["key"]: a["dtype"] for a in entry["arrays"]}
@@ -240,7 +240,7 @@ for name in results["eager"]:
 def write_repro(run, bisection: Bisection, folder: Path, trust: bool = False) -> str | None:
     """``repro_backends.py`` + ``repro_backends.pt`` in ``folder``: the model's by-value record, the step's
     parameters and inputs, and the backends up to the first that differs; None when the model has no record."""
-    from convcheck.watch.by_value import MAX_PICKLE_BYTES, MAX_SCRIPT_BYTES, MODEL_PICKLE, SCRIPT
+    from convcheck.runformat.by_value import MAX_PICKLE_BYTES, MAX_SCRIPT_BYTES, MODEL_PICKLE, SCRIPT
 
     code = run.manifest.get("code")
     if bisection.first is None or not isinstance(code, dict):

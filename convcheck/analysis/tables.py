@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from convcheck.diagnose.detectors.watched_setup import global_norm
-from convcheck.watch.reader import WatchedRun, open_watched
+from convcheck.runformat.reader import WatchedRun, open_watched
 
 STATS = ("max_abs", "mean", "std", "zeros", "min_nonzero")  # the statistics whose relative error is tabled
 LAYER_COLUMNS = ("step", "layer", "dtype_a", "dtype_b", "max_abs_a", "max_abs_b", "max_abs_rel", "mean_rel",

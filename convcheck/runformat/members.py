@@ -10,8 +10,8 @@ import zipfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from convcheck.bundle.fields import BadField
-from convcheck.bundle.schema import MAX_MEMBERS
+from convcheck.runformat.fields import BadField
+from convcheck.runformat.schema import MAX_MEMBERS
 
 
 def safe_member(name: str) -> str:

@@ -1,5 +1,5 @@
-"""The float64 judge on a watched run: every leaf layer of each snapshot step replayed, and the op
-inside the code that made the first NaN/Inf.
+"""The float64 judge on a watched run: every leaf layer of each snapshot step replayed (the op inside the code
+that made the first NaN/Inf is found at record time: ``convcheck/watch/op_probe.py``).
 
 **Replay** (``replay_run``, issue 43): each leaf comes from the model the run kept by value when this user signed
 it here or ``--trust-run`` says so (``by_value.load_model``), else from its class imported as below, else - for
@@ -23,11 +23,6 @@ bfloat16 operands with float32 sums). A recorded output that overflowed is not a
 row says how large the judge's values are there (``overflow``). A snapshot without parameters (the one
 taken from the first NaN/Inf on), a random layer (dropout), a layer working in place, a call whose
 recorded inputs are not all finite or that its forward does not take, is skipped and said so.
-
-**The op** (``live_op``): called by the recorder once, when it finds the first non-finite producer in
-a forward: a hook-less copy of the module re-runs on the same inputs under ``FirstNonfiniteOp`` (the
-detector ``compare`` uses for own code), with the random state kept: the op that first turned finite
-values into NaN/Inf, its float64 magnitude, and the format whose range it passed.
 """
 
 from __future__ import annotations
@@ -41,14 +36,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from convcheck.capture import own_code_leaf, tensors_in
-from convcheck.watch.by_value import rebuild_leaf
-from convcheck.watch.model_import import build_model, model_class
+from convcheck.capture import own_code_leaf
+from convcheck.runformat.by_value import rebuild_leaf
+from convcheck.analysis.model_import import build_model, model_class
 from convcheck.measure.parity.checks import check_forward
 from convcheck.measure.parity.floor import FloorMeter, reference_call
 from convcheck.measure.parity.judge_pass import JudgeCall
 from convcheck.measure.parity.local import reference_copy
-from convcheck.measure.train.nonfinite import FirstNonfiniteOp
 from convcheck.numerics.metrics import reduction_length
 from convcheck.numerics.tolerances import Tolerances
 from convcheck.targets.runners.precision import PrecisionModel
@@ -56,68 +50,6 @@ from convcheck.targets.runners.precision import PrecisionModel
 RANDOM_LAYERS = (nn.modules.dropout._DropoutNd,)
 INDEX_LAYERS = (nn.Embedding, nn.EmbeddingBag)  # called with integer indices: not in a snapshot
 _SPECS = {"float16": "cpu:fp16", "bfloat16": "cpu:bf16", "float32": "cpu:float32", "float64": "cpu:float64"}
-
-
-# --- the op inside the producer's code (at record time) -------------------------------------------
-
-class _OpProbe(FirstNonfiniteOp):
-    """``FirstNonfiniteOp`` that also keeps the dtype of the producing op's result."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtype: torch.dtype | None = None
-        self.source: dict | None = None  # the user's line that called the op (``sourceline.caller_line``)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        before = self.found
-        out = super().__torch_function__(func, types, args, kwargs)
-        if before is None and self.found is not None:
-            res = [t for t in tensors_in(out) if t.is_floating_point()]
-            self.dtype = res[0].dtype if res else None
-            from convcheck.watch.sourceline import caller_line
-
-            self.source = caller_line()
-        return out
-
-
-def live_op(module: nn.Module, args: tuple) -> dict:
-    """``{"op", "magnitude", "dtype"}`` of the first op of ``module``'s forward (own code or leaf) that
-    turns finite values into NaN/Inf on ``args``; ``{}`` when the re-run does not find it (another
-    path, keyword arguments, a module that cannot be copied). Nothing of the caller's changes: a
-    hook-less copy runs, without gradients, and the random generators are restored after."""
-    devices = sorted({t.device.index or 0 for t in tensors_in(args) if t.device.type == "cuda"})
-    probe = _OpProbe()
-    try:
-        twin = hookless_copy(module)
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), probe:
-            twin(*args)
-    except Exception:  # the module is still named; only its op is not
-        return {}
-    if probe.found is None:
-        return {}
-    found = {"op": probe.found[1], "magnitude": probe.magnitude}
-    if probe.dtype is not None:
-        found["dtype"] = str(probe.dtype).removeprefix("torch.")
-    if probe.source is not None and not isinstance(module, _stock_leaf_types()):
-        found["source"] = probe.source  # the op's line in the module's own forward
-    return found
-
-
-def _stock_leaf_types() -> tuple:
-    """torch's own layers: the op inside one is torch's code, its line the caller's (kept by the recorder)."""
-    return (nn.Linear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
-            nn.Embedding, nn.MultiheadAttention, nn.Softmax, nn.LogSoftmax)
-
-
-def hookless_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` without its hooks: they are not copied at all (a hook holding the
-    recorder, its open files, cannot be), each replaced by an empty one."""
-    memo: dict = {}
-    for sub in module.modules():
-        for key, value in sub.__dict__.items():
-            if "hooks" in key and isinstance(value, dict):
-                memo[id(value)] = type(value)()
-    return copy.deepcopy(module, memo)
 
 
 def _largest(dtype) -> float | None:
@@ -283,7 +215,7 @@ class _Leaves:
     or, for torch's own layers, rebuilt from the manifest's safe data (``by_value.rebuild_leaf``)."""
 
     def __init__(self, run, trust: bool):
-        from convcheck.watch.by_value import load_model
+        from convcheck.runformat.by_value import load_model
 
         self.run = run
         self.model, why = load_model(run, trust)

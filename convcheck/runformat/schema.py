@@ -29,7 +29,7 @@ from __future__ import annotations
 SCHEMA = "convcheck.bundle/2"
 READABLE = ("convcheck.bundle/1", SCHEMA)  # the recorded-run versions this convcheck reads
 # A watched run (``convcheck.watch``, issue 25): another kind of bundle, versioned on its own; its files
-# are described in ``convcheck/watch/layout.py``. ``convcheck diff`` tells the two kinds by this field.
+# are described in ``convcheck/runformat/layout.py``. ``convcheck diff`` tells the two kinds by this field.
 WATCH_SCHEMA = "convcheck.watch/1"
 # ``convcheck diff`` of watched runs, as ``--json`` prints it and ``watch_diff.json`` / ``watch_judge.json`` hold it
 # (1: the pair, the single run against the judge, the ranked DDP diff; own_findings, pair_findings)
