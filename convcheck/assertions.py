@@ -69,5 +69,5 @@ def _culprit_first(rows: list, verdict, min_error: float) -> tuple[list, list]:
 def assert_parity(result) -> None:
     """Fail the calling test, with the first diverging layers, unless ``result`` passes."""
     __tracebackhide__ = True
-    if not result:
+    if not result.ok:
         raise AssertionError(failure_message(result))

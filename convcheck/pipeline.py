@@ -33,7 +33,9 @@ from convcheck.measure.train import CONVERGED_RULE, TrainConfig, TrainResult, ma
 
 @dataclass(frozen=True)
 class CompareResult:
-    """The outcome of one comparison. Truthy when the verdict is ``ok``."""
+    """The outcome of one comparison, built once with everything measured (the verdict and the verification
+    added by ``dataclasses.replace``). ``ok``: the targets agree. It has no truth value: ``if result`` raises,
+    so that no reader has to guess what it would mean."""
 
     model: ResolvedModel
     config: CompareConfig  # targets parsed, judge the one used
@@ -67,10 +69,17 @@ class CompareResult:
     def judge(self) -> Target:
         return self.config.judge
 
-    def __bool__(self) -> bool:
+    @property
+    def ok(self) -> bool:
+        """The targets agree: the verdict's category is ``ok`` (exit 0). Before a verdict is decided: parity
+        passed and every arm converged."""
         if self.verdict is not None:
             return self.verdict.category == "ok"
         return bool(self.parity) and all(o.converged for o in self.training.outcomes.values())
+
+    def __bool__(self) -> bool:
+        raise TypeError("a CompareResult has no truth value: ask result.ok (the targets agree) or read "
+                        "result.verdict")
 
     def to_summary(self) -> dict:
         from convcheck.report.export import summary_dict
@@ -134,13 +143,13 @@ def compare(
                 model=run.model, config=cfg, parity=parity, training=training, data_source=run.data.source,
                 batch_hashes=run.data.hashes, init_hash=hash_state_dict(run.initial_state),
                 data_stats=run.data.stats(), notes=list(run.notes), findings=list(env.findings),
-                fingerprint=env.fingerprint, timings=timings, judge_reason=run.judge_reason, recipe=run.recipe,
+                fingerprint=env.fingerprint, timings=dict(timings), judge_reason=run.judge_reason, recipe=run.recipe,
                 batches_hash=run.data.all_hash, loss_batch_ratio=loss_ratio, threads=threads,
                 weight_decay=decay,
             ))
             with out_of_memory_explained():
                 checked = _timed(timings, "verify_s", lambda: verify(run, result, cfg.verify))
-        return dataclasses.replace(result, verification=checked)
+        return dataclasses.replace(result, verification=checked, timings=timings)  # the verification's time added
 
 
 def _timed(timings: dict[str, float], key: str, work):

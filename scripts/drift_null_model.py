@@ -57,7 +57,7 @@ def run(targets: str, options: dict, steps: int, every_step: bool | None):
     ratio = ev.drift.value if ev.drift is not None else math.nan
     finals = {str(t): o.final_loss for t, o in r.training.outcomes.items()}
     return dict(spread=spread, ratio=ratio, drift=ev.drift.name if ev.drift else None, category=r.verdict.category,
-                exit=0 if r else 1, headline=r.verdict.headline, finals=finals)
+                exit=0 if r.ok else 1, headline=r.verdict.headline, finals=finals)
 
 
 def main(argv=None) -> int:  # noqa: D103

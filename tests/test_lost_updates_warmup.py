@@ -62,4 +62,4 @@ def test_a_four_step_warmup_run_that_tracks_the_judge_is_not_numerics():
     assert (bf16["update_ratio"] < BF16_U).any()  # the symptom's numbers are there, as the user saw
     v = r.verdict
     assert v.category == "ok" and S.SMALL_UPDATES_LOST not in (v.symptoms or ()), (v.headline, v.evidence)
-    assert bool(r)
+    assert r.ok

@@ -52,7 +52,7 @@ def test_result_fields(lenet_run):
     assert r.fingerprint is not None  # this machine was audited
     assert isinstance(r.findings, list)
     if r.verdict is not None:
-        assert bool(r) == (r.verdict.category == "ok")
+        assert r.ok == (r.verdict.category == "ok")
 
 
 def test_hashes_are_recorded(lenet_run):
@@ -158,7 +158,7 @@ def test_a_factory_and_a_module_instance():
     assert r.model.name == "offset_net" and r.model.source == "object"
     # float32 loses ~1e-4 in the naive norm: flagged, but a note (below min_error); bf16 loses everything
     assert named(r.parity.first_flagged) == {"cpu": "2", "cpu:bf16": "2"}
-    assert not r and r.verdict.target == "cpu:bf16"
+    assert not r.ok and r.verdict.target == "cpu:bf16"
     s = r.to_summary()
     assert s["parity"]["first_flagged_layer"]["cpu:bf16"] == "2"
     r2 = compare(offset_net(), "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
@@ -181,7 +181,7 @@ def test_a_model_that_produces_nan_is_a_result():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), Sqrt(), nn.Linear(8, 4))
 
     r = compare(nan_net, "cpu,cpu:bf16", input_shape=(1, 8, 8), num_classes=4, env_findings=[], **FAST)
-    assert not r
+    assert not r.ok
     for name in ("cpu", "cpu:bf16", "cpu:float64"):
         assert r.training.outcomes[T(name)].first_nonfinite_step == 0
         assert r.training.outcomes[T(name)].converged is False

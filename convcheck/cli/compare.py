@@ -56,7 +56,7 @@ def run_compare(args) -> int:
     _show(result, args)
     if folder is not None:
         _write(result, folder, args.force)
-    return 0 if result else 1
+    return 0 if result.ok else 1
 
 
 def _compare(args, config, shape, findings, fingerprint, stage: RunStage):

@@ -285,4 +285,4 @@ def _finish(result, fps, differences, folder, args) -> int:
     _show(result, differences, args)
     if folder is not None:
         _write(result, fps, differences, folder, args.force)
-    return 0 if result else 1
+    return 0 if result.ok else 1

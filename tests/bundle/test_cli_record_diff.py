@@ -40,7 +40,7 @@ def test_diff_matches_compare(bundles):
     for col in ("loss", "dist_judge", "dist_other", "grad_norm"):
         x, y = ca[col].to_numpy(float), cb[col].to_numpy(float)
         assert np.array_equal(np.isnan(x), np.isnan(y)) and np.nanmax(np.abs(x - y), initial=0) <= 1e-12, col
-    assert bool(result) == bool(ref)
+    assert result.ok == ref.ok
 
 
 def test_cli_record_zip_and_diff_json(tmp_path, bundles, capsys, monkeypatch):
@@ -51,7 +51,7 @@ def test_cli_record_zip_and_diff_json(tmp_path, bundles, capsys, monkeypatch):
     rc = main(["diff", str(bundles[0]), "B.zip", "--json", "--out", "R"])
     out = json.loads(capsys.readouterr().out)
     ref, _, _ = diff_bundles(bundles[0], tmp_path / "B.zip")  # the verdict itself is diagnose's business
-    assert rc == (0 if ref else 1)
+    assert rc == (0 if ref.ok else 1)
     assert out["verdict"]["category"] == ref.verdict.category
     assert out["env_diff"] == []
     assert {"summary.json", "layers.csv", "curves.csv", "env_a.json", "env_b.json", "env_diff.json"} <= \
@@ -214,7 +214,7 @@ def test_compare_against_a_recorded_run(bundles, tmp_path, capsys, monkeypatch):
     rc = main(["compare", "--against", str(bundles[1]), "--targets", "cpu", "--json", "--no-save"])
     out = json.loads(capsys.readouterr().out)
     ref, _, _ = diff_bundles(*bundles)
-    assert rc == (0 if ref else 1)
+    assert rc == (0 if ref.ok else 1)
     assert out["verdict"]["category"] == ref.verdict.category
     assert list(tmp_path.iterdir()) == []
     assert main(["compare", "--against", str(bundles[1]), "--targets", "cpu,cuda", "--no-save"]) == 2

@@ -30,7 +30,7 @@ def overflow():
 
 
 def test_message_uses_the_verdicts_words(overflow):
-    assert not overflow
+    assert not overflow.ok
     msg = failure_message(overflow)
     v = overflow.verdict
     assert msg.startswith(f"convcheck verdict: {v.category} - {v.headline}")

@@ -35,7 +35,7 @@ def test_focal_loss_naive_softmax_overflows_float16_under_sgd():
     assert value > 65504
     assert "subtract the maximum before exp" in v.remedies[0] and "log_softmax" in v.remedies[0]
     _no_adam_remedy(v)
-    assert not r  # a discrepancy: exit 1
+    assert not r.ok  # a discrepancy: exit 1
 
 
 def test_stable_focal_loss_is_ok():
@@ -89,7 +89,7 @@ def test_healthy_lenet_short_runs_are_ok(steps, envelope):
     r = compare("lenet", "cpu,cpu:float64", steps=steps, envelope=envelope, env_findings=[])
     v = r.verdict
     assert v.category == "ok", v.headline
-    assert bool(r)
+    assert r.ok
 
 
 def _all_labels_ignored(output, target):
@@ -110,7 +110,7 @@ def test_every_arm_nan_is_never_ok_on_a_short_run(steps):
     # the judge's own producer is named: the loss function, from the model's finite output
     assert v.sub_cause == "non-finite in user code", v.sub_cause
     assert "the loss function '_all_labels_ignored' makes the first NaN/Inf" in v.headline
-    assert not r
+    assert not r.ok
 
 
 def test_groupnorm_cnn_with_adamw_factory_nan_in_float16_is_the_headline_on_a_short_run():
@@ -215,7 +215,7 @@ def test_a_silent_float16_overflow_that_only_worsens_the_outcome_is_not_ok():
     assert v.headline.startswith("cpu:fp16 converges, but ends at loss "), v.headline
     assert "its precision changes where training ends" in v.headline
     assert any("convcheck.watch" in x for x in v.remedies)
-    assert not r
+    assert not r.ok
 
 
 PIXELS = dict(input_shape=(3, 8, 8), num_classes=10, env_findings=[])

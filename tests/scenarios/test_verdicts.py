@@ -40,7 +40,7 @@ def clean_env():
 def test_healthy_reference_models_are_ok(model, targets, clean_env):
     r = compare(model, targets, steps=30, envelope=3, env_findings=clean_env)
     assert r.verdict.category == "ok", r.verdict.headline
-    assert r
+    assert r.ok
     assert all(v.converged for v in r.training.outcomes.values())
     assert "agree with the float64 judge" in r.verdict.headline
 
@@ -297,5 +297,5 @@ def test_a_target_failing_with_every_envelope_run_while_the_judge_converges_is_n
     r = compare(_shifted_norm_net, "cpu,cpu:bf16", steps=10, batch_size=16, input_shape=(3, 8, 8), num_classes=4,
                 min_error=1000, env_findings=clean_env)
     assert r.verdict.category != "ok", r.verdict.headline
-    assert not r
+    assert not r.ok
     assert any("did not converge" in e and "one-ulp envelope runs fail alike" in e for e in r.verdict.evidence)
