@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from convcheck.plan.config import CompareConfig
 from convcheck.ddp.diagnostics import batchnorm_per_rank, loss_scale
-from convcheck.ddp.evidence import RankEvidence
+from convcheck.ddp.evidence import RankMeasures
 from convcheck.ddp.rules import ddp_setup
 from convcheck.diagnose import Evidence
 from convcheck.targets.executors import executor_for
@@ -223,7 +223,7 @@ def _evidence(ddp_grad=1.0, one_grad=1.0, bn=None, world=2):
                  dist_other=0.1) for a in arms]
     return TrainResult(curves=pd.DataFrame(rows), layer_grads=pd.DataFrame(), activations=pd.DataFrame(),
                        arms=arms, config=TrainConfig(),
-                       arm_evidence={arms[1]: RankEvidence(batchnorm=bn or [])})
+                       arm_evidence={arms[1]: RankMeasures(batchnorm=bn or [])})
 
 
 def test_loss_scale_detector_on_hand_built_evidence():

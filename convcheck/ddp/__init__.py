@@ -9,7 +9,7 @@ imports it by name, from its ``PLUGINS``) together with the verdict rule of
 - ``worker``: one rank (process group, DDP-wrapped copy, its slice of the batch, BatchNorm probe)
 - ``pool``: the parent's side (start, command, watch, one-line errors, shutdown)
 - ``arm``: ``DDPArmState``, a data-parallel arm in ``run_training``'s lockstep loop
-- ``evidence``: ``RankEvidence``, what an arm gathers for the diagnostics
+- ``evidence``: ``RankMeasures``, what an arm gathers for the diagnostics
 - ``parity``: the DDP-averaged gradient of one step against the judge's
 - ``builder``: ``ddp_builder``, the user's data-parallel settings mirrored in the model copies
 - ``syncbn``: ``GlooSyncBatchNorm``, SyncBatchNorm for gloo on the CPU

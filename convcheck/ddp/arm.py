@@ -8,7 +8,7 @@ loss, gradient norms of the averaged gradient) comes back; its parameters
 are written by rank 0 into tensors in shared memory and copied from there into
 ``model``, a mirror in this process that parameter distances to the judge and
 the other arms read (its buffers come with the last step's answer). ``evidence``
-(a ``RankEvidence``) keeps, per step, the per-rank BatchNorm statistics' deviation
+(a ``RankMeasures``) keeps, per step, the per-rank BatchNorm statistics' deviation
 from the global batch's, each rank's slice hash, the buffers that differ across
 ranks, and from the first step the modules drawing unshared random numbers
 (``convcheck.ddp.probes``): what ``diagnostics`` reads.
@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from convcheck.ddp.evidence import RankEvidence
+from convcheck.ddp.evidence import RankMeasures
 from convcheck.ddp.rank_pool import collective_timeout, threads_per_rank
 from convcheck.ddp.pool_choice import open_pool
 from convcheck.ddp.worker import RankJob
@@ -58,7 +58,7 @@ class DDPArmState:
         self.step_index = 0
         self.producer: tuple[int, str] | None = None
         self.losses: list[float] = []
-        self.evidence = RankEvidence()
+        self.evidence = RankMeasures()
         # rank 0 writes its parameters here after every step (shared memory: nothing is pickled per step)
         self.shared = {n: torch.empty(p.shape, dtype=p.dtype).share_memory_() for n, p in self.model.named_parameters()}
         job = RankJob(arm=replace(arm, target=inner), build=build,  # every_step included: each rank nudges alike

@@ -1,7 +1,7 @@
 """Diagnosing a data-parallel setup: why a ``ddp:`` arm computes another training than one device.
 
 Pure functions over evidence already gathered (``TrainResult`` curves and the
-arm's ``RankEvidence`` in ``TrainResult.arm_evidence``); no model is run here.
+arm's ``RankMeasures`` in ``TrainResult.arm_evidence``); no model is run here.
 Each detector returns a ``DDPFinding`` (summary, evidence lines, remedy, the
 layers named) or None; ``arm_findings`` runs them in priority order (the
 rank-pool executor's ``findings`` hook, one arm at a time). The verdict they
@@ -34,7 +34,7 @@ import pandas as pd
 
 from convcheck.numerics.thresholds import (BN_GRAD_TOLERATED, BN_MEAN_SHIFT, BN_RANK_BATCH_OK, BN_STD_CHANGE,
                                           GRAD_FAR, LOSS_SCALE_TOLERANCE)
-from convcheck.ddp.evidence import RankEvidence
+from convcheck.ddp.evidence import RankMeasures
 from convcheck.diagnose.detectors.training import STOCHASTIC_LAYER
 
 SETUP = "setup"
@@ -149,10 +149,10 @@ def loss_scale(training, arm: str) -> DDPFinding | None:
     return None
 
 
-def _evidence(training, arm: str) -> RankEvidence:
+def _evidence(training, arm: str) -> RankMeasures:
     """What the arm's ranks gathered (empty when nothing was: a result read back from a bundle)."""
     found = next((v for a, v in training.arm_evidence.items() if a.name == arm), None)
-    return found or RankEvidence()
+    return found or RankMeasures()
 
 
 def same_data(training, arm: str) -> DDPFinding | None:

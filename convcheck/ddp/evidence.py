@@ -1,7 +1,9 @@
-"""``RankEvidence``: what a data-parallel arm gathers, step by step, for its diagnostics.
+"""``RankMeasures``: what the ranks of a data-parallel arm measured, step by step, for its diagnostics.
 
 ``DDPArmState`` fills it; ``run_training`` keeps it, opaque, in
-``TrainResult.arm_evidence[arm]``; the detectors of ``diagnostics`` read it.
+``TrainResult.arm_evidence[arm]``; the detectors of ``diagnostics`` read it and make ``DDPFinding``s.
+(Not ``diagnose.watched_evidence.RankEvidence``: the findings of watched DDP runs' ranks, which the
+verdict rules read.)
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class RankEvidence:
+class RankMeasures:
     # per step, {BatchNorm layer: (largest per-rank mean shift in global std, largest relative per-rank std change)}
     batchnorm: list[dict[str, tuple[float, float]]] = field(default_factory=list)
     slices: list[list[str]] = field(default_factory=list)  # per step, each rank's slice hash
