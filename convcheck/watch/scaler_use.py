@@ -1,8 +1,11 @@
 """How the loop uses its GradScaler (issue 36): clipping the *scaled* gradients, the commonest misuse found.
 
-With ``scaler=`` given, while the watch is open: ``scaler.unscale_`` and ``scaler.step`` are wrapped on that
-scaler object (its own attributes; the class is untouched), and ``torch.nn.utils.clip_grad_norm_`` /
-``clip_grad_value_`` on ``torch.nn.utils`` (the names a loop calls). A clip that runs while the scaler is
+With ``scaler=`` given, while the watch is open: ``unscale_``, ``step`` and ``scale`` are wrapped on the scaler's
+classes (each class of its MRO that defines one), once for the whole process, each call routed by the scaler's
+identity to the spy that watches it (issue 45: nothing is set on the scaler object, so ``pickle``, ``torch.save``
+and ``copy.deepcopy`` of it inside the block work as without the watch, and a copy is not watched; other
+scalers call straight through), and ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on
+``torch.nn.utils`` (the names a loop calls). A clip that runs while the scaler is
 enabled and the loop has not called ``scaler.unscale_(optimizer)`` since the last step clipped the scaled
 gradients: ``max_norm`` then bounds gradients ``scale`` times too large (65536 at first), so the true
 gradients are clipped to ``max_norm / scale`` - a learning rate divided by the scale. The step is marked
@@ -15,10 +18,83 @@ as they were - ``scale`` times too large - and skipped the Inf/NaN check: the st
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 CLIPS = ("clip_grad_norm_", "clip_grad_value_")
+METHODS = ("unscale_", "step", "scale")
+
+# id(scaler) -> (scaler, [spies], names running): the scalers the open watches spy on, checked by identity
+_SPIES: dict[int, tuple] = {}
+# (owner, name) -> [what the owner itself held, the wrapper, how many spies need it]: a class's method or a clip
+_PATCHED: dict[tuple, list] = {}
+
+
+def _method(name: str, fn):
+    """``fn`` (a scaler class's own ``name``) as the class holds it while a spy is open: a watched scaler's call
+    seen by its spies around the call (once: a subclass's ``super().step`` inside it calls straight through)."""
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        entry = _SPIES.get(id(self))
+        if entry is None or entry[0] is not self or name in entry[2]:
+            return fn(self, *args, **kwargs)
+        spies, running = list(entry[1]), entry[2]
+        running.add(name)
+        try:
+            for spy in spies:
+                spy.before(name, args, kwargs)
+            return fn(self, *args, **kwargs)
+        finally:
+            running.discard(name)
+            for spy in spies:
+                spy.after(name)
+    return method
+
+
+def _clip(fn):
+    @functools.wraps(fn)
+    def clip(*args, **kwargs):
+        for _, spies, _ in list(_SPIES.values()):
+            for spy in spies:
+                spy.clip()
+        return fn(*args, **kwargs)
+    return clip
+
+
+def _patch(owner, name: str, wrap) -> bool:
+    """``owner.name`` wrapped (once for all spies; counted): False where it cannot be (a built-in type)."""
+    entry = _PATCHED.get((owner, name))
+    if entry is None:
+        own = vars(owner).get(name)
+        wrapper = wrap(own)
+        try:
+            setattr(owner, name, wrapper)
+        except (TypeError, AttributeError):
+            return False
+        entry = _PATCHED[(owner, name)] = [own, wrapper, 0]
+    entry[2] += 1
+    return True
+
+
+def _unpatch(owner, name: str) -> None:
+    entry = _PATCHED.get((owner, name))
+    if entry is None:
+        return
+    entry[2] -= 1
+    if entry[2] > 0:
+        return
+    del _PATCHED[(owner, name)]
+    if vars(owner).get(name) is entry[1]:  # a patch the user made meanwhile stays
+        setattr(owner, name, entry[0])
+
+
+def _own_methods(scaler) -> list[tuple]:
+    """(class, name) for each class of the scaler's MRO that defines one of ``METHODS`` as a plain function."""
+    return [(cls, name) for cls in type(scaler).__mro__ if cls is not object
+            for name in METHODS if isinstance(vars(cls).get(name), types.FunctionType)]
 
 
 class ScalerSpy:
@@ -41,17 +117,17 @@ class ScalerSpy:
         s = self.scaler
         if not (hasattr(s, "unscale_") and hasattr(s, "step")):
             return self
-        for name, wrap in (("unscale_", self._unscale), ("step", self._step), ("scale", self._scale)):
-            if not callable(getattr(s, name, None)):
-                continue
-            self.saved.append((s, name, s.__dict__.get(name)))
-            setattr(s, name, wrap(getattr(s, name)))
+        entry = _SPIES.get(id(s))
+        if entry is None or entry[0] is not s:
+            entry = _SPIES[id(s)] = (s, [], set())
+        entry[1].append(self)
+        for cls, name in _own_methods(s):
+            if _patch(cls, name, functools.partial(_method, name)):
+                self.saved.append((cls, name))
         utils = torch.nn.utils
         for name in CLIPS:
-            fn = getattr(utils, name, None)
-            if fn is not None:
-                self.saved.append((utils, name, fn))
-                setattr(utils, name, self._clip(fn))
+            if getattr(utils, name, None) is not None and _patch(utils, name, _clip):
+                self.saved.append((utils, name))
         self.hook = register_optimizer_step_pre_hook(self._optimizer_step)
         return self
 
@@ -59,26 +135,38 @@ class ScalerSpy:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
-        for owner, name, old in reversed(self.saved):
-            if owner is self.scaler and old is None:
-                owner.__dict__.pop(name, None)  # the class's method shows again
-            else:
-                setattr(owner, name, old)
+        for owner, name in reversed(self.saved):
+            _unpatch(owner, name)
         self.saved.clear()
+        entry = _SPIES.get(id(self.scaler))
+        if entry is not None and self in entry[1]:
+            entry[1].remove(self)
+            if not entry[1]:
+                del _SPIES[id(self.scaler)]
 
-    def _unscale(self, fn):
-        def unscale_(*args, **kwargs):
+    def before(self, name: str, args, kwargs) -> None:
+        """The watched scaler's ``name`` called (``_method``): what it says of the loop's use."""
+        if name == "unscale_":
             if not self.inside_step:
                 self.unscaled = True
-            return fn(*args, **kwargs)
-        return unscale_
-
-    def _scale(self, fn):
-        def scale(*args, **kwargs):
+        elif name == "scale":
             if getattr(self.scaler, "is_enabled", lambda: True)():
                 self.scaled = True
-            return fn(*args, **kwargs)
-        return scale
+        elif name == "step":
+            opt = args[0] if args else kwargs.get("optimizer")
+            if opt is not None:
+                self.optimizers[id(opt)] = type(opt).__name__
+            self.inside_step = True
+
+    def after(self, name: str) -> None:
+        if name == "step":
+            self.inside_step = False
+
+    def clip(self) -> None:
+        """A gradient clip ran: on scaled gradients when the scaler is enabled and nobody unscaled them."""
+        enabled = getattr(self.scaler, "is_enabled", lambda: True)()
+        if enabled and not self.unscaled and not self.inside_step:
+            self.clipped_scaled = True
 
     def _optimizer_step(self, optimizer, args, kwargs):
         """Any optimizer's step: one taken outside ``scaler.step`` on gradients this scaler scaled and nobody
@@ -86,28 +174,6 @@ class ScalerSpy:
         if self.scaled and not self.inside_step and not self.unscaled:
             self.stepped_outside.add(id(optimizer))
         return None
-
-    def _step(self, fn):
-        def step(*args, **kwargs):
-            opt = args[0] if args else kwargs.get("optimizer")
-            if opt is not None:
-                self.optimizers[id(opt)] = type(opt).__name__
-            self.inside_step = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.inside_step = False
-        return step
-
-    def _clip(self, fn):
-        def clip(*args, **kwargs):
-            enabled = getattr(self.scaler, "is_enabled", lambda: True)()
-            if enabled and not self.unscaled and not self.inside_step:
-                self.clipped_scaled = True
-            return fn(*args, **kwargs)
-        clip.__wrapped__ = fn
-        clip.__name__ = getattr(fn, "__name__", "clip")
-        return clip
 
     def start(self, lrs: list) -> None:
         """A step's first forward: the learning rates it starts with."""
