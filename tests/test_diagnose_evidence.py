@@ -163,10 +163,10 @@ def test_symptom_names_are_written_once():
         assert not strings & set(names.values()), f"{path}: symptom name written as a literal"
 
 
-# every module that decides: diagnose/, and what watch/ and ddp/ measure a verdict with (their other modules hold
+# every module that decides: diagnose/, and what analysis/ and ddp/ measure a verdict with (their other modules hold
 # process timeouts and byte sizes, not thresholds)
 DECIDING = sorted((PACKAGE / "diagnose").rglob("*.py")) + [
-    PACKAGE / "watch" / name for name in ("diff.py", "rankdiff.py", "verdict.py")] + [
+    PACKAGE / "analysis" / name for name in ("diff.py", "rankdiff.py", "verdict.py")] + [
     PACKAGE / "ddp" / name for name in ("diagnostics.py", "parity.py", "probes.py", "rules.py")]
 
 

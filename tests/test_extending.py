@@ -100,3 +100,52 @@ def test_a_target_kind_is_one_module(extra_module, monkeypatch):
     """)
     registry.import_kinds(runners.__name__, runners.__path__)
     assert "zz-example" in registry.known_modes()
+
+
+def _watched_regression(out, steps: int) -> None:
+    """A user's loop: a small regression MLP, SGD, watched for ``steps`` steps."""
+    import torch
+    import torch.nn as nn
+
+    import convcheck
+
+    convcheck.seed_everything(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(3)
+    with convcheck.watch(model, opt, out=out) as w:
+        for _ in range(steps):
+            x = torch.randn(16, 6, generator=g)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+
+
+def test_a_watched_detector_is_one_module(extra_module, monkeypatch, tmp_path):
+    """A new cause for ``convcheck diff A B``: one module in ``diagnose/detectors/`` registering one check; the
+    diff runs it in its order and rule W001 makes its finding the verdict."""
+    from convcheck.analysis.diff import diff_watched
+    from convcheck.diagnose import detectors, watched_checks
+
+    _watched_regression(tmp_path / "a", steps=4)
+    _watched_regression(tmp_path / "b", steps=7)
+    assert diff_watched(tmp_path / "a", tmp_path / "b").verdict.category == "ok"  # 4 aligned steps agree
+
+    monkeypatch.setattr(watched_checks, "PAIR_CHECKS", list(watched_checks.PAIR_CHECKS))
+    extra_module(detectors, "zz_run_length", """
+        from convcheck.diagnose.watched_checks import pair_check
+        from convcheck.diagnose.watched_evidence import Setup
+
+        @pair_check("run-length", order=5)
+        def run_length(a, b, steps):
+            if len(a.steps) == len(b.steps):
+                return None
+            return Setup(f"the runs trained {len(a.steps)} and {len(b.steps)} steps", "run length",
+                         evidence=["compared over the first steps only"], remedies=["train both as long"], step=0)
+    """)
+    d = diff_watched(tmp_path / "a", tmp_path / "b")
+    assert d.verdict.category == "setup"
+    assert d.verdict.headline.startswith("the runs trained 4 and 7 steps"), d.verdict.headline
+    assert "zz_run_length" in watched_checks.import_detector_modules()

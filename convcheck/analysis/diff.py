@@ -25,17 +25,12 @@ from convcheck.runformat.schema import WATCH_DIFF_SCHEMA
 from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, precision_difference,
                                                   random_layers, recipe_difference,
                                                   run_findings)
-from convcheck.diagnose.detectors.watched_scaler import step_without_scaler
-from convcheck.diagnose.detectors.watched_setup import (clip_before_unscale, clipping_difference, compiled_random, eval_mode_difference,
-                                                        initial_weights_difference, lr_difference,
-                                                        optimizer_difference, scaler_difference,
-                                                        settings_difference)
-from convcheck.diagnose.detectors.watched_causal import (Outcome, accumulation, backward_difference, gradient_parting,
-                                                         outcome)
-from convcheck.diagnose.detectors.watched_recipe import has_recipe, precision_policy, recipe_differences
-from convcheck.diagnose.remedies import TARGET_REMEDIES
+from convcheck.diagnose.detectors.watched_setup import compiled_random
+from convcheck.diagnose.detectors.watched_causal import Outcome, backward_difference, gradient_parting, outcome
+from convcheck.diagnose.detectors.watched_recipe import precision_policy
+from convcheck.diagnose.watched_checks import setup_findings
 from convcheck.diagnose.verdict import Verdict
-from convcheck.diagnose.watched_evidence import Parting, Setup, producer_text
+from convcheck.diagnose.watched_evidence import Parting, producer_text
 from convcheck.env.diff import diff as env_diff
 from convcheck.env.fingerprint import Fingerprint
 from convcheck.errors import UsageError
@@ -291,27 +286,6 @@ def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
                for x, y, rx, ry in zip(sa["batch_sha256"], sb["batch_sha256"], ra, rb))
 
 
-def target_difference(a: WatchedRun, b: WatchedRun, steps: int) -> Setup | None:
-    """The first aligned step whose loss modules were given other targets (labels) - compared as batches are, the
-    same bytes or the same values rounded to the coarser run's format - with the model's inputs the same."""
-    for k in range(steps):
-        sa, sb = a.steps[k], b.steps[k]
-        ta, tb = sa.get("target_sha256"), sb.get("target_sha256")
-        if not ta or not tb or len(ta) != len(tb) or ta == tb:
-            continue
-        fmt = coarsest_dtype({r["dtype"] for s in (sa, sb) for r in s["layers"].values()} | {"float32"})
-        ra, rb = sa.get("target_rounded") or [None] * len(ta), sb.get("target_rounded") or [None] * len(tb)
-        if all(x == y or (isinstance(u, dict) and isinstance(v, dict) and u.get(fmt) is not None
-                          and u.get(fmt) == v.get(fmt)) for x, y, u, v in zip(ta, tb, ra, rb)):
-            continue
-        return Setup(f"the loss was given other targets (labels) from step {k}, with the same model inputs",
-                     "targets", evidence=[f"the hashes of what the loss modules were given besides the model's "
-                                          f"output differ at step {k}: a label mapping, a target transform or a "
-                                          "loader that pairs inputs with other labels"],
-                     remedies=list(TARGET_REMEDIES), step=k)
-    return None
-
-
 def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:
     """The first aligned step whose batches differ; a step trained in eval mode on either side recorded no batch
     (not a data difference: ``eval_mode_difference`` names it)."""
@@ -426,16 +400,8 @@ def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) 
     env = env_diff(Fingerprint.from_dict(a["fingerprint"]), Fingerprint.from_dict(b["fingerprint"]))
     fa, fb = a["math_flags"], b["math_flags"]
     flags = [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and k != "threads"]
-    # the recipe first, parameter by parameter (``watched_recipe``); runs recorded before it group by group
-    recipe = recipe_differences(a, b, steps) if has_recipe(a, b) else [settings_difference(a, b),
-                                                                        lr_difference(a, b, steps)]
-    setup = tuple(f for f in (optimizer_difference(a, b), *recipe, accumulation(a, b, steps),
-                              # a clip on scaled gradients first: it is why that run's norm is pinned
-                              step_without_scaler(a, "A"), step_without_scaler(b, "B"),
-                              clip_before_unscale(a, "A"), clip_before_unscale(b, "B"),
-                              clipping_difference(a, b, steps), eval_mode_difference(a, b, steps),
-                              scaler_difference(a, b, steps),
-                              initial_weights_difference(a, b), target_difference(a, b, steps)) if f is not None)
+    # the setup checks registered in ``diagnose/detectors/`` (``watched_checks``), in the order a step uses them
+    setup = setup_findings(a, b, steps)
     # the recorded policy, else what the layers' output dtypes show (an autocast entered inside the model's own
     # call - accelerate's, Lightning's - is not seen as the call starts)
     policy = tuple(precision_policy(a, b)) or tuple(x for x in (precision_difference(a, b, flags),) if x)

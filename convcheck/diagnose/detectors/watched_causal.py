@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from convcheck.diagnose.remedies import ACCUMULATION_REMEDIES, BACKWARD_REMEDIES
+from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.thresholds import (ACCUMULATION_FIT, BACKWARD_RTOL, GRAD_SHARE, NOISE_FACTOR,
                                            OUTCOME_MIN_STEPS, OUTCOME_TAIL)
@@ -42,6 +43,7 @@ def _l1(xs) -> float:
     return sum(abs(x) for x in xs)
 
 
+@pair_check("accumulation", order=30)
 def accumulation(a, b, steps: int) -> Setup | None:
     """The first step (k >= 1) at which one run's gradients are its previous step's plus the other run's: that
     run never zeroes its gradients between steps."""

@@ -9,6 +9,7 @@ import math
 
 from convcheck.diagnose.detectors.watched_setup import global_norm
 from convcheck.diagnose.remedies import STEP_WITH_SCALER
+from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
 
 SUB_CAUSE = "optimizer step without scaler.step"
@@ -31,3 +32,8 @@ def step_without_scaler(run, side: str) -> Setup | None:
     who = "the run" if side == "-" else side
     return Setup(f"{who} applies the GradScaler's scaled gradients unscaled: optimizer.step() was called directly "
                  f"from step {k} instead of scaler.step(optimizer)", SUB_CAUSE, said, list(STEP_WITH_SCALER), step=k)
+
+
+@pair_check("step-without-scaler", order=40)  # before clipping: a clip on scaled gradients pins that run's norm
+def _step_without_scaler_check(a, b, steps: int) -> list:
+    return [step_without_scaler(a, "A"), step_without_scaler(b, "B")]

@@ -16,6 +16,7 @@ import numpy as np
 
 from convcheck.diagnose.remedies import UNSCALE_BEFORE_CLIP, SCALER_REMEDIES, TRAIN_MODE_REMEDIES, CLIP_REMEDIES, DIVERGE_REMEDIES, INIT_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES
 from convcheck.diagnose.detectors.watched_causal import weight_norms
+from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.formats import unit_roundoff_of
 from convcheck.numerics.thresholds import (CLIP_PINNED_MIN, CLIP_PINNED_RTOL, EXPLODE_FACTOR, LR_RTOL,
@@ -322,3 +323,25 @@ def clip_before_unscale(run, side: str) -> Setup | None:
     return Setup(f"{who} clips its gradients before unscaling them: clip_grad_norm_ ran on the GradScaler's scaled "
                  f"gradients from step {k} (scaler.unscale_(optimizer) was not called before it)",
                  "clip before unscale_", said, list(UNSCALE_BEFORE_CLIP), step=k)
+
+
+# --- the pair's setup checks, in the order a step uses what they read (``watched_checks``) ----------------
+
+@pair_check("optimizer", order=10)
+def _optimizer_check(a, b, steps: int) -> Setup | None:
+    return optimizer_difference(a, b)
+
+
+@pair_check("clip-before-unscale", order=50)
+def _clip_before_unscale_check(a, b, steps: int) -> list:
+    return [clip_before_unscale(a, "A"), clip_before_unscale(b, "B")]
+
+
+pair_check("clipping", order=60)(clipping_difference)
+pair_check("eval-mode", order=70)(eval_mode_difference)
+pair_check("scaler", order=80)(scaler_difference)
+
+
+@pair_check("initial-weights", order=90)
+def _initial_weights_check(a, b, steps: int) -> Setup | None:
+    return initial_weights_difference(a, b)
