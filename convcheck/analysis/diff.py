@@ -42,7 +42,7 @@ from convcheck.runformat.reader import WatchedRun, open_watched
 from convcheck.analysis.run_lines import hidden_layers, judge_lines, scaler_notes, stopped_line, symptom_dict
 from convcheck.watch.batches import ROUNDED
 from convcheck.analysis.replay import Replay, replay_run
-from convcheck.analysis.verdict import decide, decide_single, size_cap
+from convcheck.analysis.verdict import decide, decide_single, run_evidence, size_cap
 
 
 
@@ -430,4 +430,6 @@ def diff_watched(path_a, path_b, judge: str | None = None, trust: bool = False) 
 
         judge = str(default_judge()[0])
     result = replace(result, replays=(replay_run(a, judge, trust=trust), replay_run(b, judge, trust=trust)))
-    return replace(result, verdict=decide(result, a, b))
+    # each run's evidence gathered once, as its own judge reads it, and shared with the pair's
+    runs = tuple(run_evidence(r, replay, own, side) for r, replay, own, side in zip((a, b), result.replays, result.own, "AB"))
+    return replace(result, verdict=decide(result, a, b, runs))

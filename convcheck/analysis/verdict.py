@@ -19,18 +19,20 @@ from convcheck.diagnose.verdict import Verdict
 from convcheck.diagnose.watched_evidence import PairEvidence, RunEvidence
 
 
-def pair_evidence(d, a, b) -> PairEvidence:
-    """What the rules read of two watched runs: ``d`` (``diff.WatchDiff``, its verdict not yet set) and the
-    runs themselves (``reader.WatchedRun``)."""
+def pair_evidence(d, a, b, runs: tuple[RunEvidence, RunEvidence] | None = None) -> PairEvidence:
+    """What the rules read of two watched runs: ``d`` (``diff.WatchDiff``, its verdict not yet set), the runs
+    themselves (``reader.WatchedRun``) and what each run shows on its own (``runs``: ``run_evidence`` of A and of
+    B, the records their judge's rules read, gathered once and shared; gathered here when not given)."""
+    ra, rb = runs or (run_evidence(a, d.replays[0], d.own[0], "A"), run_evidence(b, d.replays[1], d.own[1], "B"))
     return PairEvidence(
         steps=d.steps, data_step=d.data_step, parting=d.parting, loss_step=d.loss_step, loss_tol=d.loss_tol,
-        loss_wander=d.loss_wander, producers=d.producers, replays=d.replays, setup=tuple(d.setup),
-        stopped=d.stopped, env=tuple(d.env), own=d.own, outcome=d.outcome,
+        loss_wander=d.loss_wander, producers=d.producers, replays=(ra.replay, rb.replay), setup=tuple(d.setup),
+        stopped=(ra.stopped, rb.stopped), env=tuple(d.env), own=(ra.own, rb.own), outcome=d.outcome,
         cpu_repeatable=cpu_repeatable(a, b), hash_seeds=tuple(r["math_flags"].get("PYTHONHASHSEED") for r in (a, b)),
         precision=precision_difference(a, b, d.flags) or ("; ".join(d.policy) if d.policy else None),
-        pair=d.pair, divergence=(divergence(a), divergence(b)),
-        scaled_backward=(scaled_backward(a, "A"), scaled_backward(b, "B")), converged=(converges(a), converges(b)),
-        truncated=(size_cap(a), size_cap(b)), random_layers=random_layers(a),
+        pair=d.pair, divergence=(ra.divergence, rb.divergence),
+        scaled_backward=(ra.scaled_backward, rb.scaled_backward), converged=(ra.converged, rb.converged),
+        truncated=(ra.truncated, rb.truncated), random_layers=random_layers(a),
         compiled_random=compiled_random(a, b, random_layers(a)))
 
 
@@ -49,14 +51,14 @@ def size_cap(run) -> str | None:
                 "recording stopped at its size cap (max_bytes)")
 
 
-def run_evidence(run, replay, own=()) -> RunEvidence:
-    """What the rules read of one watched run held against the judge (``replay``)."""
+def run_evidence(run, replay, own=(), side: str = "the run") -> RunEvidence:
+    """What the rules read of one watched run held against the judge (``replay``), gathered once: a pair's
+    evidence takes each run's from here (``side`` "A" or "B" names it in the texts)."""
+    setup = (step_without_scaler(run, "-"), clip_before_unscale(run, "-"))
     return RunEvidence(producer=first_nonfinite(run), replay=replay, divergence=divergence(run), own=tuple(own),
-                       stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, "the run"),
+                       stopped=run.manifest.get("stopped"), scaled_backward=scaled_backward(run, side),
                        converged=converges(run), steps=len(run.steps), truncated=size_cap(run),
-                       eval_from=eval_from(run),
-                       setup=tuple(f for f in (step_without_scaler(run, "-"), clip_before_unscale(run, "-"))
-                                   if f is not None))
+                       eval_from=eval_from(run), setup=tuple(f for f in setup if f is not None))
 
 
 def formats_of(run) -> set[str]:
@@ -82,8 +84,8 @@ def _formats_kept(v: Verdict, used: set[str]) -> Verdict:
     return v if kept == list(v.remedies) else replace(v, remedies=kept)
 
 
-def decide(d, a, b) -> Verdict:
-    v = choose(pair_evidence(d, a, b), pair_ok)  # ``watched_ok``, held against the judge's coverage
+def decide(d, a, b, runs: tuple[RunEvidence, RunEvidence] | None = None) -> Verdict:
+    v = choose(pair_evidence(d, a, b, runs), pair_ok)  # ``watched_ok``, held against the judge's coverage
     return _formats_kept(v, formats_of(a) | formats_of(b))
 
 
