@@ -149,3 +149,29 @@ def test_a_watched_detector_is_one_module(extra_module, monkeypatch, tmp_path):
     assert d.verdict.category == "setup"
     assert d.verdict.headline.startswith("the runs trained 4 and 7 steps"), d.verdict.headline
     assert "zz_run_length" in watched_checks.import_detector_modules()
+
+
+def test_a_remedy_with_its_action_is_one_catalogue_entry(monkeypatch):
+    """Issue 46: one ``declare`` - the text, the cause it answers, the change verify makes - and a verdict that gives
+    it has its action tried, picked by id (no deriver, no word list edited)."""
+    from convcheck.diagnose import catalogue
+    from convcheck.diagnose.verdict import Verdict
+    from convcheck.plan.config import CompareConfig
+    from convcheck.plan.recipe import build_recipe
+    from convcheck.targets.spec import Target
+    from convcheck.verify.actions import Context, actions_for
+
+    monkeypatch.setattr(catalogue, "CATALOGUE", dict(catalogue.CATALOGUE))
+    halve = catalogue.declare("halve-lr", "halve the learning rate", answers=("loss plateau",),
+                              actions=catalogue.Change("halve-lr", lr_factor=0.5))
+
+    recipe = build_recipe(CompareConfig(optimizer="sgd"))
+    v = Verdict("setup", "h", remedies=["check the data", halve.remedy()], target="cpu", sub_cause="loss plateau")
+    first = actions_for(Context(v, Target.parse("cpu"), True, None, recipe))[0]
+    assert (first.kind, first.lr_factor, first.text) == ("halve-lr", 0.5, "with the learning rate times 0.5")
+    probe = [__import__("torch").zeros(1, requires_grad=True)]
+    assert (first.recipe(recipe).make_optimizer(probe).param_groups[0]["lr"]
+            == 0.5 * recipe.make_optimizer(probe).param_groups[0]["lr"])
+    # a cause the entry does not answer: not asked for
+    other = Verdict("setup", "h", remedies=[halve.remedy()], target="cpu", sub_cause="dead ReLUs")
+    assert "halve-lr" not in [a.kind for a in actions_for(Context(other, Target.parse("cpu"), True, None, recipe))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from convcheck.diagnose.catalogue import Entry
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.verdict import CATEGORIES, Verdict
 
@@ -32,7 +33,7 @@ class VerdictRule:
     priority: int  # lower runs first
     category: str  # the category of every verdict it returns
     headline: str  # str.format template (fields named by the rule); variants are noted in ``doc``
-    remedies: tuple[str, ...]  # templates; the default a rule may replace from the evidence
+    remedies: tuple  # catalogue entries (or plain templates); the default a rule may replace from the evidence
     check: Check
     doc: str = ""
     reads: type = Evidence  # the evidence record this rule reads
@@ -47,10 +48,18 @@ class VerdictRule:
         fields = fields or {}
         return Verdict(
             self.category, self.headline.format(**fields) if headline is None else headline, list(evidence),
-            [r.format(**fields) for r in self.remedies] if remedies is None else list(remedies), **kw)
+            [_filled(r, fields) for r in self.remedies] if remedies is None else list(remedies), **kw)
 
 
 RULES: list[VerdictRule] = []
+
+
+def _filled(template, fields: dict):
+    """A rule's default remedy filled from ``fields``: a catalogue entry as a ``Remedy`` with the fields its template
+    names, a plain template as its text (a ``written`` remedy)."""
+    if isinstance(template, Entry):
+        return template.remedy(**{k: v for k, v in fields.items() if "{" + k in template.template})
+    return template.format(**fields)
 
 
 def verdict_rule(rule_id: str, name: str, *, priority: int, category: str, headline: str,

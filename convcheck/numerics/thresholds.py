@@ -238,3 +238,12 @@ GRAD_SHARE = 1e-3
 # not, is where the compiled result changes. Fused kernels reorder float32 sums: ~1e-6 relative; 1e-3 leaves that
 # a thousandfold margin while a real difference (a gradient of 0 against 0.05) is a relative 1.
 BACKEND_RTOL = 1e-3
+
+# What verify changes to apply a remedy (``diagnose/catalogue.py``'s stock changes, ``verify/actions.py``): Adam/AdamW's
+# eps raised to one float16 represents (its default 1e-8 is 0 there); "lower the learning rate (try 10x smaller)";
+# gradients clipped as torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); "lower the weight decay" to the low end
+# of the usual 1e-4..1e-2, safe at any lr.
+RAISED_EPS = 1e-4
+LR_FACTOR = 0.1
+CLIP_NORM = 1.0
+LOWERED_WEIGHT_DECAY = 1e-4

@@ -51,7 +51,7 @@ def render_html(result, images: dict[str, bytes]) -> str:
         if v.evidence:
             parts.append("<h2>Evidence</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in v.evidence) + "</ul>")
         if v.remedies:
-            parts.append("<h2>Remedies</h2><ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.remedies)
+            parts.append("<h2>Remedies</h2><ul>" + "".join(f"<li><code>{e(x.text())}</code></li>" for x in v.remedies)
                          + "</ul>")
     parts.append(_verification(result, images))
     for name, title in (("loss.png", "Training"), ("layers.png", "Per-layer error")):

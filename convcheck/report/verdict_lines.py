@@ -29,7 +29,12 @@ def verdict_lines(v, style: str = "diff") -> list[str]:
     """``v``'s headline, evidence and remedies as lines in ``style`` (``STYLES``)."""
     head, evidence, remedy = STYLES[style]
     return ([head.format(category=v.category, headline=v.headline)] + [f"{evidence}{e}" for e in v.evidence]
-            + [f"{remedy}{r}" for r in v.remedies])
+            + [f"{remedy}{remedy_text(r)}" for r in v.remedies])
+
+
+def remedy_text(r) -> str:
+    """A verdict's remedy as its reader sees it: a catalogue ``Remedy``'s text (``diagnose/catalogue.py``)."""
+    return r.text() if hasattr(r, "text") else str(r)
 
 
 def prose_columns(stream, environ=None) -> int:

@@ -5,10 +5,12 @@ the target (``TF32 off``: the same device without TF32), the model as built (``k
 module's parameters and arithmetic in float32 inside a lower-precision model), the recipe (the loss in
 float32, the optimizer's eps, the learning rate, the weight decay, gradient clipping) and the global flags
 while it runs (deterministic algorithms). ``actions_for(verdict, ...)`` derives the actions that fit a
-verdict from its fields (category, sub_cause, layer, target) and the recipe in use, most specific first;
-the remedy texts are read in two places only: whether the verdict asks for the loss in float32
-(``loss-float32``), and the order of the recipe actions it lists (``REMEDY_WORDS``). Each kind is one
-``@action``-registered function (``ACTIONS``), so a new kind is one function here plus its test.
+verdict from its fields (category, sub_cause, layer, target) and the recipe in use, most specific first.
+Which actions a verdict asks for is read from its remedies' catalogue entries (``diagnose/catalogue.py``), by id,
+never from their words: the actions its remedies name take their slots in the order they are listed, an action
+that must be asked for (``NAMED_ONLY``: the loss in float32) is tried only when a remedy names it, and a change an
+entry declares with no deriver here is applied as declared (``_declared``). A kind with its own fitting is one
+``@action``-registered function (``ACTIONS``); a remedy with an action is one catalogue entry.
 """
 
 from __future__ import annotations
@@ -21,18 +23,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from convcheck.diagnose.catalogue import Change, changes
 from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.verdict import Verdict
 from convcheck.targets import executors
 from convcheck.targets.spec import Target
 from convcheck.verify.float32 import float32_loss, float32_snippet, keep_in_float32  # noqa: F401
+from convcheck.numerics.thresholds import CLIP_NORM, LOWERED_WEIGHT_DECAY, LR_FACTOR, RAISED_EPS  # noqa: F401
 from convcheck.verify.magnitudes import _feeding, _until_in_range, _upto
-
-RAISED_EPS = 1e-4  # Adam/AdamW's eps that float16 represents (1e-8 is 0 there)
-LR_FACTOR = 0.1  # "lower the learning rate (try 10x smaller)"
-CLIP_NORM = 1.0  # torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-LOWERED_WEIGHT_DECAY = 1e-4  # "lower the weight decay (e.g. 1e-4..1e-2)": the low end, safe at any lr
 
 
 @dataclass(frozen=True)
@@ -260,12 +259,12 @@ def _optimizer_eps(ctx: Context) -> Action | None:
 
 @action("loss-float32")
 def _loss_in_float32(ctx: Context) -> Action | None:
-    """The loss function's own code made the first NaN/Inf on a 16-bit target, and the verdict says to compute it
-    in float32: the loss on the output cast to float32, autocast off (the judge's unchanged)."""
+    """The loss function's own code made the first NaN/Inf on a 16-bit target, and a remedy of the verdict asks for
+    it in float32 (``NAMED_ONLY``): the loss on the output cast to float32, autocast off (the judge's unchanged)."""
     v = ctx.verdict
     if ctx.target is None or ctx.is_judge or not ctx.target.runner.half_compute:
         return None
-    if v.sub_cause != S.NONFINITE_USER_CODE or not any("compute the loss" in r for r in (v.remedies or ())):
+    if v.sub_cause != S.NONFINITE_USER_CODE:
         return None
     return Action("loss-float32", "with the loss computed in float32", loss_float32=True)
 
@@ -336,33 +335,66 @@ ORDER = ("float32-module", "loss-float32", "sync-batchnorm", "tf32-off", "optimi
          "clip-gradients", "lower-lr", "deterministic")
 
 
-# the words of the verdict's remedy each recipe action applies: the verdict lists them in its own order
-REMEDY_WORDS = {"lower-lr": ("lower the learning rate",), "lower-weight-decay": ("lower the weight decay",), "clip-gradients": ("clip gradients", "clip the gradients")}
+# the actions tried only when a remedy of the verdict asks for them (its entry's ``actions``)
+NAMED_ONLY = {"loss-float32"}
+
+
+def named(verdict) -> dict[str, tuple[tuple[int, int], Change]]:
+    """The changes the verdict's remedies ask for, by action kind: where each is first listed (remedy, position in
+    its text) and the change its entry declares - from the remedies' catalogue entries that answer the verdict's
+    cause (``catalogue.changes``), by id."""
+    out: dict[str, tuple[tuple[int, int], Change]] = {}
+    for at, change in changes(getattr(verdict, "remedies", None), verdict.sub_cause or verdict.category):
+        out.setdefault(change.kind, (at, change))
+    return out
 
 
 def actions_for(ctx: Context) -> list[Action]:
     """The actions that fit ``ctx.verdict``, in the order they are tried: ``ORDER``, except that actions the
-    verdict's remedies name (``REMEDY_WORDS``) take their slots in the order the remedies list them - the
-    default tries one, and it must be the remedy the reader sees first ("lower the learning rate", then
-    "clip gradients", for a loss that explodes)."""
-    kinds = list(ORDER) + [k for k in ACTIONS if k not in ORDER]
+    verdict's remedies name (``named``) take their slots in the order the remedies list them - the default tries
+    one, and it must be the remedy the reader sees first ("lower the learning rate", then "clip gradients", for a
+    loss that explodes)."""
+    asked = named(ctx.verdict)
+    kinds = list(ORDER) + [k for k in ACTIONS if k not in ORDER] + [k for k in asked if k not in ACTIONS]
     out = []
     for kind in kinds:
-        a = ACTIONS[kind](ctx)
+        if kind in NAMED_ONLY and kind not in asked:
+            continue
+        a = ACTIONS[kind](ctx) if kind in ACTIONS else _declared(ctx, asked[kind][1])
         if a is not None:
             out.append(a)
-    listed = [i for i, a in enumerate(out) if _remedy_position(ctx.verdict, a.kind) is not None]
-    ranked = sorted((out[i] for i in listed), key=lambda a: _remedy_position(ctx.verdict, a.kind))
+    listed = [i for i, a in enumerate(out) if a.kind in asked]
+    ranked = sorted((out[i] for i in listed), key=lambda a: asked[a.kind][0])
     for i, a in zip(listed, ranked):
         out[i] = a
     return out
 
 
-def _remedy_position(verdict, kind: str) -> tuple[int, int] | None:
-    """Where the verdict's remedies first name action ``kind``: (remedy, character), None where they do not."""
-    for n, remedy in enumerate(getattr(verdict, "remedies", None) or ()):
-        text = remedy.lower()
-        found = [text.find(w) for w in REMEDY_WORDS.get(kind, ()) if w in text]
-        if found:
-            return n, min(found)
-    return None
+def _declared(ctx: Context, change: Change) -> Action | None:
+    """A change a catalogue entry declares with no deriver of its own: applied as declared where it can be (a 16-bit
+    target for what keeps float32, a TF32 target for TF32 off, an optimizer with an eps for the eps, the run's config
+    for its settings); its text says what it changes."""
+    t, v = ctx.target, ctx.verdict
+    if t is None:
+        return None
+    half = not ctx.is_judge and t.world is None and t.runner.half_compute
+    if (change.modules_float32 and not (half and _has_module(ctx, v.layer))) or (change.loss_float32 and not half):
+        return None
+    if change.tf32_off and (ctx.is_judge or t.world is not None or not t.runner.tf32_like):
+        return None
+    if (change.eps is not None and not _optimizer_has(ctx.recipe, "eps")) or (change.settings and ctx.config is None):
+        return None
+    plain = Target(t.device, t.index, "no-tf32" if t.device == "cuda" else "float32") if change.tf32_off else None
+    parts = [f"'{v.layer}' in float32" if change.modules_float32 else "",
+             "the loss computed in float32" if change.loss_float32 else "",
+             f"the optimizer's eps raised to {change.eps:g}" if change.eps is not None else "",
+             f"the learning rate times {change.lr_factor:g}" if change.lr_factor is not None else "",
+             f"gradients clipped to norm {change.clip:g}" if change.clip is not None else "",
+             f"the weight decay lowered to {change.weight_decay:g}" if change.weight_decay is not None else "",
+             f"TF32 off ({plain})" if plain is not None else "",
+             "deterministic algorithms" if change.deterministic else "",
+             ", ".join(f"{k}={val}" for k, val in change.settings)]
+    return Action(change.kind, "with " + " and ".join(p for p in parts if p),
+                  modules=(v.layer,) if change.modules_float32 else (), eps=change.eps, lr_factor=change.lr_factor,
+                  clip=change.clip, weight_decay=change.weight_decay, loss_float32=change.loss_float32, target=plain,
+                  deterministic=change.deterministic, settings=change.settings)

@@ -21,6 +21,7 @@ import math
 
 import pandas as pd
 
+from convcheck.diagnose.remedies import LOWER_DECAY
 from convcheck.diagnose.detectors.training import Symptom
 from convcheck.measure.layer_names import NORM_MODULES
 from convcheck.numerics.thresholds import (
@@ -40,8 +41,7 @@ REMEDIES = {
                           "check the schedule's jumps (step:EVERY:GAMMA with GAMMA > 1 raises the rate)"],
     CLIPPING_TOO_TIGHT: ["raise --clip-grad-norm above the typical gradient norm (see grad_norm in curves.csv), "
                          "or remove the clipping"],
-    DECAY_TOO_STRONG: ["lower the weight decay until lr x weight_decay, the fraction of the weights it removes "
-                       "every step, is 1e-4 or less (e.g. 5e-4 at lr 0.1, 1e-2 at lr 0.01)"],
+    DECAY_TOO_STRONG: [LOWER_DECAY],  # the catalogue's entry: verify lowers the weight decay
     DECAY_ON_NORMS: ["exclude BatchNorm/LayerNorm weights and all biases from weight decay (two parameter groups)"],
 }
 

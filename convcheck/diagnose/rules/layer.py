@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
+from convcheck.diagnose import remedies as RM
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.rules.lines import symptom_evidence
 from convcheck.diagnose.verdict import Verdict
@@ -41,13 +42,10 @@ def layer_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     layer = main.layer
     out = []
     if t.mixed_precision:
-        out.append(f"run '{layer}' in float32: disable autocast around it (torch.autocast(device_type, "
-                   "enabled=False)) and cast its input with .float()")
+        out.append(RM.LAYER_AUTOCAST_OFF.remedy(layer=layer))
     elif t.half_storage:
-        out.append(f"keep '{layer}' in float32 in the {t.compute_format} model: call .float() on it after casting "
-                   f"the model, cast its input with .float() and its output back to {t.compute_format}")
+        out.append(RM.LAYER_IN_CAST_MODEL.remedy(layer=layer, fmt=t.compute_format))
     elif t.tf32_like:
-        out.append("disable TF32 for this model: torch.backends.cuda.matmul.allow_tf32 = False; "
-                   "torch.backends.cudnn.allow_tf32 = False")
+        out.append(RM.DISABLE_TF32_MODEL.remedy())
     out.append(_STABLE_FORMULA.format(layer=layer))
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.remedies import CUBLAS_WORKSPACE, DETERMINISTIC_KERNELS
 from convcheck.diagnose.rules.lines import training_lines
 from convcheck.diagnose.verdict import Verdict
 
@@ -33,8 +34,7 @@ def stochastic_layer(ev: Evidence) -> Verdict | None:
 @verdict_rule(
     "V004", "self-difference", priority=40, category="nondeterminism",
     headline="{target} gives different results for the same input and seed (relative difference {diff:.2e})",
-    remedies=("torch.use_deterministic_algorithms(True) and torch.backends.cudnn.benchmark = False",
-              "set CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA starts"))
+    remedies=(DETERMINISTIC_KERNELS, CUBLAS_WORKSPACE))
 def self_difference(ev: Evidence) -> Verdict | None:
     """A target differs from itself run to run by more than ``min_error`` (differences below
     it are reported with the ``ok`` verdict, not as one)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence, TargetFacts
 from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose import remedies as RM
 from convcheck.diagnose.remedies import GRAD_SCALER_UNDERFLOW, MASTER_WEIGHTS
 from convcheck.diagnose.rules.lines import symptom_evidence, where_in
 from convcheck.diagnose.verdict import Verdict
@@ -131,16 +132,14 @@ def op_remedies(op: str | None) -> list[str]:
     return list(_OP_REMEDIES.get(base, [])) if base else []
 
 
-def _keep_float32(t: TargetFacts | None, what: str) -> str | None:
-    """Run ``what`` in float32 on this kind of target, or None where it already is."""
-    if t is None:
+def _keep_float32(t: TargetFacts | None, *, layer: str | None = None, loss: str | None = None):
+    """The remedy that runs ``layer`` (or the loss function ``loss``) in float32 on this kind of target, or None where
+    it already is: autocast off around it under autocast, its input cast in a cast model."""
+    if t is None or not (t.mixed_precision or t.half_storage or t.half_compute):
         return None
-    if t.mixed_precision:
-        return (f"run {what} in float32: torch.autocast(device_type, enabled=False) around it and .float() on "
-                "its input")
-    if t.half_storage or t.half_compute:
-        return f"compute {what} in float32: cast its input with .float() (and its result back if needed)"
-    return None
+    if loss is not None:
+        return (RM.AUTOCAST_OFF_LOSS if t.mixed_precision else RM.CAST_LOSS_FLOAT32).remedy(loss=loss)
+    return (RM.AUTOCAST_OFF_LAYER if t.mixed_precision else RM.CAST_LAYER_FLOAT32).remedy(layer=layer)
 
 
 def _user_code_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
@@ -149,7 +148,7 @@ def _user_code_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
         return ["check the learning-rate schedule: it returns NaN/Inf (a division by zero warm-up length, "
                 "a log/pow of a non-positive value); print schedule.get_last_lr() over the run"]
     out = op_remedies(main.extra.get("op"))
-    keep = _keep_float32(t, f"the loss function '{main.extra.get('loss') or 'loss'}'")
+    keep = _keep_float32(t, loss=main.extra.get("loss") or "loss")
     if keep:
         out.append(keep)
     if not out:
@@ -172,18 +171,14 @@ def _weights_remedies(t: TargetFacts | None, layer: str, main: S.Symptom | None 
     opt = str(extra.get("optimizer") or "")
     has_eps = extra.get("eps") is not None if "optimizer" in extra else True  # unknown: as before
     if not has_eps:
-        return [f"the {opt or 'optimizer'} update of '{layer}' leaves the range of its "
-                f"{t.compute_format if t else 'weights'}' format: lower the learning rate, clip gradients "
-                "(--clip-grad-norm), or keep float32 master weights (autocast instead of casting the model)"]
+        return [RM.UPDATE_OUT_OF_RANGE.remedy(opt=opt or "optimizer", layer=layer,
+                                              fmt=t.compute_format if t else "weights")]
     if t is not None and t.half_storage and t.compute_format == "float16":
         opt = str(extra.get("optimizer") or "Adam/AdamW")
         how = (f"pass eps=1e-4 (or larger) to {opt} in your optimizer factory" if own_factory
                else "use eps >= 1e-4 (--eps 1e-4)")
-        return [f"the optimizer computes in the weights' float16: {opt}'s eps ({extra.get('eps', '1e-8 by default')})"
-                f" is 0 in float16, so every zero gradient entry divides 0 by 0; {how}, or keep float32 weights "
-                "and compute in float16 under autocast (amp-fp16) with a GradScaler"]
-    return [f"find what makes the update of '{layer}' NaN/Inf: the learning rate, the optimizer's eps at this "
-            "precision, or a division in a custom optimizer; clip gradients (--clip-grad-norm)"]
+        return [RM.FLOAT16_EPS.remedy(opt=opt, eps=extra.get("eps", "1e-8 by default"), how=how)]
+    return [RM.FIND_UPDATE.remedy(layer=layer)]
 
 
 def _narrow_format(facts: TargetFacts, main: S.Symptom) -> NumberFormat | None:
@@ -206,20 +201,18 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
     stable = op_remedies(op) if main.name in S.NONFINITE_TENSORS else []
     out.extend(stable)
     if main.name in S.NONFINITE_TENSORS and op and narrow and main.extra.get("overflow"):
-        out.append(f"{op} in '{layer}' overflows {narrow}: scale its operands down before it (attention "
-                   f"energies by 1/sqrt(d)), or run '{layer}' in float32 or bfloat16"
-                   + (" (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else ""))
+        out.append(RM.OP_OVERFLOW.remedy(op=op, layer=layer, narrow=str(narrow), autocast=(
+            " (torch.autocast(device_type, enabled=False) around it)" if t.mixed_precision else "")))
     elif main.name in S.NONFINITE_TENSORS and op and not stable:
         out.append(f"find what makes {op} in '{layer}' (its own code) produce NaN/Inf: its input range, a "
                    "division by zero, log or sqrt of a non-positive value")
     if main.name in S.NONFINITE_TENSORS or main.name == S.GRADSCALER_COLLAPSE:
         if t is not None and t.mixed_precision and float16:
-            out.append(f"keep '{layer}' in float32 under autocast (torch.autocast(device_type, enabled=False) "
-                       "around it), or use bfloat16 autocast, which has float32's range")
+            out.append(RM.AUTOCAST_LAYER_FLOAT32.remedy(layer=layer))
         elif layer and narrow:  # float16's range ends at 65504, FP8's at 448/57344; bfloat16's and float32's do not
-            out.append(f"keep '{layer}' in float32, or normalise its input so values stay below {narrow.largest:g}")
+            out.append(RM.LAYER_BELOW_RANGE.remedy(layer=layer, largest=f"{narrow.largest:g}"))
         elif layer:
-            keep = _keep_float32(t, f"'{layer}'")
+            keep = _keep_float32(t, layer=layer)
             if keep:
                 out.append(keep)
             if not op:
@@ -239,8 +232,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
                    "digits, not underflow: find the layer before it whose result cancels (the parity table's "
                    "worst rows) and compute it in float32")
     if main.name == S.ILL_CONDITIONED:
-        out.append(f"keep '{layer}' and the tensors feeding it in float32 (its input cannot be represented "
-                   "precisely enough at this precision)")
+        out.append(RM.FEEDING_FLOAT32.remedy(layer=layer))
         out.append("remove large offsets or scales before it (normalise its input), so fewer digits are needed")
     if main.name == S.SMALL_UPDATES_LOST:
         out.append(MASTER_WEIGHTS)
@@ -250,8 +242,7 @@ def numerics_remedies(ev: Evidence, main: S.Symptom) -> list[str]:
                    "there)")
     if main.name in (S.DRIFT, S.OUTCOME_OUTSIDE_ENVELOPE, S.NO_CONVERGENCE, S.OUTCOME_APART):
         if t is not None and t.tf32_like:
-            out.append("disable TF32: torch.backends.cuda.matmul.allow_tf32 = False; "
-                       "torch.backends.cudnn.allow_tf32 = False")
+            out.append(RM.DISABLE_TF32.remedy())
         if t is not None and t.half_compute:
             out.append("run the sensitive layers in float32 under autocast, or train in float32")
         out.append("compare with --targets using the higher precision on both sides to confirm")

@@ -7,12 +7,14 @@ from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.evidence import Evidence
 from convcheck.diagnose.registry import verdict_rule
+from convcheck.diagnose.remedies import (CLIP_GRADIENTS, LOWER_LR_10X, LOWER_LR_DEAD,
+                                         LOWER_LR_PLAIN, LOWER_LR_WARMUP)
 from convcheck.diagnose.rules.lines import symptom_lines, training_lines, where_in
 from convcheck.diagnose.verdict import Verdict
 from convcheck.numerics.thresholds import SETUP_MIN_STEPS
 
-_LOWER_LR = "lower the learning rate (try 10x smaller)"
-_CLIP = "clip gradients: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+_LOWER_LR = LOWER_LR_10X
+_CLIP = CLIP_GRADIENTS
 SETUP_REMEDIES = {
     S.NONFINITE_LOSS: [_LOWER_LR, _CLIP],
     S.EXPLODING_GRADIENTS: [_LOWER_LR, _CLIP],
@@ -20,10 +22,10 @@ SETUP_REMEDIES = {
         "add BatchNorm between layers; use residual connections or fewer layers; use Kaiming initialisation"],
     S.SATURATED_ACTIVATIONS: ["normalise the inputs of saturating activations (BatchNorm) or use ReLU"],
     S.DEAD_RELUS: ["check the initialisation and the biases (a ReLU whose input is <= 0 for every sample passes "
-                   "no gradient), or use LeakyReLU", "lower the learning rate (a too-large step can push them there)"],
+                   "no gradient), or use LeakyReLU", LOWER_LR_DEAD],
     S.LOSS_PLATEAU: ["check that labels match inputs", "raise the learning rate or train longer",
                      "check the input normalisation"],
-    S.OSCILLATING_LOSS: ["lower the learning rate", "use a larger batch"],
+    S.OSCILLATING_LOSS: [LOWER_LR_PLAIN, "use a larger batch"],
     S.INPUT_OUT_OF_RANGE: ["normalise the inputs (e.g. scale pixels to [0, 1] and standardise)"],
 }
 # a weight decay too strong ranks after an exploding loss (the learning rate's) and before what it causes: the
@@ -113,7 +115,7 @@ def _target_outcomes(ev: Evidence):
     "V003", "fragile-envelope", priority=30, category="setup",
     headline="{failed} of {runs} envelope runs of the lower-precision target fail from one-ulp "
              "changes of the initial weights: the setup is fragile, not the device",
-    remedies=("lower the learning rate or add warm-up", "add normalisation layers; check the initialisation"))
+    remedies=(LOWER_LR_WARMUP, "add normalisation layers; check the initialisation"))
 def fragile_envelope(ev: Evidence) -> Verdict | None:
     """Every target converges, but envelope runs (one-ulp perturbations) fail: a fragile setup."""
     failed = ev.envelope_failed

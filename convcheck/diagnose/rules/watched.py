@@ -289,7 +289,7 @@ def watched_unexplained(ev: PairEvidence) -> Verdict | None:
     remedies = list(DETERMINISM_REMEDIES)
     if ev.random_layers:  # a Dropout's masks differ between two seeds: the seed, not the kernels
         names = ", ".join(ev.random_layers[:3]) + (" ..." if len(ev.random_layers) > 3 else "")
-        remedies.insert(0, SEED_RANDOM_LAYERS.format(layers=f"the model's random layers ({names})"))
+        remedies.insert(0, SEED_RANDOM_LAYERS.remedy(layers=f"the model's random layers ({names})"))
     headline, sub_cause, extra = None, None, []
     if part.layer in ev.random_layers:
         headline = (f"the runs part at step {part.step} in {part.layer}, a random layer (Dropout): its masks differ "
