@@ -4,4 +4,4 @@
 ``diff`` (two runs aligned step by step; one against the judge), ``verdict`` (the evidence gathered, the rules
 asked), ``run_lines`` (the lines shown beside the measurements), ``replay`` (the float64 judge replaying each
 snapshot step's leaf calls), ``model_import`` (a run's model class imported safely), ``backends`` (a compiled
-run bisected over torch.compile's backends), ``rankdiff`` (a DDP run's ranks), ``tables`` (the dump-diff tables)."""
+run bisected over torch.compile's backends), ``rankdiff`` (a DDP run's ranks), ``worlddiff`` (a DDP rank against a run of another world size), ``tables`` (the dump-diff tables)."""

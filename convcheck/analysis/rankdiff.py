@@ -175,10 +175,24 @@ def _decide(findings: list[RankFinding], per_rank: list[WatchDiff]) -> Verdict:
     return choose(RankEvidence(tuple(findings), tuple(d.verdict for d in per_rank)), ranks_otherwise)
 
 
+def _worlds(path_a, path_b) -> tuple[int, int] | None:
+    """The world sizes of two watched runs when they differ (a DDP rank against one process), else None (or
+    when either is no readable run: the plain diff says why)."""
+    from convcheck.analysis.worlddiff import world_of
+
+    try:
+        wa, wb = world_of(open_watched(path_a)), world_of(open_watched(path_b))
+    except Exception:  # noqa: BLE001 - routing only: the diff that follows reports an unreadable run
+        return None
+    return (wa, wb) if wa != wb else None
+
+
 def is_ranked_pair(path_a, path_b) -> bool:
     """Whether ``diff PATH_A PATH_B`` is a DDP diff: either is a folder of rank folders, or the two are
     rank folders of one run (``RUN/rank0 RUN/rank1``)."""
     if rank_folders(path_a) is not None or rank_folders(path_b) is not None:
+        return True
+    if _worlds(path_a, path_b) is not None:  # a DDP rank against one process (``worlddiff.py``)
         return True
     a, b = Path(path_a), Path(path_b)
     try:
@@ -188,10 +202,15 @@ def is_ranked_pair(path_a, path_b) -> bool:
     return same and all(RANK_DIR.fullmatch(p.name) for p in (a, b))
 
 
-def diff_ranked(path_a, path_b, judge: str | None = None) -> RankedDiff:
-    """Two DDP runs rank by rank (and each run's ranks against its rank 0), or two ranks of one run;
+def diff_ranked(path_a, path_b, judge: str | None = None):
+    """Two DDP runs rank by rank (and each run's ranks against its rank 0), two ranks of one run, or a rank against a
+    run of another world size (``worlddiff.WorldDiff``);
     ``judge``: the float64 target that replays each rank pair's snapshot steps (``diff.diff_watched``)."""
     fa, fb = rank_folders(path_a), rank_folders(path_b)
+    if fa is None and fb is None and _worlds(path_a, path_b) is not None:
+        from convcheck.analysis.worlddiff import diff_worlds
+
+        return diff_worlds(path_a, path_b)  # a DDP rank against a run of another world size
     if fa is None and fb is None:  # two ranks of one run
         ra, rb = open_watched(path_a), open_watched(path_b)
         world = _distributed(ra)["world_size"]
