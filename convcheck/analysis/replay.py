@@ -5,8 +5,10 @@ that made the first NaN/Inf is found at record time: ``convcheck/watch/op_probe.
 it here or ``--trust-run`` says so (``by_value.load_model``), else from its class imported as below, else - for
 torch's own layers - rebuilt from the safe data the manifest keeps (``by_value.rebuild_leaf``); a call the watch
 recorded with integers, bools, tuples, None or keyword arguments (``snapshots.arg_spec``) is replayed as it was
-made (``_bound``); a call made after its weights changed within the step (``stale_calls``) is left out. What was
-checked - n of m layers, at which steps, and why not the others - is the ``Replay``'s coverage, which an ``ok``
+made (``_bound``); a step whose parameters moved between the model's forwards (an LBFGS closure's evaluations, SAM)
+replays each evaluation's calls with that evaluation's parameters (``kept_calls.params_at``, issue 48); where they were
+not kept, or a call's weights changed within an evaluation (``stale_calls``), the call is left out and its layer is
+not checked; calls dropped over the snapshot budget are counted, not replayed. What was checked - n of m layers, at which steps, and why not the others - is the ``Replay``'s coverage, which an ``ok``
 verdict needs whole (``diagnose/rules/watched_coverage.py``).
 
 The class: when the run recorded its model's class (``model.module`` and
@@ -38,6 +40,8 @@ import torch.nn as nn
 
 from convcheck.capture import own_code_leaf
 from convcheck.runformat.by_value import rebuild_leaf
+from convcheck.analysis.kept_calls import (SHOWN_SKIPS, dropped_calls, evaluation_of, evaluations, kept_calls,
+                                           kept_lines, params_at, rows_summary)
 from convcheck.analysis.model_import import build_model, model_class
 from convcheck.measure.parity.checks import check_forward
 from convcheck.measure.parity.floor import FloorMeter, reference_call
@@ -103,6 +107,13 @@ class Replay:
     layers: list[str] = field(default_factory=list)
     exempt: dict = field(default_factory=dict)  # layer -> why the judge need not replay it
     reasons: dict = field(default_factory=dict)  # layer -> why it was not replayed (its first reason)
+    # issue 48: a layer with a kept call left out for want of its parameters (a closure evaluation's not kept) is
+    # not checked, whatever its other calls' rows; calls dropped over the snapshot budget are counted, not replayed
+    partial: dict = field(default_factory=dict)  # layer -> why some of its kept calls were not replayed
+    kept: list = field(default_factory=list)  # what each snapshot step kept of a layer's calls (``kept_calls``)
+    dropped: int = 0  # calls dropped over the snapshot budget
+    evaluations: dict = field(default_factory=dict)  # step -> (closure evaluations, those replayed)
+    repeats: dict = field(default_factory=dict, repr=False)  # (layer, why) -> (index in skipped, count, text)
 
     @property
     def flagged(self) -> list[LayerRow]:
@@ -114,15 +125,16 @@ class Replay:
 
     @property
     def checked(self) -> list[str]:
-        done = {r.layer for r in self.rows}
+        """The layers with a replayed call and none of their kept calls left out for want of its parameters."""
+        done = {r.layer for r in self.rows} - set(self.partial)
         return [n for n in self.layers if n in done] + sorted(done - set(self.layers))
 
     @property
     def unchecked(self) -> dict:
-        """``{layer: why}`` of the run's layers the judge neither replayed nor needs to."""
-        done = {r.layer for r in self.rows}
-        return {n: self.reasons.get(n) or self.note or "no call of it at a replayed snapshot step"
-                for n in self.layers if n not in done and n not in self.exempt}
+        """``{layer: why}`` of the run's layers the judge neither replayed (each kept call) nor needs to."""
+        done = {r.layer for r in self.rows} - set(self.partial)
+        return {n: self.partial.get(n) or self.reasons.get(n) or self.note or "no call of it at a replayed snapshot step"
+                for n in self.layers if n not in done and (n not in self.exempt or n in self.partial)}
 
     @property
     def complete(self) -> bool:
@@ -142,6 +154,13 @@ class Replay:
             first = list(missing.items())[:3]
             text += "; not checked: " + "; ".join(f"{n} ({why})" for n, why in first) + \
                 (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
+        for step, (n, done) in sorted(self.evaluations.items()):
+            text += (f"; step {step}'s {n} closure evaluations each replayed with its own parameters" if done == n else
+                     f"; {done} of step {step}'s {n} closure evaluations replayed (the others' parameters were not "
+                     "kept)")
+        if self.dropped:
+            text += (f"; {self.dropped:,} calls dropped over the snapshot budget, not replayed (a layer is checked "
+                     "when every call kept of it was)")
         return text
 
     def summary(self) -> str:
@@ -157,21 +176,45 @@ class Replay:
         return head
 
     def to_dict(self) -> dict:
-        return {"judge": self.judge, "note": self.note, "steps": list(self.steps), "skipped": list(self.skipped),
+        """The replay as JSON, bounded whatever the calls' count (issue 48): rows summarised per layer with its worst
+        (``kept_calls.rows_summary``), the first ``SHOWN_SKIPS`` lines of what was not replayed."""
+        return {"judge": self.judge, "note": self.note, "steps": list(self.steps),
+                "skipped": list(self.skipped[:SHOWN_SKIPS]), "skipped_total": len(self.skipped),
                 "layers": list(self.layers), "checked": self.checked, "exempt": dict(self.exempt),
-                "unchecked": self.unchecked, "complete": self.complete,
-                "rows": [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in vars(r).items()}
-                         for r in self.rows]}
+                "unchecked": self.unchecked, "complete": self.complete, "coverage": self.coverage(),
+                "kept": list(self.kept), "calls_dropped": self.dropped,
+                "closure_evaluations": {str(k): {"evaluations": n, "replayed": d}
+                                        for k, (n, d) in sorted(self.evaluations.items())},
+                **rows_summary(self.rows)}
+
+    def _said(self, layer: str, text: str, why: str) -> bool:
+        """Whether a call of ``layer`` was left out for ``why`` before: counted on its first line, not said again."""
+        seen = self.repeats.get((layer, why))
+        if seen is None:
+            self.repeats[(layer, why)] = (len(self.skipped), 0, text)
+            return False
+        i, n, first = seen
+        self.repeats[(layer, why)] = (i, n + 1, first)
+        self.skipped[i] = f"{first} (and {n + 1} more call{'s' if n else ''} of it)"
+        return True
 
     def skip(self, layer: str, text: str, why: str | None = None) -> None:
         """A call not replayed: ``text`` for the report, ``why`` (default: ``text`` after the layer) for coverage."""
-        self.skipped.append(text)
-        self.reasons.setdefault(layer, why or text.split(": ", 1)[-1])
+        why = why or text.split(": ", 1)[-1]
+        if not self._said(layer, text, why):
+            self.skipped.append(text)
+        self.reasons.setdefault(layer, why)
 
     def exact(self, layer: str, text: str, why: str) -> None:
         """A call the judge need not replay: exact (or one rounding) at any precision."""
-        self.skipped.append(text)
+        if not self._said(layer, text, why):
+            self.skipped.append(text)
         self.exempt.setdefault(layer, why)
+
+    def unkept(self, layer: str, text: str, why: str) -> None:
+        """A kept call whose parameters were not: not replayed, and its layer not checked (never flagged)."""
+        self.skip(layer, text, why)
+        self.partial.setdefault(layer, why)
 
 
 def _tensor(a, dtype: str) -> torch.Tensor:
@@ -302,6 +345,10 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None, trust: bool 
             out.note = ("the run kept no snapshot (snapshot_steps=() or CONVCHECK_SNAPSHOT_STEPS=none, or none of "
                         "its snapshot steps was reached; the default keeps step 0)")
         return out
+    for entry in run["snapshots"]:  # what each step kept of its layers' calls (issue 48), replayed or not
+        if entry["step"] < len(run.steps):
+            out.kept += kept_lines(entry)
+            out.dropped += dropped_calls(entry)
     chosen = (run.manifest.get("selection") or {}).get("layers")
     if chosen:  # layers= left some out: never recorded, so never replayed - said as such
         seen = {n for st in run.steps for n in (st.get("layers") or {})}
@@ -339,37 +386,63 @@ def replay_run(run, judge_spec: str, tol: Tolerances | None = None, trust: bool 
                 out.reasons.setdefault(layer, out.skipped[-1].split(": ", 1)[-1])
             continue
         out.steps.append(step)
-        calls = entry.get("calls") if isinstance(entry.get("calls"), dict) else {}
-        stale = set(x for x in (entry.get("stale_calls") or []) if isinstance(x, str))
-        for layer in run.steps[step]["layers"]:
-            module, why = leaves.get(layer)
-            if module is None and (run.manifest.get("compiled") or {}).get("layers_hidden"):
-                out.skip(layer, f"step {step}: its layers ran inside a compiled graph (torch.compile), whose "
-                                "layer calls were not seen; the judge replays single layers",
-                         "it ran inside a compiled graph")
-                continue
-            if module is None or any(True for _ in module.children()):
-                out.skip(layer, f"step {step}, {layer}: {why or 'not a leaf of the model built here'}")
-                continue
-            lost = [leaves.prefix(layer) + n for n, _ in module.named_parameters()
-                    if leaves.prefix(layer) + n in leaves.missing]
-            if lost:
-                out.skip(layer, f"step {step}, {layer}: its parameter {lost[0]} is not in the snapshot")
-                continue
-            k = 0
-            while f"out/{layer}/{k}/0" in snap:
-                if f"{layer}/{k}" in stale:  # made after an optimizer step inside the step: other weights
-                    out.skip(layer, f"step {step}, {layer} (call {k}): its parameters had changed since the snapshot "
-                                    "took them (an optimizer step inside the step: an LBFGS closure, a GAN's second "
-                                    "model)", "its parameters changed within the step")
-                    k += 1
-                    continue
-                row = _replay_call(module, layer, step, k, snap, dtypes, judge, tol, run.manifest, cache, out,
-                                   run.steps[step].get("autocast"), calls.get(f"{layer}/{k}"))
-                if row is not None:
-                    out.rows.append(row)
-                k += 1
+        _replay_step(run, entry, step, snap, dtypes, leaves, out, judge, tol, cache)
     return out
+
+
+def _replay_step(run, entry, step, snap, dtypes, leaves, out, judge, tol, cache) -> None:
+    """Every kept call of one snapshot step, closure evaluation by evaluation, each with the parameters it ran with
+    (issue 48: ``eval/<e>/`` where they moved within the step); an evaluation whose parameters were not kept leaves
+    its calls out and their layers not checked (``Replay.unkept``), never flagged."""
+    calls = entry.get("calls") if isinstance(entry.get("calls"), dict) else {}
+    stale = set(x for x in (entry.get("stale_calls") or []) if isinstance(x, str))
+    kept, evs = kept_calls(snap), evaluations(entry)
+    ready = {}
+    for layer in run.steps[step]["layers"]:
+        module, why = leaves.get(layer)
+        if module is None and (run.manifest.get("compiled") or {}).get("layers_hidden"):
+            out.skip(layer, f"step {step}: its layers ran inside a compiled graph (torch.compile), whose "
+                            "layer calls were not seen; the judge replays single layers",
+                     "it ran inside a compiled graph")
+            continue
+        if module is None or any(True for _ in module.children()):
+            out.skip(layer, f"step {step}, {layer}: {why or 'not a leaf of the model built here'}")
+            continue
+        lost = [leaves.prefix(layer) + n for n, _ in module.named_parameters()
+                if leaves.prefix(layer) + n in leaves.missing]
+        if lost:
+            out.skip(layer, f"step {step}, {layer}: its parameter {lost[0]} is not in the snapshot")
+            continue
+        ready[layer] = module
+    by_eval: dict[int, list] = {}
+    for layer, module in ready.items():
+        for k in kept.get(layer, []):
+            by_eval.setdefault(evaluation_of(evs, layer, k), []).append((layer, k))
+    replayed = set()
+    for e in sorted(by_eval):
+        if e and evs[e].get("kept") is not True:
+            for layer, k in by_eval[e]:
+                out.unkept(layer, f"step {step}, {layer} (call {k}): its parameters at closure evaluation {e} were not "
+                                  "kept (over the snapshot budget; their hash was)",
+                           "a closure evaluation's parameters were not kept")
+            continue
+        if e and not leaves.load(*params_at(snap, dtypes, e), out, step):
+            continue
+        replayed.add(e)
+        for layer, k in by_eval[e]:
+            if f"{layer}/{k}" in stale:  # its weights changed within an evaluation: not recorded
+                out.unkept(layer, f"step {step}, {layer} (call {k}): its parameters had changed since the snapshot "
+                                  "took them (an optimizer step inside the step, with no forward of the model "
+                                  "between)", "its parameters changed within the step")
+                continue
+            row = _replay_call(ready[layer], layer, step, k, snap, dtypes, judge, tol, run.manifest, cache, out,
+                               run.steps[step].get("autocast"), calls.get(f"{layer}/{k}"))
+            if row is not None:
+                out.rows.append(row)
+    if evs:
+        out.evaluations[step] = (len(evs), sum(1 for e in range(len(evs)) if e in replayed or e not in by_eval
+                                               and (e == 0 or evs[e].get("kept") is True)))
+        leaves.load(snap, dtypes, out, step)  # the step's first parameters back
 
 
 class _Unrecorded(Exception):

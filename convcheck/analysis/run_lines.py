@@ -38,6 +38,9 @@ def judge_lines(replays, sides: str = "AB") -> list[str]:
                                                                       if not r.rows and r.note else ""))
         if r.rows or r.layers:
             out.append(f"  coverage: {r.coverage()}")  # n of m layers, which steps, what was not (issue 43)
+        out += [f"  kept: {line}" for line in r.kept[:5]]  # calls dropped over a snapshot's budget (issue 48)
+        if len(r.kept) > 5:
+            out.append(f"  kept: and {len(r.kept) - 5} more layers with calls dropped")
         out += [f"  above its floor: {row.text()}" for row in r.flagged[:5]]
         out += [f"  overflow: {row.text()}" for row in r.overflows[:3]]
         out += [f"  not replayed: {why}" for why in r.skipped[:3]]

@@ -22,14 +22,18 @@ STEPS = "steps.jsonl"
 SNAPSHOTS = "snapshots"
 MEMBERS = (MANIFEST, STEPS, SNAPSHOTS)
 DEFAULT_MAX_BYTES = 2 * 1024**3
+# what one snapshot step may hold, in memory and on disk (issue 48): past it, each layer keeps its first, last, worst
+# and first non-finite calls and the earliest others that fit (``watch/keep.py``)
+DEFAULT_SNAPSHOT_BYTES = 256 * 1024**2
 MAX_STEPS_BYTES = 4 * 1024**3  # what a reader accepts of steps.jsonl
 MAX_LINE_BYTES = 16 * 1024**2  # one step's record
 
 ENV_SNAPSHOT_STEPS = "CONVCHECK_SNAPSHOT_STEPS"
 ENV_MAX_BYTES = "CONVCHECK_WATCH_MAX_BYTES"
+ENV_SNAPSHOT_BYTES = "CONVCHECK_SNAPSHOT_BYTES"
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
-__all__ = ["DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "WATCH_SCHEMA",
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_SNAPSHOT_BYTES", "ENV_MAX_BYTES", "ENV_SNAPSHOT_BYTES", "ENV_SNAPSHOT_STEPS", "from_env", "MANIFEST", "MEMBERS", "SNAPSHOTS", "STEPS", "WATCH_SCHEMA",
            "prepare_out", "claim", "release", "take", "TAKEN"]
 
 
@@ -133,8 +137,9 @@ def claim(out: Path) -> int:
 
 
 def from_env(environ=None) -> dict:
-    """``snapshot_steps`` and ``max_bytes`` set without touching the script: ``CONVCHECK_SNAPSHOT_STEPS=0,10,20``
-    (or ``none``: no chosen step) and ``CONVCHECK_WATCH_MAX_BYTES=500M`` (bytes; K/M/G/T, KiB/MiB/GiB/TiB).
+    """``snapshot_steps``, ``max_bytes`` and ``snapshot_bytes`` set without touching the script: ``CONVCHECK_SNAPSHOT_STEPS=0,10,20``
+    (or ``none``: no chosen step), ``CONVCHECK_WATCH_MAX_BYTES=500M`` and ``CONVCHECK_SNAPSHOT_BYTES=64M`` (bytes;
+    K/M/G/T, KiB/MiB/GiB/TiB).
     Only the variables that are set; a bad value is one ``UsageError`` naming the variable."""
     env = os.environ if environ is None else environ
     got: dict = {}
@@ -154,12 +159,18 @@ def from_env(environ=None) -> dict:
             except UsageError:
                 raise UsageError(f"{ENV_SNAPSHOT_STEPS}={raw!r:.60} is not a comma-separated list of step numbers "
                                  "(e.g. 0,10,20), or none") from None
-    raw = env.get(ENV_MAX_BYTES)
-    if raw is not None:
-        text = raw.strip().upper().removesuffix("B")
-        digits = text.rstrip("KMGTI")
-        unit = text[len(digits):]
-        if not (digits.isascii() and digits.isdigit() and len(digits) <= 15 and unit in _UNITS and int(digits) > 0):
-            raise UsageError(f"{ENV_MAX_BYTES}={raw!r:.60} is not a positive size in bytes (e.g. 500000000, 500M, 2GiB)")
-        got["max_bytes"] = int(digits) * _UNITS[unit]
+    for var, key in ((ENV_MAX_BYTES, "max_bytes"), (ENV_SNAPSHOT_BYTES, "snapshot_bytes")):
+        raw = env.get(var)
+        if raw is not None:
+            got[key] = _size(raw, var)
     return got
+
+
+def _size(raw: str, var: str) -> int:
+    """A size in bytes as the variables take it: digits and an optional K/M/G/T or KiB/MiB/GiB/TiB."""
+    text = raw.strip().upper().removesuffix("B")
+    digits = text.rstrip("KMGTI")
+    unit = text[len(digits):]
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 15 and unit in _UNITS and int(digits) > 0):
+        raise UsageError(f"{var}={raw!r:.60} is not a positive size in bytes (e.g. 500000000, 500M, 2GiB)")
+    return int(digits) * _UNITS[unit]

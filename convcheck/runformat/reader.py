@@ -166,7 +166,29 @@ def _check_snapshots(snaps: list) -> None:
         for name, spec in calls.items():  # the arguments of calls (``snapshots.arg_spec``): read, never run
             if not isinstance(spec, dict) or len(json.dumps(spec)) > MAX_SPEC_BYTES:
                 raise _Bad(f"{where}.calls[{name!r:.40}] is not a call's arguments")
+        _check_kept(e, where)
 
+
+def _check_kept(e: dict, where: str) -> None:
+    """A snapshot's closure evaluations and what it kept of each layer's calls over its budget (issue 48; older runs:
+    neither)."""
+    for i, ev in enumerate(get_field(e, "evaluations", list, where, optional=True) or []):
+        at = f"{where}.evaluations[{i}]"
+        if not isinstance(ev, dict):
+            raise _Bad(f"{at} is not an object")
+        sha_field(ev.get("sha256"), f"{at}.sha256")
+        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0
+                   for k, v in get_field(ev, "calls", dict, at).items()):
+            raise _Bad(f"{at}.calls is not an object of call counts")
+        get_field(ev, "kept", bool, at, optional=True)
+    kept = get_field(e, "kept", dict, where, optional=True)
+    if kept is not None:
+        get_field(kept, "budget", (int, type(None)), f"{where}.kept")
+        for name, row in get_field(kept, "layers", dict, f"{where}.kept").items():
+            ok = isinstance(row, dict) and all(isinstance(row.get(k), int) and row[k] >= 0 for k in ("calls", "kept"))
+            if not ok or not all(row.get(r) is None or isinstance(row[r], int) for r in ("first", "last", "worst",
+                                                                                         "nonfinite")):
+                raise _Bad(f"{where}.kept.layers[{name!r:.40}] is not a layer's kept calls")
 
 
 def _check_step(rec, i: int) -> dict:

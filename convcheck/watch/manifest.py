@@ -33,7 +33,8 @@ def manifest_of(w, complete: bool) -> dict:
         "recipe": getattr(w, "recipe", None),  # the recipe whole (``recipe.recipe_of``), diffed before any tensor
         "scaler": w.scaler is not None, "fingerprint": w.fingerprint, "math_flags": w.flags,
         "first_nonfinite": w.producer, "snapshots": w.snapshot_index, "notes": list(w.notes),
-        "max_bytes": w.max_bytes, "truncated": w.truncated, "skipped_snapshots": w.skipped,
+        "max_bytes": w.max_bytes, "snapshot_bytes": getattr(w, "snapshot_bytes", None), "truncated": w.truncated,
+        "skipped_snapshots": w.skipped,
         "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in w.from_env.items()},
         "distributed": w.distributed, "stopped": getattr(w, "stopped", None),
         "selection": w.selection.to_dict(),  # the layers and steps recorded (``selection.py``)

@@ -32,6 +32,7 @@ from convcheck.watch.compiled import HIDDEN, parallel, tracing, unwrap
 from convcheck.watch.settings import check_optimizer, learning_rates, math_flags, optimizer_settings, step_loss
 from convcheck.watch.settings import seed_everything  # noqa: F401 - convcheck.watch.seed_everything
 from convcheck.runformat.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFEST, SNAPSHOTS, claim, from_env, prepare_out
+from convcheck.runformat.layout import DEFAULT_SNAPSHOT_BYTES, ENV_SNAPSHOT_BYTES
 from convcheck.runformat.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.manifest import manifest_of
@@ -48,7 +49,8 @@ class Watch(ProducerHooks):
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False,
-                 layers=None, steps=None, every: int = 1, sync: str = "auto", models=None, optimizers=None):
+                 layers=None, steps=None, every: int = 1, sync: str = "auto", models=None, optimizers=None,
+                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
         # several models / optimizers: one ``Models`` container, one ``Optimizers`` view (``several.py``)
         model, optimizer, self.optimizers = _several.gather(model, optimizer, models, optimizers)
         _args.check_model(model)  # each argument of the wrong kind one UsageError naming it (``arguments.py``)
@@ -69,6 +71,8 @@ class Watch(ProducerHooks):
         snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
         max_bytes = self.from_env.get("max_bytes", max_bytes)
         _args.check_max_bytes(max_bytes)
+        self.snapshot_bytes = _args.check_max_bytes(self.from_env.get("snapshot_bytes", snapshot_bytes),
+                                                    "snapshot_bytes")
         check_optimizer(model, optimizer)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.out, self.distributed = rank_out(Path(out))  # under DDP: out/rank<k>
@@ -138,8 +142,9 @@ class Watch(ProducerHooks):
                       else None)
 
     def _budget(self) -> int:
-        """What a snapshot may take: the rest of max_bytes (a taker past it lets go of its copies)."""
-        return max(self.max_bytes - self.written, 0)
+        """What a snapshot may take: snapshot_bytes, or the rest of max_bytes when less (``keep.py`` chooses the
+        calls kept within it)."""
+        return min(self.snapshot_bytes, max(self.max_bytes - self.written, 0))
 
     def _snapshotting(self, step: int) -> bool:
         return step in self.snapshot_steps
@@ -257,7 +262,7 @@ class Watch(ProducerHooks):
             if self.forward_state is None:
                 self.forward_state = forward_state(self.model, self.names, self.device)
             self.leaves_before = self.leaf_calls
-            if self.taker is not None and not self.taker.params:
+            if self.taker is not None:  # the first forward's parameters, or a closure evaluation's (``snapshots``)
                 self.taker.take_params(self.params)
         return None
 
@@ -475,9 +480,11 @@ class Watch(ProducerHooks):
     def _write_snapshot(self) -> None:
         size = self.taker.nbytes()
         if self.taker.over is not None or self.written + size > self.max_bytes:
-            reason = (f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: it would pass "
-                      f"max_bytes={self.max_bytes} ({self.max_bytes / 1e6:.1f} MB, {self.written / 1e6:.1f} MB "
-                      f"written before it); raise max_bytes or {ENV_MAX_BYTES} to keep it")
+            reason = (f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: its parameters and "
+                      f"gradients alone pass its budget ({self.taker.budget / 1e6:.1f} MB: snapshot_bytes="
+                      f"{self.snapshot_bytes}, max_bytes={self.max_bytes} with {self.written / 1e6:.1f} MB written "
+                      f"before it); raise snapshot_bytes ({ENV_SNAPSHOT_BYTES}) or max_bytes ({ENV_MAX_BYTES}) to "
+                      "keep it")
             self.skipped.append({"step": self.step_index, "bytes": size, "reason": reason})
             self.notes.append(reason)
             print(f"convcheck.watch: {reason}", file=sys.stderr)
@@ -501,17 +508,21 @@ class Watch(ProducerHooks):
 
 def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
           max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False, layers=None, steps=None, every: int = 1,
-          sync: str = "auto", models=None, optimizers=None) -> Watch:
+          sync: str = "auto", models=None, optimizers=None, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES) -> Watch:
     """``with convcheck.watch(model, optimizer, out="runs/gpu") as w:`` around the user's loop.
 
     Records at each ``optimizer.step()`` (or at ``w.step(loss)`` once the loop calls it, which also
     records the loss); ``scaler``: a ``torch.amp.GradScaler`` whose scale and skipped steps to record;
     ``snapshot_steps``: the steps whose every layer input/output, parameter and gradient is saved (and the
-    step where anything first turns non-finite, unless ``snapshot_nonfinite=False``); ``max_bytes``: the
-    most the run may write (a snapshot that would pass it is skipped with one warning, recorded in the
-    manifest's ``skipped_snapshots``); ``force``: replace an earlier watched run in ``out``. The environment
-    variables ``CONVCHECK_SNAPSHOT_STEPS=0,10,20`` and ``CONVCHECK_WATCH_MAX_BYTES=500M``, when set, replace
-    ``snapshot_steps`` and ``max_bytes`` without touching the script.
+    step where anything first turns non-finite, unless ``snapshot_nonfinite=False``); ``snapshot_bytes``: the
+    most one snapshot step holds, in memory and on disk (default 256 MiB): past it, each layer keeps its first,
+    last, worst (largest max|x|) and first non-finite calls and the earliest others that fit, the rest counted in
+    the snapshot's ``kept`` and said by ``diff``; ``max_bytes``: the most the run may write (a snapshot gets the
+    rest when less than ``snapshot_bytes``; one whose parameters and gradients alone pass its budget is skipped
+    with one warning, recorded in the manifest's ``skipped_snapshots``); ``force``: replace an earlier watched
+    run in ``out``. The environment variables ``CONVCHECK_SNAPSHOT_STEPS=0,10,20``,
+    ``CONVCHECK_WATCH_MAX_BYTES=500M`` and ``CONVCHECK_SNAPSHOT_BYTES=64M``, when set, replace ``snapshot_steps``,
+    ``max_bytes`` and ``snapshot_bytes`` without touching the script.
 
     What is recorded (``selection.py``; each has an environment variable too): ``layers``, module-name patterns
     (``["layer4.*", "fc"]``; the others get no hook); ``steps``, steps or windows (``range(100, 200)``,
@@ -528,4 +539,4 @@ def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), 
     the optimizer (``attach.py``): saving, copying or averaging them inside the block works as without it."""
     return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
                  snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force, layers=layers, steps=steps,
-                 every=every, sync=sync, models=models, optimizers=optimizers)
+                 every=every, sync=sync, models=models, optimizers=optimizers, snapshot_bytes=snapshot_bytes)

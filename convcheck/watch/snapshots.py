@@ -12,6 +12,7 @@ the step is skipped with its size (``over``), never half-written and never held 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tempfile
 import weakref
@@ -19,6 +20,8 @@ import zipfile
 
 import numpy as np
 import torch
+
+from convcheck.watch.keep import CallKeeper
 
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
@@ -45,6 +48,26 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.device.type, t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
+def _stored_bytes(t: torch.Tensor) -> int:
+    """What ``t`` takes in a snapshot: float64 as it is, the other floating dtypes as float32, the rest as they are."""
+    if t.dtype in STORED:
+        return t.numel() * (8 if STORED[t.dtype] == torch.float64 else 4)
+    return t.numel() * t.element_size()
+
+
+def _largest(outputs) -> float:
+    """The largest max|x| of a call's floating outputs (NaN or Inf when one holds either): its ``worst`` measure."""
+    got = [torch.aminmax(t.detach()) for t in outputs if t.dtype in STORED and t.numel()]
+    if not got:
+        return 0.0
+    ends = torch.stack([torch.stack([lo.abs(), hi.abs()]).to(torch.float64) for lo, hi in got]).cpu()
+    return math.inf if bool(torch.isnan(ends).any()) else float(ends.max())
+
+
+def _sha(a: np.ndarray | None) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest() if a is not None else ""
+
+
 def file_bound(nbytes: int, members: int) -> int:
     """The most an ``.npz`` of ``members`` arrays holding ``nbytes`` in all can take on disk."""
     return nbytes + MEMBER_SLACK * members + FILE_SLACK
@@ -61,55 +84,119 @@ def file_sha256(path) -> str:
 
 
 class SnapshotTaker:
-    """Collects one step's arrays; ``write`` saves them and returns the index entry."""
+    """Collects one step's arrays within ``budget`` bytes (issue 48: which calls are kept is ``keep.py``'s);
+    ``write`` saves them and returns the index entry."""
 
     def __init__(self, names: dict, partial: str | None = None, budget: int | None = None):
         self.arrays: dict[str, tuple[np.ndarray, str]] = {}
         self.same_as: dict[str, str] = {}
         self.seen: dict[tuple, tuple] = {}  # identity -> (first key, a weak reference to the tensor:
         # once it is gone, its memory may hold another tensor with the same identity, so no match)
+        self.ident_of: dict[str, tuple] = {}  # a stored key -> the identity ``seen`` knows it by
+        self.aliases: dict[str, list[str]] = {}  # a stored key -> the keys naming it (``same_as``)
         self.calls: dict[str, int] = {}
+        self.call_keys: dict[tuple[str, int], list[str]] = {}  # a kept call -> its keys
+        self.keeper = CallKeeper()
         self.specs: dict[str, dict] = {}  # "layer/k" -> the call's arguments as made (``arg_spec``)
-        self.versions: dict[int, int] = {}  # each parameter's version when the snapshot took it
-        self.stale: list[str] = []  # "layer/k": calls made after their parameters changed (an LBFGS closure, a GAN)
+        self.versions: dict[int, int] = {}  # each parameter's version in the current evaluation
+        self.base: dict[int, int] = {}  # each parameter's version at the step's first forward
+        self.hashes: dict[str, str] = {}  # each parameter's SHA-256 in the current evaluation
+        self.evaluations: list[dict] = []  # the parameters each forward of the step ran with (``take_params``)
+        self.stale: list[str] = []  # "layer/k": calls made after their parameters changed within an evaluation
         self.params = False
         self.grads = False
         self.partial = partial
         self.budget = budget
         self.held = 0  # bytes of the arrays held
-        self.over: int | None = None  # past the budget: the bytes the snapshot would have taken
+        self.reserve = (0, 0)  # bytes and arrays held back for the gradients
+        self.over: int | None = None  # past the budget with the parameters alone: what they would have taken
 
-    def _put(self, key: str, t: torch.Tensor) -> None:
-        if t.dtype not in STORED:
+    # --- the budget ---------------------------------------------------------------------------------
+    def _fits(self, nbytes: int, members: int) -> bool:
+        return self.budget is None or file_bound(self.held + self.reserve[0] + nbytes,
+                                                 len(self.arrays) + self.reserve[1] + members) <= self.budget
+
+    def _room(self, nbytes: int, members: int) -> bool:
+        """Room for ``nbytes`` in ``members`` more arrays, made by letting go of calls without a role (newest
+        first); False when it cannot be made."""
+        while not self._fits(nbytes, members):
+            victim = self.keeper.victim()
+            if victim is None:
+                return False
+            self._let_go(victim)
+        return True
+
+    def _cost(self, tensors) -> tuple[int, int]:
+        """The bytes and arrays ``tensors`` would add (a tensor held already, or twice among them, counts once)."""
+        nbytes, members, idents = 0, 0, set()
+        for t in tensors:
+            if t.dtype not in STORED and t.dtype not in EXACT:
+                continue
+            if t.dtype in STORED:
+                ident = _identity(t)
+                first = self.seen.get(ident)
+                if ident in idents or first is not None and first[1]() is not None:
+                    continue
+                idents.add(ident)
+            nbytes += _stored_bytes(t)
+            members += 1
+        return nbytes, members
+
+    def _let_go(self, call: tuple[str, int]) -> None:
+        self.keeper.let_go(call)
+        for key in self.call_keys.pop(call, []):
+            self._forget(key)
+        name = f"{call[0]}/{call[1]}"
+        self.specs.pop(name, None)
+        if name in self.stale:
+            self.stale.remove(name)
+
+    def _forget(self, key: str) -> None:
+        """``key`` let go: an alias is dropped; a stored array passes to a key still naming it, else is freed."""
+        first = self.same_as.pop(key, None)
+        if first is not None:
+            self.aliases[first].remove(key)
             return
+        if key not in self.arrays:
+            return
+        names, ident = self.aliases.pop(key, []), self.ident_of.pop(key, None)
+        seen = self.seen.get(ident) if ident is not None else None
+        if names:
+            heir = names[0]
+            self.arrays[heir] = self.arrays.pop(key)
+            del self.same_as[heir]
+            for n in names[1:]:
+                self.same_as[n] = heir
+            self.aliases[heir] = names[1:]
+            if ident is not None:
+                self.ident_of[heir] = ident
+                if seen is not None and seen[0] == key:
+                    self.seen[ident] = (heir, seen[1])
+            return
+        self.held -= self.arrays.pop(key)[0].nbytes
+        if seen is not None and seen[0] == key:
+            del self.seen[ident]
+
+    # --- what is taken ------------------------------------------------------------------------------
+    def _put(self, key: str, t: torch.Tensor) -> np.ndarray | None:
+        """``t`` under ``key`` (room made by the caller): copied, or named as the same tensor held already."""
+        if t.dtype not in STORED:
+            return None
         ident = _identity(t)
         first = self.seen.get(ident)
         if first is not None and first[1]() is not None:
             self.same_as[key] = first[0]
-            return
+            self.aliases.setdefault(first[0], []).append(key)
+            return self.arrays[first[0]][0]
         self.seen[ident] = (key, weakref.ref(t))
-        size = t.numel() * (8 if STORED[t.dtype] == torch.float64 else 4)
-        if self.over is not None:
-            self.over += size
-            return
-        if self.budget is not None and file_bound(self.held + size, len(self.arrays) + 1) > self.budget:
-            self.over = self.held + size
-            self.drop()  # let go of it now: memory stays bounded by the budget
-            return
+        self.ident_of[key] = ident
         got = _copy(t)
         self.arrays[key] = got
         self.held += got[0].nbytes
+        return got[0]
 
     def _put_exact(self, key: str, t: torch.Tensor) -> None:
         """A non-floating tensor argument, stored in its own dtype (no rounding: it is an index or a mask)."""
-        size = t.numel() * t.element_size()
-        if self.over is not None:
-            self.over += size
-            return
-        if self.budget is not None and file_bound(self.held + size, len(self.arrays) + 1) > self.budget:
-            self.over = self.held + size
-            self.drop()
-            return
         a = t.detach().to("cpu").contiguous().clone().numpy()
         self.arrays[key] = (a, EXACT[t.dtype])
         self.held += a.nbytes
@@ -119,34 +206,88 @@ class SnapshotTaker:
         """One leaf call: its floating inputs (``in/``) and outputs (``out/``); with ``args``/``kwargs`` (the call
         as made), anything else it was given - integer or bool tensors (``arg/``), numbers, None, tuples, nested
         structures, keyword arguments - as ``arg_spec`` in the index (``specs``), so the judge replays the call as
-        it was made."""
+        it was made. Kept when it fits the budget or takes a role (``keep.py``)."""
         k = self.calls.get(layer, 0)
         self.calls[layer] = k + 1
+        if self.over is not None:
+            return
+        spec = arg_spec(args, kwargs or {}) if args is not None else None
+        exact = spec.pop("exact") if spec is not None else []
+        tensors = [(f"in/{layer}/{k}/{i}", t) for i, t in enumerate(inputs)] + \
+            [(f"out/{layer}/{k}/{i}", t) for i, t in enumerate(outputs)]
+        if spec is not None and not spec["plain"]:
+            tensors += [(f"arg/{layer}/{k}/{j}", t) for j, t in enumerate(exact)]
+        roles = self.keeper.arrive(layer, k, _largest(outputs))
+        if not self._room(*self._cost([t for _, t in tensors])):
+            self.keeper.not_kept()
+            return
+        self.keeper.keep(layer, k, roles)
         if module is not None and self.params and any(
                 self.versions.get(id(p), p._version) != p._version for p in module.parameters(recurse=False)):
-            self.stale.append(f"{layer}/{k}")  # its weights are not the snapshot's: the judge leaves the call out
-        for i, t in enumerate(inputs):
-            self._put(f"in/{layer}/{k}/{i}", t)
-        for i, t in enumerate(outputs):
-            self._put(f"out/{layer}/{k}/{i}", t)
-        if args is not None:
-            spec = arg_spec(args, kwargs or {})
-            if not spec["plain"]:
-                for j, t in enumerate(spec.pop("exact")):
-                    self._put_exact(f"arg/{layer}/{k}/{j}", t)
-                spec.pop("plain")
-                self.specs[f"{layer}/{k}"] = spec
+            self.stale.append(f"{layer}/{k}")  # its weights are no evaluation's: the judge leaves the call out
+        keys = []
+        for key, t in tensors:
+            if key.startswith("arg/"):
+                self._put_exact(key, t)
+            elif t.dtype in STORED:
+                self._put(key, t)
+            else:
+                continue
+            keys.append(key)
+        self.call_keys[(layer, k)] = keys
+        if spec is not None and not spec["plain"]:
+            spec.pop("plain")
+            self.specs[f"{layer}/{k}"] = spec
 
     def take_params(self, params) -> None:
+        """At each forward of the model: the parameters the first time (room held back for their gradients); later,
+        when an optimizer moved some of them within the step (an LBFGS closure's evaluations, SAM's second pass, a
+        GAN's second model), a new *evaluation*: its parameters' SHA-256 always, and those that moved since the
+        step's start (``eval/<e>/<name>``) where the budget allows - the judge replays its calls with them."""
+        params = [(n, p) for n, p in params if p.dtype in STORED]
+        if not self.params:
+            self._first_params(params)
+        elif any(self.versions.get(id(p)) != p._version for _, p in params):
+            self._evaluation(params)
+
+    def _first_params(self, params) -> None:
         self.params = True
+        grads = [p for _, p in params if p.requires_grad]
+        self.reserve = (0, 0)
+        nbytes, members = self._cost([p for _, p in params])
+        need = (sum(_stored_bytes(p) for p in grads), len(grads))
+        if not self._room(nbytes + need[0], members + need[1]):
+            self.over = self.held + nbytes + need[0]
+            self.drop()  # the parameters and gradients alone pass the budget: nothing of the step is kept
+            return
+        self.reserve = need
         for n, p in params:
-            self.versions[id(p)] = p._version
-            self._put(f"param/{n}", p)
+            self.versions[id(p)] = self.base[id(p)] = p._version
+            self.hashes[n] = _sha(self._put(f"param/{n}", p))
+        self.evaluations.append({"calls": {}, "sha256": self._state()})
+
+    def _evaluation(self, params) -> None:
+        e = len(self.evaluations)
+        moved = [(n, p) for n, p in params if p._version != self.base.get(id(p), p._version)]
+        kept = self._room(*self._cost([p for _, p in moved]))
+        stored = {n: self._put(f"eval/{e}/{n}", p) for n, p in moved} if kept else {}
+        for n, p in params:
+            if self.versions.get(id(p)) != p._version:
+                self.versions[id(p)] = p._version
+                self.hashes[n] = _sha(stored[n] if n in stored else _copy(p)[0])
+        self.evaluations.append({"calls": dict(self.calls), "sha256": self._state(), "kept": kept,
+                                 "moved": len(moved)})
+
+    def _state(self) -> str:
+        return hashlib.sha256("".join(self.hashes[n] for n in sorted(self.hashes)).encode()).hexdigest()
 
     def take_grads(self, params) -> None:
         self.grads = True
+        if self.over is not None:
+            return
+        self.reserve = (0, 0)  # the room held back for them
         for n, p in params:
-            if p.grad is not None:
+            if p.grad is not None and self._room(*self._cost([p.grad])):
                 self._put(f"grad/{n}", p.grad)
 
     def nbytes(self) -> int:
@@ -156,10 +297,12 @@ class SnapshotTaker:
         return file_bound(self.held, len(self.arrays))
 
     def drop(self) -> None:
-        self.arrays.clear()
-        self.specs.clear()
+        for held in (self.arrays, self.same_as, self.seen, self.ident_of, self.aliases, self.call_keys, self.specs):
+            held.clear()
         self.stale.clear()
+        self.evaluations.clear()
         self.held = 0
+        self.reserve = (0, 0)
 
     def write(self, folder, step: int) -> dict:
         keys = sorted(self.arrays)
@@ -191,6 +334,11 @@ class SnapshotTaker:
             entry["calls"] = dict(self.specs)
         if self.stale:
             entry["stale_calls"] = list(self.stale)
+        if len(self.evaluations) > 1:  # the parameters moved within the step: each forward's (``take_params``)
+            entry["evaluations"] = [dict(e) for e in self.evaluations]
+        kept = self.keeper.summary(self.budget)
+        if kept is not None:  # calls let go over the budget: which were kept of each layer, and why (``keep.py``)
+            entry["kept"] = kept
         self.drop()
         return entry
 

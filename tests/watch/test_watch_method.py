@@ -3,6 +3,8 @@ outcome. Each test is a loop as a user writes it (``method_loops.py``), run twic
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -170,6 +172,15 @@ def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_
     L.lbfgs_run(tmp_path / "b")
     code, out = diff(capsys, tmp_path / "a", tmp_path / "b")
     assert code == 0 and verdict(out).startswith("verdict: ok: "), out
+    # every evaluation replayed by the judge with its own parameters (issue 48: LBFGS moves them between evaluations)
+    assert out.count("step 0's 5 closure evaluations each replayed with its own parameters") == 2
+    assert "400 layer calls at step 0 replayed: all within their floors" in out and "not replayed: step 0" not in out
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    judged = json.loads(capsys.readouterr().out)["judge_replay"][0]
+    assert judged["closure_evaluations"] == {"0": {"evaluations": 5, "replayed": 5}} and judged["complete"]
+    assert judged["layers_replayed"] == {n: {"calls": 200, "flagged": 0, "overflowed": 0}
+                                         for n in ("net.cell", "net.head")}
     L.lbfgs_run(tmp_path / "c", zero_grad=False)
     code, out = diff(capsys, tmp_path / "a", tmp_path / "c")
     assert code == 1
