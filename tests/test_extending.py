@@ -175,3 +175,53 @@ def test_a_remedy_with_its_action_is_one_catalogue_entry(monkeypatch):
     # a cause the entry does not answer: not asked for
     other = Verdict("setup", "h", remedies=[halve.remedy()], target="cpu", sub_cause="dead ReLUs")
     assert "halve-lr" not in [a.kind for a in actions_for(Context(other, Target.parse("cpu"), True, None, recipe))]
+
+
+def test_a_layer_statistic_is_one_declaration(monkeypatch, tmp_path, capsys):
+    """Issue 46: a new per-layer statistic (mean |x|) is one ``declare``: the watch records it in the same
+    one-pass read, the reader checks it, and ``convcheck diff --out`` tables it (CSV and HTML) with its
+    relative error B against A."""
+    import csv
+
+    import torch
+    import torch.nn as nn
+
+    import convcheck
+    from convcheck.cli.main import main
+    from convcheck.runformat import statistics
+    from convcheck.runformat.reader import open_watched
+
+    monkeypatch.setattr(statistics, "STATISTICS", statistics.STATISTICS)  # the declaration undone afterwards
+    statistics.declare(statistics.Statistic(
+        "l1_mean", "mean |x|", "scale", optional=True, digits=4,
+        reduce=lambda x, acc: x.abs().sum(dtype=acc), finish=lambda total, finite: total / finite if finite else 0.0))
+
+    def record(out, head_scale):
+        convcheck.seed_everything(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        with torch.no_grad():
+            model[2].weight.mul_(head_scale), model[2].bias.mul_(head_scale)  # B's head outputs twice A's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with convcheck.watch(model, opt, out=out) as w:
+            for _ in range(2):
+                x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+
+    record(tmp_path / "a", 1.0)
+    record(tmp_path / "b", 2.0)
+    row = open_watched(tmp_path / "a").steps[0]["layers"]["0"]  # recorded, and read back through the reader's check
+    assert row["l1_mean"] > 0
+    main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "rep")])
+    capsys.readouterr()
+    with open(tmp_path / "rep" / "watch_layers.csv", newline="") as f:
+        rows = {(r["step"], r["layer"]): r for r in csv.DictReader(f)}
+    assert "l1_mean_rel" in next(iter(rows.values()))
+    assert float(rows[("0", "0")]["l1_mean_rel"]) == 0.0  # the same first layer, weights and batch
+    assert abs(float(rows[("0", "2")]["l1_mean_rel"]) - 0.5) < 1e-6  # B's head outputs twice A's: |2a - a| / 2a
+    page = (tmp_path / "rep" / "watch_report.html").read_text()
+    assert "l1_mean_rel" in page and "mean |x|: relative error" in page

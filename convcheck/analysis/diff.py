@@ -22,6 +22,7 @@ import numpy as np
 from dataclasses import dataclass, field, replace
 
 from convcheck.runformat.schema import WATCH_DIFF_SCHEMA
+from convcheck.runformat.statistics import declared
 from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_underflow, precision_difference,
                                                   random_layers, recipe_difference,
                                                   run_findings)
@@ -201,9 +202,13 @@ def layer_distance(ra: dict, rb: dict, computed: str | None = None) -> tuple[flo
     coarser = _coarser(ra, rb)
     if computed is not None and unit_roundoff_of(computed) > u:
         u, coarser = unit_roundoff_of(computed), f"{computed} (autocast)"
-    scale = max(ra["std"], rb["std"]) or max(ra["max_abs"], rb["max_abs"])
-    parts = {"max |x|": _rel(ra["max_abs"], rb["max_abs"], max(ra["max_abs"], rb["max_abs"])),
-             "mean": _rel(ra["mean"], rb["mean"], scale), "std": _rel(ra["std"], rb["std"], scale)}
+    # each declared statistic by its tolerance family (``runformat/statistics.py``): a magnitude against itself,
+    # a location (the mean) against the layer's spread; one a run lacks (recorded before it was declared) left out
+    spread = max(ra["std"], rb["std"]) or max(ra["max_abs"], rb["max_abs"])
+    parts = {s.title: _rel(ra[s.name], rb[s.name],
+                           max(abs(ra[s.name]), abs(rb[s.name])) if s.family == "scale" else spread)
+             for s in declared() if s.family in ("scale", "location")
+             and isinstance(ra.get(s.name), (int, float)) and isinstance(rb.get(s.name), (int, float))}
     what, d = max(parts.items(), key=lambda kv: kv[1])
     return d / u, f"{what} differs by {d:.3g} (relative), {d / u:.3g}x the roundoff of {coarser}"
 

@@ -3,7 +3,10 @@ no verdict (``diff.py`` decides) and no files (``report/watch_report.py`` and ``
 
 - ``layer_rows``: every aligned step (index k of both runs) and every layer both recorded at it: the relative
   error of each output statistic of ``steps.jsonl`` (max |x|, mean, std, fraction of zeros, smallest nonzero
-  |x|), beside each side's NaN/Inf counts. Cheap: every step has it.
+  |x|), beside each side's NaN/Inf counts and, for a layer called several times in the step (a recurrent cell),
+  each side's call count, worst call and first non-finite call. Cheap: every step has it. Its columns are the
+  declared statistics' (``runformat/statistics.py``: ``layer_columns``), so a statistic declared there is tabled
+  with nothing edited here.
 - ``snapshot_rows``: every step both runs snapshotted, every layer input (``in/``), output (``out/``) and
   parameter gradient (``grad/``) both hold with the same shape: cosine similarity, max absolute error, max
   relative error and relative L2 error, element by element in float64. Arrays in one run only, or of other
@@ -28,11 +31,28 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from convcheck.diagnose.detectors.watched_setup import global_norm
+from convcheck.runformat import statistics as _declared
 from convcheck.runformat.reader import WatchedRun, open_watched
 
-STATS = ("max_abs", "mean", "std", "zeros", "min_nonzero")  # the statistics whose relative error is tabled
-LAYER_COLUMNS = ("step", "layer", "dtype_a", "dtype_b", "max_abs_a", "max_abs_b", "max_abs_rel", "mean_rel",
-                 "std_rel", "zeros_rel", "min_nonzero_rel", "nan_a", "nan_b", "inf_a", "inf_b", "worst_rel")
+
+def layer_columns() -> tuple:
+    """The layer table's columns: the row's step, layer and dtypes, then each declared statistic's (its per-side
+    values ``<name>_a``, ``<name>_b`` and/or its relative error ``<name>_rel``, in declaration order), then
+    ``worst_rel``."""
+    cols = ["step", "layer", "dtype_a", "dtype_b"]
+    for s in _declared.declared():
+        cols += [f"{s.name}_a", f"{s.name}_b"] if s.sides else []
+        cols += [f"{s.name}_rel"] if s.compared else []
+    return (*cols, "worst_rel")
+
+
+def stats_compared() -> tuple:
+    """The statistics whose relative error is tabled, in declaration order."""
+    return tuple(s.name for s in _declared.declared() if s.compared)
+
+
+STATS = stats_compared()  # the core ones (a statistic declared later is read through ``stats_compared``)
+LAYER_COLUMNS = layer_columns()
 SNAPSHOT_COLUMNS = ("step", "kind", "name", "key", "shape", "dtype_a", "dtype_b", "cosine", "max_abs_err",
                     "max_rel_err", "rel_l2_err", "nonfinite_a", "nonfinite_b")
 GRAD_COLUMNS = ("step", "param", "norm_a", "norm_b", "norm_ratio", "cosine", "update_ratio_a", "update_ratio_b")
@@ -130,13 +150,19 @@ def _aligned(a: WatchedRun, b: WatchedRun) -> int:
 
 
 def layer_rows(a, b) -> Table:
-    """Per aligned step and per layer both runs recorded at it (A's order): each statistic's ``relative``
-    error, B against A, and each side's NaN/Inf counts. ``worst_rel`` (what the report sorts by): the larger
-    of ``max_abs_rel`` and ``std_rel``, the two scale-free statistics (a mean, a fraction of zeros or the
-    smallest nonzero |x| near 0 reads a rounding difference as ~100%), ``inf`` when the NaN/Inf counts
-    differ. The statistics are of the finite elements (``watch/stats.py``): a side with none (every element NaN
-    or Inf) has no ``max_abs`` and every ``*_rel`` cell of the row is empty."""
+    """Per aligned step and per layer both runs recorded at it (A's order): each declared statistic's ``relative``
+    error, B against A, and each side's own values where it is tabled per side (NaN/Inf counts, calls).
+    ``worst_rel`` (what the report sorts by): the largest error of the ``scale`` family (max |x|, std: scale-free,
+    where a mean, a fraction of zeros or the smallest nonzero |x| near 0 reads a rounding difference as ~100%),
+    ``inf`` when the NaN/Inf counts differ. The statistics are of the finite elements (``watch/stats.py``): a
+    side with none (every element NaN or Inf) has no ``max_abs`` and every ``*_rel`` cell of the row is empty.
+    A layer called several times in a step is one row of each run (its statistics over all its calls,
+    ``calls_a``/``calls_b``; the call with the largest max |x| ``worst_call_*``, the first NaN/Inf one
+    ``nonfinite_call_*``); a row of one call, or from a run recorded before them, shows call 0 / none."""
     a, b = _run(a), _run(b)
+    declared = _declared.declared()
+    scale = [s.name for s in declared if s.family == "scale" and s.compared]
+    counts = [s.name for s in declared if s.family == "count"]
     rows, one_side = [], {}
     for k in range(_aligned(a, b)):
         la, lb = a.steps[k]["layers"], b.steps[k]["layers"]
@@ -147,13 +173,14 @@ def layer_rows(a, b) -> Table:
             if rb is None:
                 continue
             none = _all_nonfinite(ra) or _all_nonfinite(rb)  # statistics of no element: nothing to compare
-            row = {"step": k, "layer": name, "dtype_a": ra["dtype"], "dtype_b": rb["dtype"],
-                   "max_abs_a": None if _all_nonfinite(ra) else float(ra["max_abs"]),
-                   "max_abs_b": None if _all_nonfinite(rb) else float(rb["max_abs"])}
-            row.update({f"{s}_rel": None if none else relative(ra[s], rb[s]) for s in STATS})
-            row.update({"nan_a": ra["nan"], "nan_b": rb["nan"], "inf_a": ra["inf"], "inf_b": rb["inf"]})
-            scalefree = [v for v in (row["max_abs_rel"], row["std_rel"]) if v is not None]
-            row["worst_rel"] = (math.inf if (ra["nan"], ra["inf"]) != (rb["nan"], rb["inf"])
+            row = {"step": k, "layer": name, "dtype_a": ra["dtype"], "dtype_b": rb["dtype"]}
+            for s in declared:
+                if s.sides:
+                    row.update({f"{s.name}_{side}": _side_value(s, r) for side, r in (("a", ra), ("b", rb))})
+                if s.compared:
+                    row[f"{s.name}_rel"] = None if none else relative(ra.get(s.name), rb.get(s.name))
+            scalefree = [row[f"{s}_rel"] for s in scale if row[f"{s}_rel"] is not None]
+            row["worst_rel"] = (math.inf if [ra[c] for c in counts] != [rb[c] for c in counts]
                                 else max(scalefree) if scalefree else None)
             rows.append(row)
     skipped = ()
@@ -161,7 +188,21 @@ def layer_rows(a, b) -> Table:
         names = ", ".join(sorted(one_side)[:EXAMPLES]) + (", ..." if len(one_side) > EXAMPLES else "")
         skipped = (f"{len(one_side)} layer{'s' if len(one_side) != 1 else ''} recorded by one run only at some "
                    f"step ({names}): not compared there",)
-    return Table("layers", LAYER_COLUMNS, rows, _tail(a, b) + skipped)
+    return Table("layers", layer_columns(), rows, _tail(a, b) + skipped)
+
+
+_ONE_CALL = {"calls": 1, "worst_call": 0, "nonfinite_call": None}  # a row without them: one call (issue 48)
+
+
+def _side_value(s, row: dict):
+    """One run's own value of a statistic tabled per side: a magnitude is empty when the layer's every element was
+    NaN/Inf (it describes none), a call index defaults to a row of one call (older runs, one call)."""
+    if s.name in _ONE_CALL and s.name not in row:
+        return 0 if s.name == "nonfinite_call" and row["nan"] + row["inf"] else _ONE_CALL[s.name]
+    v = row.get(s.name)
+    if s.family in ("scale", "location", "fine"):
+        return None if v is None or _all_nonfinite(row) else float(v)
+    return v
 
 
 def _all_nonfinite(row: dict) -> bool:

@@ -124,7 +124,9 @@ def producer_where(p: dict) -> str:
     """``att (own code: matmul, forward)``: the producer, the op inside it when the run named one."""
     op = p.get("op")
     op = f": {op[:60]}" if isinstance(op, str) else ""
-    return f"{p['layer']} ({p['kind']}{op}, {p['direction']})"
+    call = p.get("call")  # a layer called several times in the step: which call (issue 48)
+    call = f", call {call} of the step" if isinstance(call, int) and not isinstance(call, bool) else ""
+    return f"{p['layer']} ({p['kind']}{op}, {p['direction']}{call})"
 
 
 def producer_text(p: dict) -> str:

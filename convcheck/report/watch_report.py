@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from convcheck.files import atomic_write_text, check_writable_file
+from convcheck.runformat import statistics as _declared
 
 TABLE_FILES = (("layers", "watch_layers.csv"), ("snapshots", "watch_snapshots.csv"), ("grads", "watch_grads.csv"))
 HTML_FILE = "watch_report.html"
@@ -70,13 +71,25 @@ def worst(table, n: int = SHOWN) -> list[dict]:
     return [table.rows[i] for i in order[:n]]
 
 
-def cell_html(v) -> str:
+def cell_html(v, digits: int = 3) -> str:
     """One cell as HTML: numbers as the terminal report shows them (``report.text.fmt``), text escaped."""
     from convcheck.report.text import fmt
 
     if isinstance(v, str):
         return _e(v)
-    return _e(fmt(v, 3))
+    return _e(fmt(v, digits))
+
+
+def column_meanings(table_name: str) -> dict[str, tuple[str, int]]:
+    """``{column: (what it means, significant digits)}`` of the layer table's statistic columns, from their
+    declarations (``runformat/statistics.py``): the page's header tooltips and cell formats."""
+    if table_name != "layers":
+        return {}
+    out = {}
+    for s in _declared.declared():
+        out.update({f"{s.name}_{side}": (f"{s.title} of run {side.upper()}", s.digits) for side in "ab"})
+        out[f"{s.name}_rel"] = (f"{s.title}: relative error |b - a| / max(|a|, |b|)", s.digits)
+    return out
 
 
 def page_columns(table) -> list[str]:
@@ -96,8 +109,11 @@ def table_html(table, n: int = SHOWN) -> str:
     columns = page_columns(table)
     sort = SORT_COLUMNS.get(table.name, ())
     side = {c: " class='l'" if c in TEXT_COLUMNS else " class='sort'" if c in sort else "" for c in columns}
-    head = "".join(f"<th{side[c]}>{_e(c)}</th>" for c in columns)  # text left, numbers right, the sort marked
-    body = "".join("<tr>" + "".join(f"<td{side[c]}>{cell_html(r[c])}</td>" for c in columns) + "</tr>"
+    meaning = column_meanings(table.name)  # a declared statistic's title and digits
+    tip = {c: f" title='{_e(meaning[c][0])}'" if c in meaning else "" for c in columns}
+    digits = {c: meaning[c][1] if c in meaning else 3 for c in columns}
+    head = "".join(f"<th{side[c]}{tip[c]}>{_e(c)}</th>" for c in columns)  # text left, numbers right, sort marked
+    body = "".join("<tr>" + "".join(f"<td{side[c]}>{cell_html(r[c], digits[c])}</td>" for c in columns) + "</tr>"
                    for r in rows)
     out = [f"<h2>{_e(title)}</h2>", f"<p><small>{_e(what)}</small></p>"]
     if rows:

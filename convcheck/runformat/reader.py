@@ -27,6 +27,7 @@ import numpy as np
 from convcheck.runformat.fields import (BadField, check_fingerprint, dtype_field, get_field, kinds_of, nbytes_of,
                                         sha_field, shape_field)
 from convcheck.runformat.members import BundleFiles, safe_member
+from convcheck.runformat.statistics import row_fields
 from convcheck.runformat.schema import MANIFEST, MAX_MANIFEST_BYTES, NPZ_SLACK, SCHEMAS, STORAGE, WATCH_SCHEMA
 from convcheck.errors import UsageError
 from convcheck.runformat.layout import MAX_LINE_BYTES, MAX_STEPS_BYTES, STEPS
@@ -37,8 +38,6 @@ EXACT_STORAGE = {"int64": "int64", "int32": "int32", "int16": "int16", "int8": "
                  "bool": "bool"}
 MAX_SPEC_BYTES = 1 << 16
 _NUM = (int, float)
-LAYER_FIELDS = {"n": int, "max_abs": _NUM, "min_nonzero": (*_NUM, type(None)), "mean": _NUM, "std": _NUM,
-                "zeros": _NUM, "nan": int, "inf": int, "dtype": str, "calls": int}
 
 
 def schema_of(path) -> str | None:
@@ -222,13 +221,23 @@ def _check_step(rec, i: int) -> dict:
     for name, row in get_field(rec, "layers", dict, where).items():
         if not isinstance(row, dict):
             raise _Bad(f"{where}.layers[{name!r:.40}] is not an object")
-        for col, kind in LAYER_FIELDS.items():
-            get_field(row, col, kind, f"{where}.layers[{name!r:.40}]", optional=type(None) in kinds_of(kind))
+        _check_layer_row(row, f"{where}.layers[{name!r:.40}]")
         if row["dtype"] not in STORAGE:
             raise _Bad(f"{where}.layers[{name!r:.40}].dtype is {row['dtype']!r:.40}, not a floating dtype")
     get_field(rec, "scale", _NUM, where, optional=True)
     _check_recipe_fields(rec, where)
     return rec
+
+
+def _check_layer_row(row: dict, where: str) -> None:
+    """A layer's row against the declared statistics (``statistics.py``): each of its kind; one a run recorded
+    before it was declared may lack (``optional``); a call index within the row's calls."""
+    for col, (kind, optional, nullable) in row_fields().items():
+        get_field(row, col, kind, where, optional=optional or nullable or type(None) in kinds_of(kind))
+    for col in ("worst_call", "nonfinite_call"):
+        i = row.get(col)
+        if i is not None and not 0 <= i < row["calls"]:
+            raise _Bad(f"{where}.{col} = {i} is outside the row's {row['calls']} calls")
 
 
 def _check_recipe_fields(rec: dict, where: str) -> None:

@@ -119,16 +119,18 @@ def resolve(buf: StepBuffer, consumer) -> tuple[dict, dict | None, dict | None]:
 
     layers: dict = {}
     forward = backward = None
+    calls: dict = {}  # each leaf's calls so far this step: the producer's call index (issue 48)
     outs_bad: list[bool] = []  # per call: its output holds NaN/Inf
     for kind, name, extra, idx in buf.calls:
         out_bad = False
         if kind == "leaf":
             row = _stats.row_of(values[idx[0]], extra)
             layers[name] = _stats.merge(layers.get(name), row)
+            calls[name] = calls.get(name, -1) + 1
             out_bad = row["nan"] + row["inf"] > 0 or bad(idx[1])
             if forward is None and out_bad and not bad_in(idx[2]):
                 forward = {"layer": name, "direction": "forward", "kind": "module", "detail": None,
-                           **going_in(idx[2])}
+                           "call": calls[name], **going_in(idx[2])}
         elif kind == "container":  # ``extra``: the leaf call whose output it hands on, or None
             out_bad = outs_bad[extra] if extra is not None else bad(idx[0])
             if forward is None and out_bad and not bad_in(idx[1]):

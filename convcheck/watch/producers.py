@@ -244,6 +244,8 @@ class ProducerHooks:
                 bad = nonfinite(outs)
             if outs and bad and not nonfinite(floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
+                if row is not None:  # which call of the step (a cell unrolled over time: its time index)
+                    self.producer["call"] = self.layers[name]["calls"] - 1
                 if module in self.leaves and self.call_lines.get(name):
                     self.producer["source"] = self.call_lines[name]  # the line of the forward that called it
                 from convcheck.watch.op_probe import live_op  # once a run, at its first NaN/Inf

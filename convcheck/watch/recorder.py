@@ -436,6 +436,7 @@ class Watch(ProducerHooks):
         _attach.outermost()
         self._resolve()
         self._scaler_skip()
+        self._producer_call()
         record = {"step": self.step_index, "loss": loss, "lr": self.lr_used if self.lr_used is not None else learning_rates(self.optimizer), "batch_sha256": self.hashes,
                   "batch_rounded": self.rounded,
                   **({"target_sha256": self.targets, "target_rounded": self.targets_rounded} if self.targets else {}),
@@ -476,6 +477,14 @@ class Watch(ProducerHooks):
                 self.recorded = self.step_index + 1
         self.step_index += 1
         self._reset()
+
+    def _producer_call(self) -> None:
+        """A forward producer found this step keeps its call index only when its layer was called more than once
+        in the step (a recurrent cell: the time step that made the first NaN/Inf, issue 48)."""
+        p = self.producer
+        if p is not None and p["step"] == self.step_index and "call" in p \
+                and self.layers.get(p["layer"], {}).get("calls", 1) < 2:
+            del p["call"]
 
     def _write_snapshot(self) -> None:
         size = self.taker.nbytes()

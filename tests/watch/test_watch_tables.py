@@ -76,7 +76,8 @@ def test_csv_names_the_changed_layer(runs, tmp_path, capsys):
     header, rows = rows_of(tmp_path / "layers.csv")
     assert (tmp_path / "layers.csv").read_text().splitlines()[0] == (
         "step,layer,dtype_a,dtype_b,max_abs_a,max_abs_b,max_abs_rel,mean_rel,std_rel,zeros_rel,min_nonzero_rel,"
-        "nan_a,nan_b,inf_a,inf_b,worst_rel")
+        "nan_a,nan_b,inf_a,inf_b,calls_a,calls_b,worst_call_a,worst_call_b,nonfinite_call_a,nonfinite_call_b,"
+        "worst_rel")
     assert tuple(header) == LAYER_COLUMNS
     assert [(r["step"], r["layer"]) for r in rows] == [(str(k), n) for k in range(4) for n in ("fc1", "fc2", "head")]
     step0 = {r["layer"]: r for r in rows if r["step"] == "0"}
