@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable
-
 
 import torch
 
 from convcheck.errors import UsageError
+from convcheck.nested import tensors_in
 
 TARGET_KEYS = ("target", "y", "label", "labels")
 
@@ -47,30 +46,6 @@ def split_batch(item, where: str = "the data") -> tuple[object, object]:
                      "(inputs, target), a dict with a 'target' key, or a tensor")
 
 
-def map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """``obj`` with every tensor replaced by ``fn(tensor)`` (tuples, lists and dicts kept)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        return tuple(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, list):
-        return [map_tensors(o, fn) for o in obj]
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def tensors_of(obj) -> list[torch.Tensor]:
-    """Every tensor in ``obj``, in a stable order (dict keys sorted)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in tensors_of(o)]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in tensors_of(obj[k])]
-    return []
-
-
 def call_model(model, inputs):
     """``model(x)``, ``model(*inputs)`` or ``model(**inputs)``."""
     if isinstance(inputs, dict):
@@ -81,14 +56,14 @@ def call_model(model, inputs):
 
 
 def batch_size_of(inputs) -> int:
-    found = tensors_of(inputs)
+    found = tensors_in(inputs, sort_keys=True)
     return int(found[0].shape[0]) if found and found[0].dim() > 0 else 1
 
 
 def batch_hash(inputs, target) -> str:
     """SHA-256 over the bytes of every tensor of the batch (inputs, then target), on the CPU."""
     h = hashlib.sha256()
-    for t in tensors_of(inputs) + tensors_of(target):
+    for t in tensors_in(inputs, sort_keys=True) + tensors_in(target, sort_keys=True):
         t = t.detach().cpu().contiguous()
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.view(torch.int16)
@@ -100,9 +75,9 @@ def batch_hash(inputs, target) -> str:
 
 def check_tensors(inputs, target, where: str) -> None:
     """Every tensor of a batch on the CPU; at least one input tensor."""
-    if not tensors_of(inputs):
+    if not tensors_in(inputs, sort_keys=True):
         raise UsageError(f"{where} yielded a batch whose inputs hold no tensor")
-    for t in tensors_of(inputs) + tensors_of(target):
+    for t in tensors_in(inputs, sort_keys=True) + tensors_in(target, sort_keys=True):
         if t.device.type != "cpu":
             raise UsageError(f"{where} yielded a tensor on {t.device}; make batches on the CPU "
                              "(convcheck moves them to each target)")
@@ -132,7 +107,7 @@ def check_batch(inputs, target, where: str, step: int = 0, *, class_labels: bool
     integer class indices of shape (N,), or float class probabilities of shape (N, classes); indices inside
     ``0..num_classes-1`` (or -100, ignored)."""
     name = f"batch {step} of {where}"
-    xs = tensors_of(inputs)
+    xs = tensors_in(inputs, sort_keys=True)
     lead = [t for t in xs if t.dim() > 0]
     if lead and int(lead[0].shape[0]) == 0:
         raise UsageError(f"{name} is empty: its inputs hold 0 samples (shape {tuple(lead[0].shape)})")
@@ -140,7 +115,7 @@ def check_batch(inputs, target, where: str, step: int = 0, *, class_labels: bool
     if len(sizes) > 1:
         raise UsageError(f"{name}: its input tensors hold different numbers of samples ({sorted(sizes)})")
     n = sizes.pop() if sizes else None
-    ys = [t for t in tensors_of(target) if t.dim() > 0]
+    ys = [t for t in tensors_in(target, sort_keys=True) if t.dim() > 0]
     if n is not None and target is not inputs:
         for t in ys:
             if int(t.shape[0]) != n:

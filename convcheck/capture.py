@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from convcheck.nested import first_tensor
+
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Named modules without children, in registration order (the root if it has none)."""
@@ -29,21 +31,6 @@ def disable_inplace(model: nn.Module) -> nn.Module:
         if getattr(m, "inplace", False) is True:
             m.inplace = False
     return model
-
-
-def tensors_in(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []
-
-
-def first_tensor(obj) -> torch.Tensor | None:
-    found = tensors_in(obj)
-    return found[0] if found else None
 
 
 OnCall = Callable[[str, str, nn.Module, tuple, torch.Tensor], None]

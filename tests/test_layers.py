@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # From the ground up. A name is a package (every module under it) or a top-level module.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "exit_codes", "run_stage", "files", "seeding", "batch", "capture", "discovery", "numerics", "steps"),
+    ("errors", "exit_codes", "run_stage", "files", "seeding", "nested", "batch", "capture", "discovery", "numerics",
+     "steps"),
     ("env",),
     ("runformat",),
     ("targets",),

@@ -206,7 +206,8 @@ class _LongFirstProducer:
     """FirstProducer as it was written before its own hooks: ``capture.LeafCalls`` with a parent hook."""
 
     def __init__(self, model):
-        from convcheck.capture import LeafCalls, first_tensor, made_in_own_code
+        from convcheck.capture import LeafCalls, made_in_own_code
+        from convcheck.nested import first_tensor
         from convcheck.measure.train.nonfinite import _finite, all_finite
 
         self.found, self.weights, self.step_index, dirty = None, False, 0, [False]

@@ -26,12 +26,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from convcheck.batch import map_tensors
 from convcheck.capture import SharedDropoutMasks
 from convcheck.ddp.probes import BatchNormProbe, BufferProbe, DrawProbe
 from convcheck.ddp.syncbn import swap_sync_batchnorm
 from convcheck.measure.train.arm_state import ArmState
 from convcheck.measure.train.arms import Arm
+from convcheck.nested import map_tensors
 
 
 @dataclass

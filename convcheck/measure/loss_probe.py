@@ -13,7 +13,8 @@ from convcheck.measure.layer_names import NORM_MODULES
 def loss_reduction_probe(model: nn.Module, runner, batch, loss_fn) -> float:
     """loss(batch) / mean(loss(first half), loss(second half)) in float64, in eval mode (no batch statistics):
     ~1 for a mean-reduced loss, ~2 for a loss summed over the batch; NaN when it cannot tell."""
-    from convcheck.batch import batch_size_of, map_tensors
+    from convcheck.batch import batch_size_of
+    from convcheck.nested import map_tensors
 
     inputs, target = batch
     n = batch_size_of(inputs)

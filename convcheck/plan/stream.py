@@ -20,9 +20,10 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from convcheck.batch import batch_hash, check_batch, check_tensors, split_batch, tensors_of
+from convcheck.batch import batch_hash, check_batch, check_tensors, split_batch
 from convcheck.errors import ConvcheckError, UsageError
 from convcheck.exit_codes import first_line, resource_reason, user_code_error
+from convcheck.nested import tensors_in
 
 # summary.json lists at most this many per-batch hashes (plus one hash over all of them).
 HASHES_LISTED = 1000
@@ -77,7 +78,7 @@ class _Stats:
         self.labels: set[int] = set()
 
     def update(self, inputs, target) -> None:
-        xs = [t for t in tensors_of(inputs) if t.is_floating_point()]
+        xs = [t for t in tensors_in(inputs, sort_keys=True) if t.is_floating_point()]
         if xs:
             x = xs[0].detach().double()
             self.n += x.numel()
@@ -85,7 +86,7 @@ class _Stats:
             self.total_sq += float((x * x).sum())
             self.x_min, self.x_max = min(self.x_min, float(x.min())), max(self.x_max, float(x.max()))
             self.samples += int(x.shape[0]) if x.dim() else 1
-        ys = [t for t in tensors_of(target) if not t.is_floating_point() and t.dtype != torch.bool]
+        ys = [t for t in tensors_in(target, sort_keys=True) if not t.is_floating_point() and t.dtype != torch.bool]
         if ys and ys[0].numel():
             y = ys[0]
             lo, hi = int(y.min()), int(y.max())
@@ -150,7 +151,7 @@ class DataStream:
         return UsageError(f"batch {step} of {self.where} could not be made: {what}")
 
     def _check_shape(self, inputs, target, step: int) -> None:
-        shapes = [tuple(t.shape) for t in tensors_of(inputs) + tensors_of(target)]
+        shapes = [tuple(t.shape) for t in tensors_in(inputs, sort_keys=True) + tensors_in(target, sort_keys=True)]
         if self._shapes is None:
             self._shapes = shapes
         elif self._check_shapes and shapes != self._shapes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from convcheck.capture import tensors_in
+from convcheck.nested import map_tensors, tensors_in
 from convcheck.targets.spec import Target
 
 
@@ -85,8 +85,6 @@ def float32_loss(loss):
     """``loss`` on the model's output and the targets with every 16-bit floating tensor cast to float32 (a tuple or
     dict output too; a float16 target beside a float32 output would fail in the backward), autocast off inside it.
     A float32 or float64 tensor is passed as it is: the judge's loss and a float32 target's are unchanged."""
-    from convcheck.batch import map_tensors
-
     def up(t):
         return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import tensors_in
+from convcheck.nested import tensors_in
 from convcheck.targets.spec import Target
 
 

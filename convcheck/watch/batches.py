@@ -8,15 +8,12 @@ import hashlib
 
 import torch
 
+from convcheck.nested import tensors_in
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
-    return []
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    """Every tensor of a call, in the order its hash reads them (a dict's by its keys: ``nested.tensors_in``)."""
+    return tensors_in(args, sort_keys=True) + tensors_in(kwargs, sort_keys=True)
 
 
 def data_tensors(args, kwargs, made=()) -> list[torch.Tensor]:
@@ -26,7 +23,7 @@ def data_tensors(args, kwargs, made=()) -> list[torch.Tensor]:
     carried over with ``.detach()``). Those differ between two runs whenever the runs' numerics do; they are
     not "different data"."""
     ptrs = {t.untyped_storage().data_ptr() for t in made if t.numel()}
-    return [t for t in _tensors(args) + _tensors(kwargs)
+    return [t for t in _tensors(args, kwargs)
             if t.grad_fn is None and not (t.numel() and t.untyped_storage().data_ptr() in ptrs)]
 
 
@@ -34,7 +31,7 @@ def batch_hash(args, kwargs) -> str:
     """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
     are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
     h = hashlib.sha256()
-    for t in _tensors(args) + _tensors(kwargs):
+    for t in _tensors(args, kwargs):
         c = t.detach().to("cpu").contiguous()
         h.update(f"{c.dtype}{tuple(c.shape)}".encode())
         if c.numel():
@@ -55,7 +52,7 @@ def rounded_hashes(args, kwargs) -> dict[str, str] | None:
     runs of one dtype are still compared element by element by ``batch_hash``; an ImageNet batch of 64
     costs a copy of 0.5 MB, not 19 MB, off a GPU. None when the batch holds no floating tensor (the
     exact hash says it all)."""
-    ts = [t.detach() for t in _tensors(args) + _tensors(kwargs)]
+    ts = [t.detach() for t in _tensors(args, kwargs)]
     if not any(t.is_floating_point() for t in ts):
         return None
     read = [_sample(t) if t.is_floating_point() else t for t in ts]

@@ -13,8 +13,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from convcheck.capture import tensors_in
 from convcheck.measure.train.nonfinite import FirstNonfiniteOp
+from convcheck.nested import tensors_in
 
 
 class _OpProbe(FirstNonfiniteOp):

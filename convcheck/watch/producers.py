@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from convcheck.nested import tensors_in
 from convcheck.watch import deferred as _deferred
 from convcheck.watch import stats as _stats
 from convcheck.watch.snapshots import SnapshotTaker
@@ -21,13 +22,8 @@ from convcheck.watch.sourceline import caller_line, op_line
 
 
 def floats(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in floats(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in floats(o)]
-    return []
+    """The floating tensors of ``obj`` (a call's arguments, a layer's output), in ``nested.tensors_in``'s order."""
+    return [t for t in tensors_in(obj) if t.is_floating_point()]
 
 
 _OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",

@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
+from convcheck.nested import tensors_in
 from convcheck.targets.executors import ParityStep, TargetParity, executor_for
 from convcheck.numerics.metrics import rel_l2
 from convcheck.measure.parity.judge_pass import run_judge, stochastic_layers
@@ -148,8 +148,8 @@ def self_difference(model: nn.Module, target: Target, batch, mask_seed: int, fir
         with SharedDropoutMasks(model, mask_seed):
             out, loss = runner.forward_loss(model, x, y, loss_fn)
         runner.backward(loss, runner.parity_loss_scale)
-    second = [t.detach() for t in tensors_of(out)] + [p.grad.detach() for p in model.parameters()
-                                                       if p.grad is not None]
+    second = [t.detach() for t in tensors_in(out, sort_keys=True)] + \
+        [p.grad.detach() for p in model.parameters() if p.grad is not None]
     worst = 0.0
     for a, b in zip(first_run, second):
         if not torch.equal(a, b):

@@ -29,8 +29,9 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.capture import own_code_leaf, tensors_in
+from convcheck.capture import own_code_leaf
 from convcheck.measure.parity.own_code import RoundOperands, rounds_operands
+from convcheck.nested import tensors_in
 from convcheck.numerics.metrics import rel_l2, rounding_error
 from convcheck.targets.runners import Runner
 from convcheck.numerics.formats import FLOAT32

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from convcheck.batch import map_tensors
-from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, tensors_in
+from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks
 from convcheck.measure.parity.kernels import PYTHON_BACKWARD, python_backward
 from convcheck.measure.parity.snapshots import Snapshots
+from convcheck.nested import first_tensor, map_tensors, tensors_in
 from convcheck.targets.runners import Runner
 from convcheck.seeding import seed_all
 

@@ -11,9 +11,10 @@ import copy as pycopy
 import torch
 import torch.nn as nn
 
-from convcheck.capture import cast_like, module_copy, tensors_in
+from convcheck.capture import cast_like, module_copy
 from convcheck.measure.parity.judge_pass import JudgeCall
 from convcheck.measure.parity.known import stock_type
+from convcheck.nested import tensors_in
 from convcheck.targets.runners import Runner
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convcheck.batch import tensors_of
 from convcheck.capture import SharedDropoutMasks
+from convcheck.nested import tensors_in
 from convcheck.seeding import seed_all
 
 
@@ -48,8 +48,8 @@ class _Record:
 
     def _hook(self, module, args, output):
         name = self.names[module]
-        ins = [t.detach().clone() for t in tensors_of(args) if t.is_floating_point()]
-        outs = [t for t in tensors_of(output) if t.is_floating_point()]
+        ins = [t.detach().clone() for t in tensors_in(args, sort_keys=True) if t.is_floating_point()]
+        outs = [t for t in tensors_in(output, sort_keys=True) if t.is_floating_point()]
         self.calls.append((name, ins, [t.detach().clone() for t in outs]))
         if outs and outs[0].requires_grad:
             outs[0].register_hook(lambda g, name=name: self.grads.append((name, g.detach().clone())) or None)
@@ -83,9 +83,9 @@ class _OpOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = [t.detach().clone() for t in tensors_of(list(args) + list((kwargs or {}).values()))]
+        ins = [t.detach().clone() for t in tensors_in(list(args) + list((kwargs or {}).values()), sort_keys=True)]
         self.ops.append((str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func),
-                         ins, [t.detach().clone() for t in tensors_of(out)]))
+                         ins, [t.detach().clone() for t in tensors_in(out, sort_keys=True)]))
         return out
 
 

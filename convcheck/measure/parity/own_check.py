@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from convcheck.batch import map_tensors
-from convcheck.capture import ParentCall, cast_like, made_in_own_code, tensors_in
+from convcheck.capture import ParentCall, cast_like, made_in_own_code
+from convcheck.nested import map_tensors, tensors_in
 from convcheck.numerics.metrics import rel_l2
 from convcheck.measure.parity import checks
 from convcheck.measure.parity.checks import row_verdict

@@ -29,8 +29,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convcheck.batch import map_tensors
-from convcheck.capture import hooks_suspended, tensors_in
+from convcheck.capture import hooks_suspended
+from convcheck.nested import map_tensors, tensors_in
 from convcheck.targets.runners.precision import PrecisionModel, dtype_unit_roundoff, round_to
 
 # --- the replay -----------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convcheck.batch import tensors_of
 from convcheck.measure.parity.kernels import operator_of
+from convcheck.nested import tensors_in
 
 
 class Snapshots(TorchDispatchMode):
@@ -57,7 +57,7 @@ class Snapshots(TorchDispatchMode):
             for i, arg in enumerate(func._schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = args[i] if i < len(args) else kwargs.get(arg.name)
-                    for t in tensors_of(value):
+                    for t in tensors_in(value, sort_keys=True):
                         self._copy_out(t)
         return func(*args, **kwargs)
 

@@ -12,9 +12,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from convcheck.batch import batch_size_of, tensors_of
-from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, first_tensor, is_shared_dropout, \
-    own_code_leaf, tensors_in
+from convcheck.batch import batch_size_of
+from convcheck.capture import LeafCalls, ParentCall, SharedDropoutMasks, is_shared_dropout, own_code_leaf
+from convcheck.nested import first_tensor, tensors_in
 from convcheck.numerics.metrics import (abs_max, grad_reduction_length, nonfinite_count, reduction_length, rel_l2,
                                         rel_l2_finite)
 from convcheck.measure.parity import checks
@@ -70,8 +70,8 @@ class TargetPass:
                 self._grad_rows(model, scale)
         if not self.rerun_needed:  # nothing to hold a rerun against
             return float(loss.detach()), []
-        first_run = [t.detach() for t in tensors_of(out)] + [p.grad.detach() for p in model.parameters()
-                                                             if p.grad is not None]
+        first_run = [t.detach() for t in tensors_in(out, sort_keys=True)] + \
+            [p.grad.detach() for p in model.parameters() if p.grad is not None]
         return float(loss.detach()), first_run
 
     # -- forward rows -----------------------------------------------------------------

@@ -218,6 +218,6 @@ class ArmState:
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    from convcheck.capture import tensors_in
+    from convcheck.nested import tensors_in
 
     return [t for t in tensors_in(obj) if t.is_floating_point()]

@@ -17,10 +17,10 @@ import math
 import torch
 import torch.nn as nn
 
-from convcheck.batch import map_tensors
-from convcheck.capture import ChildCall, ParentCall, first_tensor, hooks_live, leaf_modules, made_in_own_code, \
-    named_modules, own_code_leaf, tensors_in
+from convcheck.capture import ChildCall, ParentCall, hooks_live, leaf_modules, made_in_own_code, named_modules, \
+    own_code_leaf
 from convcheck.measure.parity.own_code import FirstNonfinite, child_attribute, run_own_code
+from convcheck.nested import first_tensor, map_tensors, tensors_in
 
 
 def all_finite(t: torch.Tensor) -> bool:

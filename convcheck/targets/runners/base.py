@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from convcheck.batch import call_model, map_tensors
-from convcheck.capture import tensors_in
+from convcheck.batch import call_model
 from convcheck.errors import TargetUnavailable, UsageError
+from convcheck.nested import map_tensors, tensors_in
 from convcheck.numerics.formats import TF32, coarsest
 from convcheck.targets.runners.flags import preserved_global_flags
 from convcheck.targets.runners.precision import PrecisionModel
