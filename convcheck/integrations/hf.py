@@ -3,15 +3,21 @@
     trainer = Trainer(model, args, train_dataset=..., callbacks=[ConvcheckCallback(out="runs/gpu")])
 
 At ``on_train_begin`` it opens a watch on the trainer's model and optimizer (the torch optimizer inside
-accelerate's ``AcceleratedOptimizer``, with its GradScaler when there is one); each optimizer step is one
+accelerate's ``AcceleratedOptimizer``, with its GradScaler when there is one) - the ones it trains: the Trainer
+points its callback handler at its model, optimizer and scheduler just before ``on_train_begin``, so a
+``model_init``'s fresh model is the one handed over; each optimizer step is one
 watched step, ended at ``on_step_end`` with the loss the model returned (its output's ``loss``, as the
 Trainer reads it; the mean over the micro-batches of an accumulated step; None when the model returned no
 loss, e.g. a ``compute_loss`` of the user's own). ``on_train_end`` closes the watch. The Trainer has no
 callback for a failed run: a run that raised leaves its watch open and its bundle incomplete, which
-``convcheck diff`` refuses. Under DDP each rank writes ``out/rank<k>/`` (``convcheck.watch`` does that).
+``convcheck diff`` refuses. Under DDP each rank writes ``out/rank<k>/`` (``convcheck.watch`` does that). The loss is
+read by a process-wide forward hook routed by identity to the trained model, never a hook on the model: a copy,
+pickle or ``torch.save`` of the model during training (an EMA, a checkpoint) is what it is without the callback.
 """
 
 from __future__ import annotations
+
+from torch.nn.modules.module import register_module_forward_hook
 
 from convcheck.integrations._extra import require, scalar
 from convcheck.runformat.layout import DEFAULT_MAX_BYTES
@@ -38,7 +44,7 @@ class ConvcheckCallback(_transformers.TrainerCallback):
         self.options = dict(snapshot_steps=snapshot_steps, snapshot_nonfinite=snapshot_nonfinite,
                             max_bytes=max_bytes, force=force)
         self.watch = None
-        self._handle = None
+        self._handle = self._model = None
         self._losses: list = []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -47,10 +53,11 @@ class ConvcheckCallback(_transformers.TrainerCallback):
         w = watch(model, inner, out=self.out, scaler=scaler, **self.options)
         self.watch = w.__enter__()
         self._losses = []
-        self._handle = model.register_forward_hook(self._record_loss)
+        self._model = model
+        self._handle = register_module_forward_hook(self._record_loss)
 
     def _record_loss(self, module, args, output):
-        if module.training and self.watch is not None:
+        if module is self._model and module.training and self.watch is not None:
             loss = scalar(_loss_of(output))
             self._losses.append(loss)
         return None
@@ -65,7 +72,7 @@ class ConvcheckCallback(_transformers.TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self._handle is not None:
             self._handle.remove()
-            self._handle = None
+            self._handle = self._model = None
         w, self.watch = self.watch, None
         if w is not None:
             w.__exit__(None, None, None)

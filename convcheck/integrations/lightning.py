@@ -2,8 +2,10 @@
 
     trainer = L.Trainer(..., callbacks=[ConvcheckCallback(out="runs/gpu")])
 
-At ``on_train_start`` it opens a watch on the LightningModule and the trainer's (first) optimizer, with the
-precision plugin's GradScaler when there is one; each optimizer step is one watched step, ended at
+At ``on_train_start`` it opens a watch on the LightningModule and the trainer's optimizers, with the
+precision plugin's GradScaler when there is one; each optimizer step is one watched step (with several optimizers -
+a GAN's, ``automatic_optimization = False`` - one batch is one step, each optimizer's gradient norms read at its own
+step: ``convcheck.watch(optimizers=[...])``), ended at
 ``on_train_batch_end`` with the loss ``training_step`` returned (summed over the micro-batches of an
 accumulated step: Lightning hands each one over divided by ``accumulate_grad_batches``). The hash of the
 batch the loader gave is recorded at ``on_train_batch_start`` (besides the model's own forward inputs, which
@@ -14,8 +16,6 @@ writes ``out/rank<k>/`` (``convcheck.watch`` does that).
 """
 
 from __future__ import annotations
-
-import sys
 
 from convcheck.integrations._extra import require, scalar
 from convcheck.runformat.layout import DEFAULT_MAX_BYTES
@@ -50,11 +50,8 @@ class ConvcheckCallback(_callback_base()):
 
     def on_train_start(self, trainer, pl_module) -> None:
         optimizers = list(trainer.optimizers)
-        if len(optimizers) > 1:
-            print(f"convcheck: ConvcheckCallback watches the first of the trainer's {len(optimizers)} optimizers "
-                  f"({type(optimizers[0]).__name__})", file=sys.stderr)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        w = watch(pl_module, optimizers[0] if optimizers else None, out=self.out, scaler=scaler, **self.options)
+        w = watch(pl_module, out=self.out, scaler=scaler, optimizers=optimizers or None, **self.options)
         self.watch = w.__enter__()
         self._losses, self._stepped = [], False
 
