@@ -28,6 +28,7 @@ from convcheck.diagnose.detectors.watched import (first_nonfinite, gradient_unde
                                                   run_findings)
 from convcheck.diagnose.detectors.watched_setup import compiled_random
 from convcheck.diagnose.detectors.watched_causal import Outcome, backward_difference, gradient_parting, outcome
+from convcheck.diagnose.detectors.watched_data import same_batches
 from convcheck.diagnose.detectors.watched_recipe import precision_policy
 from convcheck.diagnose.watched_checks import setup_findings
 from convcheck.diagnose.verdict import Verdict
@@ -41,7 +42,6 @@ from convcheck.numerics.thresholds import (BACKWARD_RTOL, ENDS_ALIKE_FALL, ENDS_
                                           LOSS_SPIKE, PART_FACTOR)
 from convcheck.runformat.reader import WatchedRun, open_watched
 from convcheck.analysis.run_lines import hidden_layers, judge_lines, scaler_notes, stopped_line, symptom_dict
-from convcheck.watch.batches import ROUNDED
 from convcheck.analysis.replay import Replay, replay_run
 from convcheck.analysis.verdict import decide, decide_single, run_evidence, size_cap
 
@@ -271,24 +271,6 @@ def autocast_at(a: WatchedRun, b: WatchedRun, k: int) -> str | None:
     """The coarser autocast dtype either run's step ``k`` ran under (None without autocast)."""
     fmts = [f for f in (a.steps[k].get("autocast"), b.steps[k].get("autocast")) if f]
     return coarsest_dtype(fmts) if fmts else None
-
-
-def same_batches(a: WatchedRun, b: WatchedRun, k: int) -> bool:
-    """Whether step ``k`` of both runs gave the model the same data: the same bytes, or, when the coarser
-    run computes in bfloat16 or float16, the same batch rounded to that format (``batch_rounded``: a model
-    cast with ``model.to(torch.bfloat16)`` is fed ``x.to(torch.bfloat16)``). A run recorded before
-    ``batch_rounded`` is compared by its bytes alone."""
-    sa, sb = a.steps[k], b.steps[k]
-    if sa["batch_sha256"] == sb["batch_sha256"]:
-        return True
-    dtypes = {r["dtype"] for s in (sa, sb) for r in s["layers"].values()}
-    fmt = coarsest_dtype(dtypes)
-    ra, rb = sa.get("batch_rounded"), sb.get("batch_rounded")
-    if fmt not in ROUNDED or ra is None or rb is None or len(ra) != len(rb):
-        return False
-    return all(x == y or (isinstance(rx, dict) and isinstance(ry, dict) and rx.get(fmt) is not None
-                          and rx.get(fmt) == ry.get(fmt))
-               for x, y, rx, ry in zip(sa["batch_sha256"], sb["batch_sha256"], ra, rb))
 
 
 def _first_data_difference(a: WatchedRun, b: WatchedRun, steps: int) -> int | None:

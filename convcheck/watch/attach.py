@@ -31,6 +31,7 @@ import torch
 from torch.nn.modules import module as _module
 from torch.optim import optimizer as _optimizer
 
+from convcheck.watch import functional_losses
 from convcheck.watch.compiled import outside_graphs
 
 # id(object) -> (object, [watches]): the object held (the watch holds it anyway while open), checked by identity
@@ -44,6 +45,7 @@ _SEEN_OPTIMIZERS: dict[int, object] = {}  # optimizers met stepping that are not
 # how deep in module calls the process is: the output of an outermost call of a module no watch holds (a GAN's
 # generator when the discriminator is watched) is made by the process, not data (``Watch.made_elsewhere``)
 _DEPTH = [0]
+_OUTERMOST: list = [None]  # the module of the outermost call now running (a loss function called inside it is its)
 
 # a warning OptimizedModule gives on every call while any global module hook exists; the watch's are invisible
 _GLOBAL_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
@@ -74,6 +76,7 @@ def parallel_prefixes(model) -> frozenset:
 def outermost() -> None:
     """A step's end: no module call is running (one that raised left the count above 0)."""
     _DEPTH[0] = 0
+    _OUTERMOST[0] = None
 
 
 def current():
@@ -121,7 +124,21 @@ def attach(w, roots, layers, optimizers) -> "Attached":
         _HANDLES.append(_optimizer.register_optimizer_step_pre_hook(_opt_pre))
         _HANDLES.append(_optimizer.register_optimizer_step_post_hook(_opt_post))
         warnings.filterwarnings("ignore", message=_GLOBAL_HOOK_WARNING)
+        functional_losses.install(_functional_loss)
     return Attached(w)
+
+
+def _functional_loss(name: str, bound) -> None:
+    """A loss function of ``torch.nn.functional`` called (``functional_losses``): each open watch records it when
+    no module's call is running, or when the outermost one is the user's own code - neither a watched model (whose
+    labels, when it computes its loss, are among its inputs) nor a loss module (whose call is recorded whole)."""
+    if _DEPTH[0]:
+        outer = _OUTERMOST[0]
+        if outer is None or id(outer) in _ROOT_IDS or isinstance(outer, torch.nn.modules.loss._Loss) \
+                or _watches(_LAYERS, outer):
+            return
+    for w in list(_WATCHES):
+        w.functional_loss(name, bound)
 
 
 def add_optimizer(w, optimizer) -> None:
@@ -153,6 +170,8 @@ class Attached:
                 getattr(_module, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
             _HANDLES.clear()
             _SEEN_OPTIMIZERS.clear()
+            _OUTERMOST[0] = None
+            functional_losses.uninstall()
             warnings.filters[:] = [f for f in warnings.filters
                                    if not (f[1] is not None and f[1].pattern == _GLOBAL_HOOK_WARNING)]
 
@@ -181,6 +200,8 @@ def _pre(module, args):
     if id(module) in _ROOT_IDS:
         _root_pre_eager(module, args)
     if not torch.compiler.is_compiling():
+        if _DEPTH[0] == 0:
+            _OUTERMOST[0] = module
         _DEPTH[0] += 1
     return None
 
@@ -196,6 +217,8 @@ def _post(module, args, kwargs, output):
     if torch.compiler.is_compiling():  # a layer inside a compiled graph: nothing of the watch is traced into it
         return None
     _DEPTH[0] = max(_DEPTH[0] - 1, 0)
+    if _DEPTH[0] == 0:
+        _OUTERMOST[0] = None
     if _DEPTH[0] == 0 and id(module) not in _ROOT_IDS:
         for w in list(_WATCHES):
             w.made_elsewhere(module, args, kwargs, output)

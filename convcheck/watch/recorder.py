@@ -22,6 +22,7 @@ import torch
 
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, data_tensors, rounded_hashes
+from convcheck.watch.functional_losses import MAX_TARGETS_PER_STEP, criterion as functional_criterion
 from convcheck.watch.recipe import criterion_of, forward_state, grad_sample, loss_dtype, recipe_of, sample_parts
 from convcheck.errors import UsageError
 from convcheck.watch import arguments as _args
@@ -275,10 +276,24 @@ class Watch(ProducerHooks):
             if found is not None:
                 if found not in self.recipe.setdefault("criteria", []):
                     self.recipe["criteria"].append(found)
-                data = data_tensors(args, kwargs, self.made_before + self.made)
-                self.targets.append(batch_hash(data, {}))
-                self.targets_rounded.append(rounded_hashes(data, {}))
+                self._hash_targets(data_tensors(args, kwargs, self.made_before + self.made))
             self.made.extend(floats(output))
+
+    def functional_loss(self, name: str, bound) -> None:
+        """A loss of ``torch.nn.functional`` called outside any loss module (``functional_losses``): recorded as the
+        module of that loss would be - its class and settings in the recipe, its target hashed."""
+        if self._recording():
+            found, given = functional_criterion(name, bound)
+            if found not in self.recipe.setdefault("criteria", []):
+                self.recipe["criteria"].append(found)
+            self._hash_targets(data_tensors(tuple(given), {}, self.made_before + self.made))
+
+    def _hash_targets(self, data: list) -> None:
+        """A loss's targets hashed as a batch is, the first ``MAX_TARGETS_PER_STEP`` calls of a step (a loss called
+        once per time step of a sequence is called thousands of times)."""
+        if len(self.targets) < MAX_TARGETS_PER_STEP:
+            self.targets.append(batch_hash(data, {}))
+            self.targets_rounded.append(rounded_hashes(data, {}))
 
     def _root_forward(self, module, args, kwargs, output):
         if not self._recording():

@@ -13,11 +13,10 @@ What a precision policy is (the autocast dtype, the weights' dtype, the TF32 swi
 from __future__ import annotations
 
 from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
-                                         MODEL_REMEDIES, RECIPE_REMEDIES, TARGET_REMEDIES, TRAIN_MODE_REMEDIES)
+                                         MODEL_REMEDIES, RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
 from convcheck.diagnose.detectors.watched_setup import lr_difference, lrs_text, same_setting, settings_difference
 from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
-from convcheck.numerics.formats import coarsest_dtype
 
 SHOWN_NAMES = 4  # parameter names spelled out before "and N more"
 
@@ -318,27 +317,6 @@ def precision_policy(a, b) -> list[str]:
     return out
 
 
-def target_difference(a, b, steps: int) -> Setup | None:
-    """The first aligned step whose loss modules were given other targets (labels) - compared as batches are, the
-    same bytes or the same values rounded to the coarser run's format - with the model's inputs the same."""
-    for k in range(steps):
-        sa, sb = a.steps[k], b.steps[k]
-        ta, tb = sa.get("target_sha256"), sb.get("target_sha256")
-        if not ta or not tb or len(ta) != len(tb) or ta == tb:
-            continue
-        fmt = coarsest_dtype({r["dtype"] for s in (sa, sb) for r in s["layers"].values()} | {"float32"})
-        ra, rb = sa.get("target_rounded") or [None] * len(ta), sb.get("target_rounded") or [None] * len(tb)
-        if all(x == y or (isinstance(u, dict) and isinstance(v, dict) and u.get(fmt) is not None
-                          and u.get(fmt) == v.get(fmt)) for x, y, u, v in zip(ta, tb, ra, rb)):
-            continue
-        return Setup(f"the loss was given other targets (labels) from step {k}, with the same model inputs",
-                     "targets", evidence=[f"the hashes of what the loss modules were given besides the model's "
-                                          f"output differ at step {k}: a label mapping, a target transform or a "
-                                          "loader that pairs inputs with other labels"],
-                     remedies=list(TARGET_REMEDIES), step=k)
-    return None
-
-
 # --- the pair's setup checks (``watched_checks``) -------------------------------------------------------
 
 @pair_check("recipe", order=20)
@@ -348,5 +326,3 @@ def _recipe_check(a, b, steps: int) -> list:
         return recipe_differences(a, b, steps)
     return [settings_difference(a, b), lr_difference(a, b, steps)]
 
-
-pair_check("targets", order=100)(target_difference)
