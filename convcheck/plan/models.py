@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from convcheck.errors import ConvcheckError, UsageError, did_you_mean
-from convcheck.plan.user_code import import_module, load_file, one_line
+from convcheck.plan.user_code import attribute, import_module, load_file, one_line
 
 # Square image sizes tried, smallest first, when a model does not declare its
 # input: MNIST, CIFAR, 64px, STL-10, ImageNet.
@@ -209,12 +209,7 @@ def _resolve_user_code(spec: str, location: str, attr: str, input_shape, num_cla
 
 
 def _lookup(module, attr: str, where: str):
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise UsageError(f"{where} has no factory {attr!r}") from None
+    obj = attribute(module, attr, where, "factory")
     if isinstance(obj, nn.Module):
         raise UsageError(f"{attr!r} in {where} is a model instance, not a factory; "
                          f"point at a function or class that builds it")

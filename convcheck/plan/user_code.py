@@ -45,13 +45,18 @@ def load_object(spec: str, what: str):
                 f"module {location!r}"
         else:
             raise UsageError(f"{what} {spec!r} is not {FORMS}")
+    return attribute(module, attr, where, what), f"{short}.{attr}"
+
+
+def attribute(module, attr: str, where: str, what: str):
+    """``module.a.b`` for ``attr`` ``"a.b"``; a missing part is a ``UsageError``: ``{where} has no {what} 'a.b'``."""
     obj = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise UsageError(f"{where} has no {what} {attr!r}") from None
-    return obj, f"{short}.{attr}"
+    return obj
 
 
 def load_callable(spec: str, what: str):

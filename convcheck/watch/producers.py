@@ -108,16 +108,23 @@ def backward_op(start, stops, limit: int = 512) -> set[str]:
     runs past ``limit`` nodes. Reads node types only."""
     if start is None:
         return set()
-    seen, todo, found = set(), [start], set()
+    found, whole = _graph_ops([start], stops, BACKWARD_OVERFLOWING, limit)
+    return found if whole else set()
+
+
+def _graph_ops(todo: list, stops, names: dict[str, str], limit: int) -> tuple[set[str], bool]:
+    """``(the names, by ``names``, of the node types on the autograd graph from ``todo`` down to ``stops``,
+    whether the walk ended within ``limit`` nodes)``. Reads node types only."""
+    seen, found = set(), set()
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or node in seen or node in stops:
             continue
         seen.add(node)
-        if type(node).__name__ in BACKWARD_OVERFLOWING:
-            found.add(BACKWARD_OVERFLOWING[type(node).__name__])
+        if type(node).__name__ in names:
+            found.add(names[type(node).__name__])
         todo += [n for n, _ in node.next_functions]
-    return found if len(seen) < limit else set()
+    return found, len(seen) < limit
 
 
 # the forward ops that turn finite values into Inf/NaN, by how often they do: exp/pow overflow first, then a
@@ -139,15 +146,8 @@ def forward_op(start, stops, limit: int = 512) -> str | None:
     children's output nodes), the first tier of ``_TIERS`` that holds any; several there: all named."""
     if start is None:
         return None
-    seen, todo, found = set(), [n for n, _ in start.next_functions] if start in stops else [start], set()
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
-            continue
-        seen.add(node)
-        if type(node).__name__ in FORWARD_OPS:
-            found.add(FORWARD_OPS[type(node).__name__])
-        todo += [n for n, _ in node.next_functions]
+    found, _ = _graph_ops([n for n, _ in start.next_functions] if start in stops else [start], stops, FORWARD_OPS,
+                          limit)
     for tier in _TIERS:
         hit = sorted(found & tier)
         if hit:
