@@ -9,7 +9,10 @@ process's CPU time (on a shared, loaded machine the CPU-time ratio is the steadi
     python benchmarks/watch_overhead.py --models cifar_cnn,resnet18,transformer --steps 10 --rounds 3
 
 ``transformer`` is a small one defined here (2 encoder layers, d_model 128, 4 heads, 64 positions of 32
-features, mean-pooled to 10 classes); the others are the zoo's. ``--device cuda`` runs the same on a GPU (each
+features, mean-pooled to 10 classes); ``char_gru`` a character-level language model (an ``nn.GRUCell`` of width
+128 and its output ``nn.Linear`` called once per character in a Python loop over 64 characters, a vocabulary of
+96: 128 small module calls a step, where a hook's per-call cost shows); the others are the zoo's. Each ratio is
+printed with its spread over the rounds (lowest-highest). ``--device cuda`` runs the same on a GPU (each
 timed loop ends with a synchronize).
 
 ``--compile BACKEND`` (inductor, aot_eager, eager): the model is ``torch.compile(model, backend=BACKEND)``d
@@ -73,9 +76,28 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(self.encoder(self.embed(x))).mean(1))
 
 
+class CharGRU(nn.Module):
+    """A character-level language model as a tutorial writes it: the cell called once per character."""
+
+    def __init__(self, vocab: int = 96, d: int = 128):
+        super().__init__()
+        self.embed, self.cell, self.head = nn.Embedding(vocab, d), nn.GRUCell(d, d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size, dtype=torch.float32)
+        e, logits = self.embed(x), []
+        for t in range(x.shape[1]):
+            h = self.cell(e[:, t], h)
+            logits.append(self.head(h))
+        return torch.stack(logits, 1).flatten(0, 1)  # (batch x characters, vocab): the next character's scores
+
+
 def _spec(name: str):
     if name == "transformer":
         return types.SimpleNamespace(factory=TinyTransformer, input_shape=(64, 32), num_classes=10)
+    if name == "char_gru":  # 64 characters in, the next character at each as the target
+        return types.SimpleNamespace(factory=CharGRU, batch=lambda n, device: (
+            torch.randint(0, 96, (n, 64), device=device), torch.randint(0, 96, (n * 64,), device=device)))
     return get_spec(name)
 
 
@@ -118,6 +140,12 @@ def _ratios(pairs) -> tuple[float, float]:
     return (statistics.median(w[0] / b[0] for w, b in pairs), statistics.median(w[1] / b[1] for w, b in pairs))
 
 
+def _spread(pairs) -> list[float]:
+    """The lowest and highest of the rounds' wall-time ratios."""
+    r = [w[0] / b[0] for w, b in pairs]
+    return [min(r), max(r)] if r else []
+
+
 def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None = None, device: str = "cpu") -> dict:
     spec = _spec(name)
     torch.manual_seed(0)
@@ -125,8 +153,9 @@ def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if backend is not None:
         model = torch.compile(model, backend=backend)
-    batches = [(torch.randn(batch, *spec.input_shape, device=device),
-                torch.randint(0, spec.num_classes, (batch,), device=device)) for _ in range(steps)]
+    make = getattr(spec, "batch", None) or (lambda n, device: (
+        torch.randn(n, *spec.input_shape, device=device), torch.randint(0, spec.num_classes, (n,), device=device)))
+    batches = [make(batch, device) for _ in range(steps)]
     _steps(model, opt, batches[:2])  # warm up
     stats_pairs, snap_pairs, naive_pairs, anomaly_pairs = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +179,12 @@ def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None 
     stats_wall, stats_cpu = _ratios(stats_pairs)
     snap_wall, snap_cpu = _ratios(snap_pairs)
     anchors = {f"{k}_ratio": _ratios(v)[0] for k, v in (("naive", naive_pairs), ("anomaly", anomaly_pairs)) if v}
+    # the watch against the naive hook round by round (both against the same bare loop)
+    anchors.update({f"{k}_spread": _spread(v) for k, v in (("naive", naive_pairs), ("anomaly", anomaly_pairs)) if v})
+    if naive_pairs:
+        anchors["watch_over_naive"] = statistics.median(s[0][0] / n[0][0] for s, n in zip(stats_pairs, naive_pairs))
     return {**anchors, "model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu,
+            "stats_spread": _spread(stats_pairs), "snapshot_spread": _spread(snap_pairs), "rounds": rounds,
             "snapshot_ratio": snap_wall,
             "snapshot_cpu_ratio": snap_cpu, "snapshot_mb": snap_mb, "rss_growth_mb": rss_growth}
 
@@ -172,13 +206,15 @@ def main() -> None:
     for name in args.models.split(","):
         r = measure(name, args.steps, args.rounds, args.batch, args.compile, args.device)
         results.append(r)
-        print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare (CPU time "
-              f"{r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step (CPU time "
-              f"{r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | peak RSS growth "
-              f"{r['rss_growth_mb']:.1f} MB")
+        sp = "({:.2f}-{:.2f})".format
+        print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare {sp(*r['stats_spread'])} (CPU "
+              f"time {r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step "
+              f"{sp(*r['snapshot_spread'])} (CPU time {r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | "
+              f"peak RSS growth {r['rss_growth_mb']:.1f} MB")
         if "naive_ratio" in r:
-            print(f"{'':<10} anchors in the same rounds: a naive max|x|/mean/std hook {r['naive_ratio']:.3f}x bare, "
-                  f"torch.autograd.detect_anomaly {r['anomaly_ratio']:.3f}x bare")
+            print(f"{'':<10} anchors in the same rounds: a naive max|x|/mean/std hook {r['naive_ratio']:.3f}x bare "
+                  f"{sp(*r['naive_spread'])}, torch.autograd.detect_anomaly {r['anomaly_ratio']:.3f}x bare "
+                  f"{sp(*r['anomaly_spread'])}; the watch {r['watch_over_naive']:.3f}x the naive hook")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         import json
