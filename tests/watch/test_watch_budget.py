@@ -131,3 +131,48 @@ def test_the_default_budget_bounds_a_long_unroll(tmp_path, capsys):
     assert entry["kept"]["layers"]["cell"]["calls"] == 1000
     code, text = diff(capsys, tmp_path / "run", "--judge", "cpu:float64", "--json")
     assert len(text.encode()) <= 1_000_000
+
+
+def sam_run(out, steps: int = 3, **watch):
+    """SAM's two passes as a user writes them: a first backward, the weights moved uphill by rho along the gradient, a
+    second forward and backward there, the weights moved back, then the base optimizer's step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    with convcheck.watch(model, opt, out=out, **watch) as w:
+        for _ in range(steps):
+            x = torch.randn(2, 64, generator=g)
+            F.mse_loss(model(x), x).backward()
+            with torch.no_grad():
+                norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+                moves = [p.grad * (0.05 / norm) for p in model.parameters()]
+                for p, e in zip(model.parameters(), moves):
+                    p.add_(e)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), x)
+            loss.backward()
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), moves):
+                    p.sub_(e)
+            opt.step()
+            opt.zero_grad()
+            w.step(loss)
+
+
+def test_sams_second_pass_is_replayed_with_its_own_weights_or_inconclusive_when_not_kept(tmp_path, capsys):
+    """Each pass replayed with the weights it ran with; with a budget that holds the step's first weights and gradients
+    but not the moved ones, the second pass's calls are not replayed: inconclusive (exit 5), never flagged."""
+    sam_run(tmp_path / "sam")
+    code, text = diff(capsys, tmp_path / "sam", "--judge", "cpu:float64", "--json")
+    judged = json.loads(text)["judge_replay"]
+    assert judged["closure_evaluations"] == {"0": {"evaluations": 2, "replayed": 2}} and judged["complete"]
+    assert judged["layers_replayed"]["0"] == {"calls": 2, "flagged": 0, "overflowed": 0}
+    sam_run(tmp_path / "tight", snapshot_bytes=90_000)
+    (entry,) = open_watched(tmp_path / "tight")["snapshots"]
+    assert [e.get("kept") for e in entry["evaluations"]] == [None, False] and entry["bytes"] <= 90_000
+    code, out = diff(capsys, tmp_path / "tight", "--judge", "cpu:float64")
+    assert code == 5, out
+    assert "1 of step 0's 2 closure evaluations replayed (the others' parameters were not kept)" in out
+    assert "its parameters at closure evaluation 1 were not kept (over the snapshot budget; their hash was)" in out
+    assert "above its floor" not in out
