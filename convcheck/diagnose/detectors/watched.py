@@ -29,7 +29,7 @@ from convcheck.diagnose.detectors import recipe as R
 from convcheck.diagnose.detectors import training as S
 from convcheck.diagnose.detectors.watched_setup import divergence, global_norm
 from convcheck.diagnose.watched_evidence import LOSS as LOSS_PRODUCER
-from convcheck.numerics.formats import coarsest_dtype, unit_roundoff_of
+from convcheck.numerics.formats import coarsest_dtype, format_named, unit_roundoff_of
 from convcheck.numerics.thresholds import (CONVERGED_LOSS_RATIO, CONVERGED_TAIL, CONVERGENCE_MIN_STEPS,
                                           EXPLODING_LAYER_RATIO, PART_FACTOR, SCALE_RATIO_SPREAD, TINY_NORM,
                                           UNDERFLOW_EXTRA_ZEROS)
@@ -236,6 +236,12 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
             scale = median
     if not loss_apart and scale is None:
         return None
+    # one factor on every gradient (and a loss apart, when the loss itself is that small) of a run whose backward
+    # is in its 16-bit format's subnormal range is that range's spacing, not a loss computed or scaled otherwise
+    found = next((u for u in (subnormal_gradients(b, names, "B", lb if loss_apart else None),
+                              subnormal_gradients(a, names, "A", la if loss_apart else None)) if u), None)
+    if found is not None:
+        return found
     lines = []
     if loss_apart:
         lines.append(f"step-0 loss: A {la:.6g}, B {lb:.6g} (B/A = {_ratio_text(lb / la) if la else 'inf'}), "
@@ -253,6 +259,33 @@ def recipe_difference(a, b, tol: float) -> S.Symptom | None:
     value = scale if kind == LOSS_SCALE else (lb / la if la else math.inf)
     return S.Symptom(kind, "B", "; ".join(lines), step=0, value=value,
                      extra={"loss_ratio": lb / la if loss_apart and la else None, "grad_ratio": scale})
+
+
+def subnormal_gradients(run, names: list[str], side: str, loss: float | None = None) -> S.Symptom | None:
+    """A gradient underflow seen at step 0 as one factor on every gradient: the run computes in float16 or
+    bfloat16 (its layers' outputs or its weights) and even its largest parameter gradient, as a root-mean-square
+    entry, lies below that format's smallest normal number - the gradients keep a few bits of the subnormal range
+    (a down-weighted loss, a loss averaged over many elements, no GradScaler). ``loss``: the run's step-0 loss when
+    it differs from the other run's - then the loss itself must lie in the loss's format's subnormal range too."""
+    shapes = {p["name"]: p.get("shape") for p in run.manifest["model"]["parameters"]}
+    dtypes = {p.get("dtype") for p in run.manifest["model"]["parameters"]} | {compute_format(run)}
+    fmt = coarsest_dtype(d for d in dtypes if isinstance(d, str))
+    if fmt not in ("float16", "bfloat16"):
+        return None
+    norms = run.steps[0]["grad_norms"]
+    rms = {n: norms[n] / math.sqrt(math.prod(shapes[n]) or 1) for n in names if shapes.get(n) is not None}
+    tiny = format_named(fmt).smallest_normal
+    if not rms or max(rms.values()) >= tiny:
+        return None
+    if loss is not None:
+        loss_fmt = coarsest_dtype(d for d in (run.steps[0].get("loss_dtype"), fmt) if isinstance(d, str))
+        if not (_finite(loss) and abs(loss) < format_named(loss_fmt).smallest_normal):
+            return None
+    top = max(rms, key=rms.get)
+    return S.Symptom(S.GRADIENT_UNDERFLOW, side, f"{side}'s step-0 gradients lie in {fmt}'s subnormal range: the "
+                     f"largest root-mean-square entry ({top}) is {rms[top]:.3g}, below {fmt}'s smallest normal "
+                     f"{tiny:.3g}, so every gradient keeps only a few bits", layer=top, step=0, value=rms[top] / tiny,
+                     extra={"compute": fmt, "subnormal": True})
 
 
 def _zero_share(x: np.ndarray) -> float:

@@ -191,9 +191,12 @@ def watched_underflow(ev: PairEvidence) -> Verdict | None:
     if u is None or (ev.parting is not None and ev.parting.step <= u.step) or not _sixteen_bit(u):
         return None
     remedy = GRAD_SCALER_UNDERFLOW if u.extra.get("compute") == "float16" else BF16_ZEROS
+    headline = (f"gradient underflow in {u.arm}: its gradients at step {u.step} lie in {u.extra['compute']}'s "
+                "subnormal range" if u.extra.get("subnormal") else None)
     return watched_underflow.verdict([u.evidence] + parting_lines(ev),
                                      {"side": u.arm, "layer": u.layer, "step": u.step, "other": _other(u.arm)},
-                                     remedies=[remedy], target=u.arm, layer=u.layer, sub_cause=u.name)
+                                     headline=headline, remedies=[remedy], target=u.arm, layer=u.layer,
+                                     sub_cause=u.name)
 
 
 def _sixteen_bit(u) -> bool:
