@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence
 
 from convcheck.capture import own_code_leaf
 from convcheck.runformat.by_value import rebuild_leaf
@@ -480,6 +481,8 @@ def _decoder(spec: dict, exact: list, device) -> "callable":
             return tuple(items) if "tuple" in o else items
         if "dict" in o and isinstance(o["dict"], dict):
             return {str(k): dec(v, fl) for k, v in o["dict"].items()}
+        if "packed" in o and isinstance(o["packed"], list) and len(o["packed"]) == len(PackedSequence._fields):
+            return PackedSequence(*(dec(x, fl) for x in o["packed"]))  # torch's own class, nothing of the run's
         raise _Unrecorded(f"an argument of type {str(o.get('opaque', '?'))[:60]} (not recorded)")
 
     args, kwargs = spec.get("args") or [], spec.get("kwargs") or {}

@@ -20,6 +20,7 @@ import zipfile
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 from convcheck.watch.keep import CallKeeper
 
@@ -372,6 +373,8 @@ def arg_spec(args, kwargs: dict) -> dict:
             return {"device": str(o)}
         if depth >= MAX_SPEC_DEPTH:
             return {"opaque": "a structure nested deeper than recorded"}
+        if isinstance(o, PackedSequence):  # a packed batch of sequences (an RNN's input): its four fields
+            return {"packed": [enc(x, depth + 1) for x in o]}
         if isinstance(o, tuple) and not hasattr(o, "_fields"):
             return {"tuple": [enc(x, depth + 1) for x in o]}
         if isinstance(o, list):
