@@ -19,7 +19,7 @@
            local error ("noise"), for the rule in force and the old u*sqrt(K) rule.
 
 Raw rows go to ``benchmarks/results/floors/*.csv``; the tables to ``benchmarks/results/floors.md``.
-Nothing here asserts anything: the tests do (``tests/test_floor.py``, ``tests/scenarios/test_detection.py``).
+Nothing here asserts anything: the tests do (``tests/measure/test_floor.py``, ``tests/scenarios/test_detection.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cost of verified remedies (issue 24): the verify stage's re-runs as a ratio of one training run of one arm.
 
-Scenarios (small real models with the problem, as tests/test_verify.py has them):
+Scenarios (small real models with the problem, as tests/verify/test_verify.py has them):
   softmax   a naive softmax overflowing float16 -> keep it in float32 (the default: one re-run)
   eps       Adam's eps 0 in float16 weights -> eps 1e-4 (--verify: the judge re-run beside it)
   bisect    two overflowing modules -> float32 for one does not verify -> bisection finds both (--verify)

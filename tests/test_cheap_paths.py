@@ -257,7 +257,7 @@ def test_rounding_on_the_bit_pattern_equals_frexp_rounding(dtype, rounding):
     ties = (torch.arange(1024, 2048, dtype=dtype) + 0.5) * 2.0 ** -7
     special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -3e-42], dtype=dtype)
     for t in (x, torch.cat([ties, -ties, special])):
-        if dtype == torch.float32:  # float32 subnormals: the format's own grid (tests/test_tf32_rounding.py)
+        if dtype == torch.float32:  # float32 subnormals: the format's own grid (tests/numerics/test_tf32_rounding.py)
             t = t[~((t.abs() < torch.finfo(dtype).tiny) & (t != 0))]
         for fmt in (replace(TF32, rounding=rounding), replace(BFLOAT16, dtype=None, rounding=rounding)):
             bits = fmt.significand_bits  # no dtype: the significand cut in t's own dtype

@@ -7,7 +7,7 @@ from dataclasses import replace
 import convcheck.diagnose.detectors.training as S
 from convcheck.diagnose import rules as R
 from convcheck.diagnose.evidence import TargetFacts
-from tests.test_diagnose_rules import evidence
+from tests.diagnose.test_diagnose_rules import evidence
 
 
 def _nan_at_step_0(arm: str) -> S.Symptom:

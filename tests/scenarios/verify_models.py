@@ -1,4 +1,4 @@
-"""Models for the verified-remedy tests (tests/test_verify.py) and the README's verified run: each has a
+"""Models for the verified-remedy tests (tests/verify/test_verify.py) and the README's verified run: each has a
 problem one of convcheck's remedy actions fixes. Self-contained (the CLI loads this file by its path)."""
 
 from __future__ import annotations

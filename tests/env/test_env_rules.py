@@ -14,7 +14,7 @@ import pytest
 
 from convcheck.env import RULE_IDS, Driver, Finding, Fingerprint, TorchBuild, audit, load
 
-DATA = Path(__file__).parent / "data" / "env"
+DATA = Path(__file__).parents[1] / "data" / "env"
 
 
 def fx(name: str) -> Fingerprint:

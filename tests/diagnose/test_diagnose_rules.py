@@ -24,7 +24,7 @@ from convcheck.ddp.rules import ddp_setup
 from convcheck.env import Finding
 from convcheck.measure.train.result import ArmOutcome, EnvelopeSummary
 
-# a comparison's rules (live or two bundles); the watched runs' rules are tests/test_diagnose_watched_rules.py's
+# a comparison's rules (live or two bundles); the watched runs' rules are tests/diagnose/test_diagnose_watched_rules.py's
 RULES = [r for r in ALL_RULES if r.reads is Evidence]
 RULE_IDS = {r.id: r.name for r in RULES}
 

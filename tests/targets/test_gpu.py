@@ -385,7 +385,7 @@ def test_attention_overflowing_under_amp_fp16_is_named_with_its_op():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from scenarios.models import attention_overflow_net
 
     from convcheck.pipeline import compare

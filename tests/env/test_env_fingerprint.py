@@ -12,7 +12,7 @@ from convcheck.env import SCHEMA, Fingerprint, load, save
 from convcheck.env.fingerprint import anonymise_uuid, redact_uuids
 from convcheck.errors import UsageError
 
-DATA = Path(__file__).parent / "data" / "env"
+DATA = Path(__file__).parents[1] / "data" / "env"
 FIXTURES = sorted(p.name for p in DATA.glob("*.json"))
 
 

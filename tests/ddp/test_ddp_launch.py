@@ -20,7 +20,7 @@ from convcheck.errors import UsageError
 from convcheck.targets.spec import parse_targets
 
 TORCHRUN_ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_launchers_world_is_read_from_the_environment():

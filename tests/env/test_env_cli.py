@@ -12,7 +12,7 @@ from convcheck.cli.main import main
 from convcheck.env import audit, load
 from convcheck.report.env_text import print_env, render_env
 
-DATA = Path(__file__).parent / "data" / "env"
+DATA = Path(__file__).parents[1] / "data" / "env"
 
 
 def run(capsys, *argv):

@@ -180,7 +180,7 @@ def test_verify_option_is_validated():
         CompareConfig(verify="yes")
 
 
-MODELS = str(Path(__file__).resolve().parent / "scenarios" / "verify_models.py")
+MODELS = str(Path(__file__).resolve().parents[1] / "scenarios" / "verify_models.py")
 CLI = ["compare", "--model", f"{MODELS}:softmax_net", "--input-shape", "1,28,28", "--classes", "10",
        "--targets", "cpu,cpu:fp16", "--steps", "4", "--envelope", "0", "--batch-size", "16", "--optimizer", "sgd",
        "--lr", "0.1"]

@@ -170,7 +170,7 @@ def test_tolerances_are_a_frozen_dataclass():
 
 
 def test_is_flagged_against_the_floor():
-    """The rule itself is tested in tests/test_floor.py; here its shape: bound_factor x floor plus
+    """The rule itself is tested in tests/measure/test_floor.py; here its shape: bound_factor x floor plus
     the small absolute term, a destroyed result, a non-finite error."""
     tol = Tolerances(bound_factor=8.0, min_error=1e-3)
     assert not tol.is_flagged(5e-2, 1e-2)  # large, but within 8x its floor

@@ -22,7 +22,7 @@ from convcheck.plan.config import CompareConfig
 from convcheck.plan.recipe import build_recipe
 from convcheck.targets.spec import CPU_JUDGE, Target, parse_targets
 
-USER_MODEL = f"{Path(__file__).parent / 'scenarios' / 'bn_cnn_user.py'}:bn_cnn"
+USER_MODEL = f"{Path(__file__).parents[1] / 'scenarios' / 'bn_cnn_user.py'}:bn_cnn"
 
 
 @pytest.mark.parametrize("pair, same", [

@@ -22,7 +22,7 @@ from convcheck.numerics.formats import FLOAT32
 from convcheck.targets.runners.precision import PrecisionModel
 from convcheck.measure.train.result import ArmOutcome
 
-PACKAGE = Path(__file__).resolve().parents[1] / "convcheck"
+PACKAGE = Path(__file__).resolve().parents[2] / "convcheck"
 DETECTORS = PACKAGE / "diagnose" / "detectors"
 JUDGE = "cpu:float64"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from convcheck.env import audit, load
 from convcheck.env.collect_env import looks_like_collect_env, parse_collect_env, parse_sections
 
-DATA = Path(__file__).parent / "data" / "env"
+DATA = Path(__file__).parents[1] / "data" / "env"
 
 
 def ids(fp):

@@ -15,7 +15,7 @@ import torch.nn as nn
 from convcheck.pipeline import compare
 from convcheck.targets.runners.half import AmpFloat16Runner
 
-PACKAGE = Path(__file__).resolve().parent.parent / "convcheck"
+PACKAGE = Path(__file__).resolve().parents[2] / "convcheck"
 
 
 class _Sharpened(nn.Module):

@@ -18,7 +18,7 @@ from convcheck.targets.spec import Target
 
 T = Target.parse
 
-USER = Path(__file__).parent / "data" / "user"
+USER = Path(__file__).parents[1] / "data" / "user"
 DATA, MODELS = f"{USER}/datasets.py", f"{USER}/models.py"
 FAST = dict(envelope=1, env_findings=[], batch_size=8)
 
