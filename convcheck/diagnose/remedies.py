@@ -43,6 +43,10 @@ GROUP_REMEDIES = [declare("same-groups", "build both optimizers with the same pa
                   "then diff again").remedy()]
 FREEZE_REMEDIES = [declare("same-trained", "train the same parameters on both sides: the same requires_grad for each (and unfreeze at the same "
                    "step), every trained parameter in the optimizer and reached by the loss, then diff again").remedy()]
+NO_GRADIENT_REMEDIES = [declare("gradients-before-step", "compute the gradients before the optimizer steps: loss.backward(), "
+                         "then optimizer.step(), then optimizer.zero_grad() (or zero_grad() before backward()) - a "
+                         "zero_grad() between backward() and step() leaves every .grad None and the step does nothing"
+                         ).remedy()]
 ACCUMULATION_REMEDIES = [declare("accumulation", "call optimizer.zero_grad() once per optimizer step (before backward()): without it every "
                          "step's gradient is added to the ones before it").remedy()]
 BACKWARD_REMEDIES = [declare("same-backward", "make both sides run the same backward: the same loss.backward() calls per step, no gradient "

@@ -164,8 +164,9 @@ def run_findings(run, side: str) -> list[S.Symptom]:
     if not run.steps:
         return []
     c, g = curves(run, side)
-    # the steps a GradScaler skipped (Inf gradients found, the scale lowered) are its design: not read here
-    kept = ~c["skipped"].astype(bool)
+    # the steps a GradScaler skipped (Inf gradients found, the scale lowered) are its design, and a step whose
+    # optimizer found no gradient at all has no gradient norm to read (not a non-finite one): not read here
+    kept = ~c["skipped"].astype(bool) & c["step"].map(lambda k: bool(run.steps[k].get("grad_norms")))
     c, g = c[kept].reset_index(drop=True), g[g["step"].isin(set(c.loc[kept, "step"]))]
     if c.empty:
         return []

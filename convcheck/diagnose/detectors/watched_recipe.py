@@ -12,8 +12,8 @@ What a precision policy is (the autocast dtype, the weights' dtype, the TF32 swi
 
 from __future__ import annotations
 
-from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, OPTIMIZER_REMEDIES,
-                                         MODEL_REMEDIES, RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
+from convcheck.diagnose.remedies import (FREEZE_REMEDIES, GROUP_REMEDIES, LR_REMEDIES, NO_GRADIENT_REMEDIES,
+                                         OPTIMIZER_REMEDIES, MODEL_REMEDIES, RECIPE_REMEDIES, TRAIN_MODE_REMEDIES)
 from convcheck.diagnose.detectors.watched_setup import lr_difference, lrs_text, same_setting, settings_difference
 from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
@@ -146,8 +146,10 @@ def frozen(a, b, steps: int) -> Setup | None:
                          remedies=list(FREEZE_REMEDIES), step=0)
     for k in range(steps):  # the first step at which one run's parameters get a gradient the other's do not
         ga, gb = (set(r.steps[k].get("grad_norms") or {}) for r in (a, b))
-        if not ga or not gb or ga == gb:
+        if not ga and not gb or ga == gb:
             continue
+        if not ga or not gb:  # no parameter at all has a gradient when that run's optimizer steps
+            return _no_gradients(a, b, k, "A" if not ga else "B", steps)
         side, names = ("B", ga - gb) if ga - gb else ("A", gb - ga)
         run = b if side == "B" else a
         text = names_text(names, every)
@@ -164,6 +166,17 @@ def frozen(a, b, steps: int) -> Setup | None:
         return Setup(head, "frozen", evidence=[f"steps.jsonl grad_norms at step {k}: no gradient for {text} in {side}"],
                      remedies=list(FREEZE_REMEDIES), step=k)
     return None
+
+
+def _no_gradients(a, b, k: int, side: str, steps: int) -> Setup:
+    run = a if side == "A" else b
+    since = sum(1 for j in range(k, steps) if not run.steps[j].get("grad_norms"))
+    head = (f"no parameter has a gradient when {side}'s optimizer steps, from step {k}"
+            + (f" ({since} steps)" if since > 1 else "") + f"; in {_other(side)} they all do")
+    return Setup(head, "no gradients",
+                 evidence=[f"steps.jsonl grad_norms at step {k}: empty in {side} - every parameter's .grad was None at "
+                           "optimizer.step(), so the step changed nothing"],
+                 remedies=list(NO_GRADIENT_REMEDIES), step=k)
 
 
 def module_settings(a, b) -> Setup | None:
