@@ -51,6 +51,9 @@ ACCUMULATION_REMEDIES = [declare("accumulation", "call optimizer.zero_grad() onc
                          "step's gradient is added to the ones before it").remedy()]
 BACKWARD_REMEDIES = [declare("same-backward", "make both sides run the same backward: the same loss.backward() calls per step, no gradient "
                      "hook or manual change of .grad on one side only, then diff again").remedy()]
+CLOSURE_REMEDIES = [declare("zero-grad-in-closure", "call optimizer.zero_grad() at the start of the closure the optimizer "
+                    "evaluates several times a step (LBFGS, a line search): without it each evaluation's gradient is "
+                    "added to the ones before it within the step").remedy()]
 TRAIN_MODE_REMEDIES = [declare("train-mode", "call model.train() before training again after an evaluation (model.eval() switches BatchNorm "
                        "to its running statistics and Dropout off), then diff again").remedy()]
 SCALER_REMEDIES = [declare("same-scaler", "give both runs the same GradScaler settings (init_scale, growth_interval), then diff again: a "

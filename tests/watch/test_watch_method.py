@@ -185,6 +185,13 @@ def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_
     code, out = diff(capsys, tmp_path / "a", tmp_path / "c")
     assert code == 1
     assert verdict(out).startswith("verdict: setup: the gradients differ at step 0 where the forward agrees")
+    # the closure's evaluations said, and the remedy for a closure first
+    assert "evaluates the optimizer's closure" in out
+    capsys.readouterr()
+    main(["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json"])
+    remedies = json.loads(capsys.readouterr().out)["verdict"]["remedies"]
+    assert remedies[0].startswith("call optimizer.zero_grad() at the start of the closure"), remedies
+    assert "different data" not in out  # however many times each run's closure fed the batch
 
 
 @pytest.mark.parametrize("change, words", [

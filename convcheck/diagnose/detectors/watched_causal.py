@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from convcheck.diagnose.remedies import ACCUMULATION_REMEDIES, BACKWARD_REMEDIES
+from convcheck.diagnose.remedies import ACCUMULATION_REMEDIES, BACKWARD_REMEDIES, CLOSURE_REMEDIES
 from convcheck.diagnose.watched_checks import pair_check
 from convcheck.diagnose.watched_evidence import Setup
 from convcheck.numerics.thresholds import (ACCUMULATION_FIT, BACKWARD_RTOL, GRAD_SHARE, NOISE_FACTOR,
@@ -110,12 +110,17 @@ def backward_difference(a, b, k: int, tol: float) -> Setup | None:
         loss = f"the loss differs by only {abs(la - lb) / max(abs(la), abs(lb)):.2g} (relative)"
     else:
         loss = "the loss agrees"
+    evidence = [f"step {k}: {worst}'s gradient norm {ga[worst]:.6g} (A) | {gb[worst]:.6g} (B), beyond "
+                f"{tol:.3g} (relative), with the same data, the layers' outputs and the loss within rounding"]
+    remedies = list(BACKWARD_REMEDIES)
+    evaluations = [r.steps[k].get("closure_evaluations") or 1 for r in (a, b)]
+    if max(evaluations) > 1:  # a closure evaluated several times: its backward runs that often within the step
+        evidence.append(f"step {k} evaluates the optimizer's closure {evaluations[0]} times in A and "
+                        f"{evaluations[1]} in B: gradients added across its evaluations differ from a single one's")
+        remedies = list(CLOSURE_REMEDIES) + remedies
     return Setup(f"the gradients differ at step {k} where the forward agrees and {loss}: the loss is built "
                  f"differently (a term, its sign or its weight) or the backward differs ({len(apart)} of "
-                 f"{len(names)} parameters)", "backward",
-                 evidence=[f"step {k}: {worst}'s gradient norm {ga[worst]:.6g} (A) | {gb[worst]:.6g} (B), beyond "
-                           f"{tol:.3g} (relative), with the same data, the layers' outputs and the loss within rounding"],
-                 remedies=list(BACKWARD_REMEDIES), step=k)
+                 f"{len(names)} parameters)", "backward", evidence=evidence, remedies=remedies, step=k)
 
 
 @dataclass(frozen=True)

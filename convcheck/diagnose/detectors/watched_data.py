@@ -16,21 +16,30 @@ from convcheck.watch.batches import ROUNDED
 
 
 def same_batches(a, b, k: int) -> bool:
-    """Whether step ``k`` of both runs gave the model the same data: the same bytes, or, when the coarser
-    run computes in bfloat16 or float16, the same batch rounded to that format (``batch_rounded``: a model
-    cast with ``model.to(torch.bfloat16)`` is fed ``x.to(torch.bfloat16)``). A run recorded before
-    ``batch_rounded`` is compared by its bytes alone."""
+    """Whether step ``k`` of both runs gave the model the same data: the same batches, each counted once
+    (``_distinct``), by their bytes or, when the coarser run computes in bfloat16 or float16, rounded to that format
+    (``batch_rounded``: a model cast with ``model.to(torch.bfloat16)`` is fed ``x.to(torch.bfloat16)``). A run
+    recorded before ``batch_rounded`` is compared by its bytes alone."""
     sa, sb = a.steps[k], b.steps[k]
-    if sa["batch_sha256"] == sb["batch_sha256"]:
+    (ha, ra), (hb, rb) = _distinct(sa), _distinct(sb)
+    if ha == hb:
         return True
     dtypes = {r["dtype"] for s in (sa, sb) for r in s["layers"].values()}
     fmt = coarsest_dtype(dtypes)
-    ra, rb = sa.get("batch_rounded"), sb.get("batch_rounded")
-    if fmt not in ROUNDED or ra is None or rb is None or len(ra) != len(rb):
+    if fmt not in ROUNDED or ra is None or rb is None or len(ra) != len(rb) or len(ha) != len(hb):
         return False
     return all(x == y or (isinstance(rx, dict) and isinstance(ry, dict) and rx.get(fmt) is not None
                           and rx.get(fmt) == ry.get(fmt))
-               for x, y, rx, ry in zip(sa["batch_sha256"], sb["batch_sha256"], ra, rb))
+               for x, y, rx, ry in zip(ha, hb, ra, rb))
+
+
+def _distinct(step: dict) -> tuple[list, list | None]:
+    """A step's batches, each once, in the order first fed (with their rounded hashes): a closure the optimizer
+    evaluates several times a step feeds one batch as often as it runs - 8 times in one run, 20 in the other."""
+    hashes, rounded = step["batch_sha256"], step.get("batch_rounded")
+    keep = [i for i, h in enumerate(hashes) if h not in hashes[:i]]
+    return [hashes[i] for i in keep], ([rounded[i] for i in keep] if rounded is not None
+                                        and len(rounded) == len(hashes) else None)
 
 
 @pair_check("targets", order=100)
