@@ -145,3 +145,34 @@ def test_final_losses_on_either_side_of_zero_do_not_end_alike():
 
     assert not ends_alike(-0.5, 0.45, 2.0, 2.0, 0.01)  # an NLL ending below 0 beside one above it (review)
     assert ends_alike(-0.50, -0.45, 2.0, 2.0, 0.01)
+
+
+def test_an_autocast_that_leaves_a_float64_model_alone_is_no_precision_of_the_run(tmp_path):
+    """CPU autocast casts float32 ops only: a float64 model under it computes in float64, bit for bit as without it;
+    the diff does not call the pair a bfloat16 one."""
+    import torch
+    import torch.nn as nn
+
+    import convcheck
+    from convcheck.analysis.diff import diff_watched
+
+    def run(out, amp):
+        convcheck.seed_everything(0)
+        model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with convcheck.watch(model, opt, out=out) as w:
+            for _ in range(4):
+                x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = nn.functional.mse_loss(model(x), x[:, :1])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                w.step(loss)
+
+    run(tmp_path / "a", False)
+    run(tmp_path / "b", True)
+    d = diff_watched(tmp_path / "a", tmp_path / "b")
+    assert d.verdict.category == "ok", d.verdict.headline
+    assert d.policy == () and "bfloat16" not in " ".join(d.lines())

@@ -294,7 +294,12 @@ def has_recipe(a, b) -> bool:
 
 
 def _autocast(run) -> str | None:
-    return next((s.get("autocast") for s in run.steps if s.get("autocast")), None)
+    """The autocast dtype the run's steps computed in; None when it entered one that changed nothing: every layer
+    output recorded under it is float64 (autocast leaves float64 ops alone - a float64 model under it is float64)."""
+    fmt = next((s.get("autocast") for s in run.steps if s.get("autocast")), None)
+    dtypes = {r.get("dtype") for s in run.steps if s.get("autocast") == fmt
+              for r in (s.get("layers") or {}).values() if isinstance(r, dict)}
+    return None if fmt is None or dtypes == {"float64"} else fmt
 
 
 def _loss_dtype(run) -> str | None:
