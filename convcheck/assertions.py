@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from convcheck.report.text import fmt, training_states
+from convcheck.report.summary import fmt, training_states
 from convcheck.report.verification import verification_lines
 
 

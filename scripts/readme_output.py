@@ -138,7 +138,7 @@ def chaotic(line: str) -> bool:
 def unwrap_prose(lines: list[str]) -> list[str]:
     """The verdict's prose as one line each again: the terminal wraps it to the width (``COLUMNS``), so a
     number one digit wider on another machine moves a break; ``CHAOTIC`` is matched on the whole line."""
-    from convcheck.report.text import unwrap_prose as unwrap
+    from convcheck.report.verdict_lines import unwrap_prose as unwrap
 
     return unwrap(lines)
 

@@ -117,7 +117,7 @@ def _mark_diff(result, run_a, run_b):
     the note naming them."""
     from dataclasses import replace
 
-    from convcheck.report.text import DIFF_NOTE
+    from convcheck.report.summary import DIFF_NOTE
 
     return replace(result, notes=[f"{DIFF_NOTE} {run_a} and {run_b}", *result.notes], diff_of=(str(run_a), str(run_b)))
 

@@ -7,7 +7,7 @@ import html
 
 from convcheck.report.plots import is_ddp_rows
 
-from convcheck.report.text import fmt, is_diff, model_line, recipe_line
+from convcheck.report.summary import fmt, is_diff, model_line, recipe_line
 from convcheck.report.verification import verification_lines
 
 # The page is read in a browser window 1100-1200 px wide (issue 44): the body is at most 1100 px, long words

@@ -72,8 +72,8 @@ def worst(table, n: int = SHOWN) -> list[dict]:
 
 
 def cell_html(v, digits: int = 3) -> str:
-    """One cell as HTML: numbers as the terminal report shows them (``report.text.fmt``), text escaped."""
-    from convcheck.report.text import fmt
+    """One cell as HTML: numbers as the terminal report shows them (``report.summary.fmt``), text escaped."""
+    from convcheck.report.summary import fmt
 
     if isinstance(v, str):
         return _e(v)

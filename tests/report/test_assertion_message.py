@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from convcheck.assertions import failure_message
 from convcheck.pipeline import compare
-from convcheck.report.text import training_states
+from convcheck.report.summary import training_states
 
 
 class Blowup(nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import convcheck
-from convcheck.report.text import training_states
+from convcheck.report.summary import training_states
 
 
 def test_a_run_too_short_for_the_judge_says_convergence_not_judged():

@@ -9,7 +9,8 @@ import io
 import pytest
 
 import convcheck
-from convcheck.report.text import (PROSE_INDENT, make_console, render_compare, unwrap_prose, wrap_prose)
+from convcheck.report.text import make_console, render_compare
+from convcheck.report.verdict_lines import PROSE_INDENT, unwrap_prose, wrap_prose
 from convcheck.report.verdict_lines import verdict_lines
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from convcheck.pipeline import compare
-from convcheck.report.text import fmt, make_console, render_compare
+from convcheck.report.summary import fmt
+from convcheck.report.text import make_console, render_compare
 from convcheck.targets.spec import Target
 
 T = Target.parse
@@ -168,7 +169,7 @@ def test_the_recipe_line_shows_an_optimizer_factorys_own_lr():
 
     from convcheck.plan.config import CompareConfig
     from convcheck.plan.recipe import build_recipe
-    from convcheck.report.text import recipe_line
+    from convcheck.report.summary import recipe_line
 
     cfg = CompareConfig(optimizer=_nesterov_factory)
     line = recipe_line(SimpleNamespace(config=cfg, recipe=build_recipe(cfg)))

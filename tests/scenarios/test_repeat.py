@@ -9,7 +9,7 @@ import json
 import pytest
 
 from convcheck.cli.main import main
-from convcheck.report.text import unwrap_prose
+from convcheck.report.verdict_lines import unwrap_prose
 
 FAST = ["--steps", "6", "--envelope", "0", "--no-save", "--no-verify"]
 SCATTER = ["--model", "tests/scenarios/nondeterministic_models.py:scatter_net", "--input-shape", "1,28,28"]
