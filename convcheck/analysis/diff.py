@@ -165,7 +165,10 @@ def refuse_empty(run: WatchedRun) -> None:
     if run.steps:
         return
     stopped = run.manifest.get("stopped")
-    if run.manifest.get("truncated"):
+    if isinstance(run.manifest.get("watch_error"), dict):  # convcheck's own error stopped the recording
+        why = next((n for n in run.manifest.get("notes", []) if n.startswith("recording stopped at step")),
+                   "the watch stopped recording before the first step ended")
+    elif run.manifest.get("truncated"):
         why = "its size cap (max_bytes) was reached before the first step ended"
     elif stopped:
         why = f"the block stopped with {stopped['exception']} before its first step ended"

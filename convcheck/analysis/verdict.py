@@ -44,7 +44,8 @@ def cpu_repeatable(a, b) -> bool:
 
 
 def size_cap(run) -> str | None:
-    """The note the watch left when its size cap cut the record (``max_bytes``), or None."""
+    """The note the watch left when its size cap cut the record (``max_bytes``) - or an error in its own code
+    (``watch_error``: the note says which) - or None."""
     if not run.manifest.get("truncated"):
         return None
     return next((n for n in run.manifest.get("notes", []) if n.startswith("recording stopped at step")),

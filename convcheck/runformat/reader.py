@@ -104,6 +104,10 @@ def _check_manifest(m) -> None:
             get_field(stopped, key, kind, "stopped")
         if not 0 <= stopped["step"] <= 10**8:
             raise _Bad(f"stopped.step = {stopped['step']} is outside 0..10^8")
+    failed = get_field(m, "watch_error", dict, "manifest", optional=True)  # an error of the watch's own, or None
+    if failed is not None:
+        for key, kind in (("exception", str), ("message", str), ("where", str), ("step", int)):
+            get_field(failed, key, kind, "watch_error")
     sampler = get_field(m, "sampler", dict, "manifest", optional=True)  # older runs: none
     if sampler is not None:
         get_field(sampler, "shuffle", bool, "sampler")

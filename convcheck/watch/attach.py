@@ -13,6 +13,10 @@ called: nothing is added to a module's or an optimizer's ``__dict__``, so a pick
 and a copy (another object) is never recorded. Every other module and optimizer of the process pays one dict
 lookup per call. The hooks are removed when the last watch closes.
 
+Every call into a watch is guarded: an exception in convcheck's own code stops that watch's recording
+(``Watch.fail``: said in its manifest and on stderr) and the user's call goes on as without the watch. The
+module's own forward and the optimizer's step run outside these hooks, so the user's exceptions are theirs.
+
 Order: a global hook runs before a module's own hooks, so the watch sees a layer's output before a hook of the
 user's that replaces it. Under dynamo (``torch.compile``) a layer's dispatch returns at once (nothing of the watch
 is traced into a graph); a root's runs eagerly at the graph's edge (``compiled.outside_graphs``).
@@ -138,7 +142,10 @@ def _functional_loss(name: str, bound) -> None:
                 or _watches(_LAYERS, outer):
             return
     for w in list(_WATCHES):
-        w.functional_loss(name, bound)
+        try:
+            w.functional_loss(name, bound)
+        except Exception as error:  # noqa: BLE001 - as ``_root_pre_eager``
+            w.fail(error, f"F.{name}")
 
 
 def add_optimizer(w, optimizer) -> None:
@@ -147,14 +154,16 @@ def add_optimizer(w, optimizer) -> None:
 
 
 class Attached:
-    """The handle ``attach`` returns: ``remove()`` routes nothing more to the watch (the hooks go with the last)."""
+    """The handle ``attach`` returns: ``remove()`` routes nothing more to the watch (the hooks go with the last);
+    ``detach()`` the same from inside a hook (``Watch.fail``), torch's hooks left in place until ``remove``: an
+    optimizer iterates its global hooks' dict while it calls them, and one removed then would raise in the loop."""
 
     def __init__(self, w):
         self.w = w
 
-    def remove(self) -> None:
+    def detach(self) -> None:
         global _ROOT_IDS
-        w, self.w = self.w, None
+        w = self.w
         if w is None:
             return
         for table in (_ROOTS, _LAYERS, _OPTIMIZERS):
@@ -162,6 +171,12 @@ class Attached:
         _ROOT_IDS = frozenset(_ROOTS)
         if w in _WATCHES:
             _WATCHES.remove(w)
+
+    def remove(self) -> None:
+        if self.w is None:
+            return
+        self.detach()
+        self.w = None
         if not _WATCHES:
             for h in _HANDLES:
                 h.remove()
@@ -182,13 +197,19 @@ _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 @outside_graphs
 def _root_pre_eager(module, args):
     for w in list(_watches(_ROOTS, module)):
-        w._root_pre(module, args)
+        try:
+            w._root_pre(module, args)
+        except Exception as error:  # noqa: BLE001 - the watch's own: it stops recording, the loop goes on
+            w.fail(error, f"the forward pre-hook of {type(module).__name__}")
 
 
 @outside_graphs
 def _root_post_eager(module, args, kwargs, output):
     for w in list(_watches(_ROOTS, module)):
-        w._root_forward(module, args, kwargs, output)
+        try:
+            w._root_forward(module, args, kwargs, output)
+        except Exception as error:  # noqa: BLE001 - as ``_root_pre_eager``
+            w.fail(error, f"the forward hook of {type(module).__name__}")
 
 
 def _pre(module, args):
@@ -221,11 +242,17 @@ def _post(module, args, kwargs, output):
         _OUTERMOST[0] = None
     if _DEPTH[0] == 0 and id(module) not in _ROOT_IDS:
         for w in list(_WATCHES):
-            w.made_elsewhere(module, args, kwargs, output)
+            try:
+                w.made_elsewhere(module, args, kwargs, output)
+            except Exception as error:  # noqa: BLE001 - as ``_root_pre_eager``
+                w.fail(error, f"the forward hook of {type(module).__name__}")
     entry = _LAYERS.get(id(module))
     if entry is not None and entry[0] is module:
         for w in list(entry[1]):
-            w._forward(module, args, output, kwargs)
+            try:
+                w._forward(module, args, output, kwargs)
+            except Exception as error:  # noqa: BLE001 - as ``_root_pre_eager``
+                w.fail(error, f"the forward hook of {type(module).__name__}")
     return None
 
 
@@ -247,13 +274,19 @@ _skip_frames(_pre, _post)
 def _opt_pre(optimizer, args, kwargs):
     ws = _watches(_OPTIMIZERS, optimizer) or _adopt(optimizer)
     for w in list(ws):
-        w._pre_step(optimizer, args, kwargs)
+        try:
+            w._pre_step(optimizer, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - as ``_opt_post``
+            w.fail(error, f"{type(optimizer).__name__}.step's pre-hook")
     return None
 
 
 def _opt_post(optimizer, args, kwargs):
     for w in list(_watches(_OPTIMIZERS, optimizer)):
-        w._post_step(optimizer, args, kwargs)
+        try:
+            w._post_step(optimizer, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - the watch's own: it stops recording, the loop goes on
+            w.fail(error, f"{type(optimizer).__name__}.step's post-hook")
     return None
 
 
@@ -266,6 +299,9 @@ def _adopt(optimizer) -> list:
     _SEEN_OPTIMIZERS[key] = optimizer
     held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
     for w in list(_WATCHES):
-        if held & w.param_ids and w.found_optimizer(optimizer):
-            _add(_OPTIMIZERS, optimizer, w)
+        try:
+            if held & w.param_ids and w.found_optimizer(optimizer):
+                _add(_OPTIMIZERS, optimizer, w)
+        except Exception as error:  # noqa: BLE001 - as ``_opt_post``
+            w.fail(error, f"{type(optimizer).__name__}.step's pre-hook")
     return _watches(_OPTIMIZERS, optimizer)

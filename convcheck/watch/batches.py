@@ -9,11 +9,31 @@ import hashlib
 import torch
 
 from convcheck.nested import tensors_in
+from convcheck.watch.layouts import describe, dense, parts
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
     """Every tensor of a call, in the order its hash reads them (a dict's by its keys: ``nested.tensors_in``)."""
     return tensors_in(args, sort_keys=True) + tensors_in(kwargs, sort_keys=True)
+
+
+def _pieces(ts) -> list[tuple[str, torch.Tensor]]:
+    """What a hash reads of ``ts``: a dense tensor as it is (its label ""), any other (a sparse adjacency, a nested
+    tensor: ``layouts.py``) as its parts, each labelled with what it is a part of (``sparse_coo(20, 20)/values``),
+    so its layout, size and every index and value count."""
+    out = []
+    for t in ts:
+        if dense(t):
+            out.append(("", t))
+        else:
+            whole = describe(t)
+            out += [(f"{whole}/{name}", p) for name, p in parts(t)] or [(whole, None)]
+    return out
+
+
+def _memory(t: torch.Tensor):
+    """The storage ``t`` lives in (its address), None for a tensor without one of its own."""
+    return t.untyped_storage().data_ptr() if t.numel() and dense(t) else None
 
 
 def data_tensors(args, kwargs, made=()) -> list[torch.Tensor]:
@@ -22,18 +42,20 @@ def data_tensors(args, kwargs, made=()) -> list[torch.Tensor]:
     memory with an output of the model's previous call (``made``, held alive until now: a recurrent state
     carried over with ``.detach()``). Those differ between two runs whenever the runs' numerics do; they are
     not "different data"."""
-    ptrs = {t.untyped_storage().data_ptr() for t in made if t.numel()}
-    return [t for t in _tensors(args, kwargs)
-            if t.grad_fn is None and not (t.numel() and t.untyped_storage().data_ptr() in ptrs)]
+    ptrs = {_memory(t) for t in made} - {None}
+    return [t for t in _tensors(args, kwargs) if t.grad_fn is None and _memory(t) not in ptrs]
 
 
 def batch_hash(args, kwargs) -> str:
     """SHA-256 over the dtype, shape and bytes of every tensor the model's forward received. The bytes
     are hashed in place (a buffer over the tensor's memory: no copy) when it is a contiguous CPU tensor."""
     h = hashlib.sha256()
-    for t in _tensors(args, kwargs):
+    for label, t in _pieces(_tensors(args, kwargs)):
+        if t is None:  # nothing readable in it (a meta tensor): what it is
+            h.update(label.encode())
+            continue
         c = t.detach().to("cpu").contiguous()
-        h.update(f"{c.dtype}{tuple(c.shape)}".encode())
+        h.update(f"{label}{c.dtype}{tuple(c.shape)}".encode())
         if c.numel():
             h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
@@ -52,16 +74,16 @@ def rounded_hashes(args, kwargs) -> dict[str, str] | None:
     runs of one dtype are still compared element by element by ``batch_hash``; an ImageNet batch of 64
     costs a copy of 0.5 MB, not 19 MB, off a GPU. None when the batch holds no floating tensor (the
     exact hash says it all)."""
-    ts = [t.detach() for t in _tensors(args, kwargs)]
-    if not any(t.is_floating_point() for t in ts):
+    pieces = [(label, t.detach()) for label, t in _pieces(_tensors(args, kwargs)) if t is not None]
+    if not any(t.is_floating_point() for _, t in pieces):
         return None
-    read = [_sample(t) if t.is_floating_point() else t for t in ts]
+    read = [_sample(t) if t.is_floating_point() else t for _, t in pieces]
     out = {}
     for fmt in ROUNDED:
         dtype, h = getattr(torch, fmt), hashlib.sha256()
-        for t, r in zip(ts, read):
+        for (label, t), r in zip(pieces, read):
             c = (r.to(dtype) if t.is_floating_point() else r).to("cpu").contiguous()
-            h.update(f"{'float' if t.is_floating_point() else c.dtype}{tuple(t.shape)}".encode())
+            h.update(f"{label}{'float' if t.is_floating_point() else c.dtype}{tuple(t.shape)}".encode())
             if c.numel():
                 h.update(memoryview(c.view(-1).view(torch.uint8).numpy()))
         out[fmt] = h.hexdigest()

@@ -37,6 +37,8 @@ def manifest_of(w, complete: bool) -> dict:
         "skipped_snapshots": w.skipped,
         "settings_from_env": {k: list(v) if isinstance(v, tuple) else v for k, v in w.from_env.items()},
         "distributed": w.distributed, "stopped": getattr(w, "stopped", None),
+        # an error in the watch's own code that stopped the recording (step, where, exception, message), or None
+        "watch_error": getattr(w, "failed", None),
         "selection": w.selection.to_dict(),  # the layers and steps recorded (``selection.py``)
         # a DistributedSampler's shuffle and the epochs it was told (``sampler_use.py``), None without one
         "sampler": w.sampler.record() if w.sampler is not None else None,

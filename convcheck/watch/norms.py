@@ -6,11 +6,14 @@ from __future__ import annotations
 import torch
 
 from convcheck.watch import stats as _stats
+from convcheck.watch.layouts import dense, stand_in
 
 
 def grad_norms(params, buffer=None) -> dict[str, float]:
     """Every parameter's gradient norm: one ``_foreach_norm`` per dtype, one ``tolist`` for all."""
-    named = [(n, p.grad.detach()) for n, p in params if p.grad is not None]
+    named = [(n, g if dense(g) else stand_in(g)) for n, g in ((n, p.grad.detach()) for n, p in params
+                                                         if p.grad is not None)]
+    named = [(n, g) for n, g in named if g is not None]  # a sparse gradient's norm: its coalesced values'
     if not named:
         return {}
     norms: list = [None] * len(named)

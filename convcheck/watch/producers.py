@@ -17,13 +17,20 @@ import torch
 from convcheck.nested import tensors_in
 from convcheck.watch import deferred as _deferred
 from convcheck.watch import stats as _stats
+from convcheck.watch.layouts import dense, stand_in
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.sourceline import caller_line, op_line
 
 
 def floats(obj) -> list[torch.Tensor]:
-    """The floating tensors of ``obj`` (a call's arguments, a layer's output), in ``nested.tensors_in``'s order."""
-    return [t for t in tensors_in(obj) if t.is_floating_point()]
+    """The floating tensors of ``obj`` (a call's arguments, a layer's output), in ``nested.tensors_in``'s order; one
+    that is not strided memory (a sparse adjacency, a nested tensor) as its values (``layouts.stand_in``), one
+    with none to read (a meta tensor) left out."""
+    found = [t for t in tensors_in(obj) if t.is_floating_point()]
+    for t in found:
+        if not dense(t):
+            return [s for s in (t if dense(t) else stand_in(t) for t in found) if s is not None]
+    return found
 
 
 _OVERFLOWING = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1",
@@ -253,14 +260,22 @@ class ProducerHooks:
 
     def _grad_hook(self, name: str, ref):
         def hook(grad):
-            if self.buffer is not None and self.producer is None:
-                self.buffer.grad(name, grad, ref)
-            elif self.producer is None and not _stats.finite(grad):
-                found = self._consumer(name, ref)
-                self._found(found.pop("layer"), "backward", found.pop("kind"), detail=f"gradient into {name}'s output")
-                self.producer.update(found)
+            if self.failed is not None:
+                return None
+            try:
+                self._grad_into(name, ref, grad)
+            except Exception as error:  # noqa: BLE001 - the watch's own: recording stops, the backward goes on
+                self.fail(error, f"the gradient hook on {name}'s output")
             return None
         return hook
+
+    def _grad_into(self, name: str, ref, grad) -> None:
+        if self.buffer is not None and self.producer is None:
+            self.buffer.grad(name, grad, ref)
+        elif self.producer is None and not _stats.finite(grad):
+            found = self._consumer(name, ref)
+            self._found(found.pop("layer"), "backward", found.pop("kind"), detail=f"gradient into {name}'s output")
+            self.producer.update(found)
 
     def _found(self, layer: str, direction: str, kind: str, detail: str | None = None, ended: bool = False) -> None:
         self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from convcheck.numerics.formats import coarsest_dtype
+from convcheck.watch.layouts import dense
 from convcheck.watch.settings import optimizer_settings
 
 SAMPLES = 4  # gradient entries kept per parameter per step (evenly spaced, the same indices every step)
@@ -67,7 +68,7 @@ def sample_parts(params) -> tuple[list[str], list[int], torch.Tensor | None]:
     picked, keys = [], []
     for n, p in params:
         g = p.grad
-        if g is None or g.is_sparse or not g.numel():
+        if g is None or not dense(g) or not g.numel():  # a sparse gradient (Embedding(sparse=True)): not sampled
             continue
         flat = g.detach().reshape(-1)
         stride = max(1, flat.numel() // SAMPLES)

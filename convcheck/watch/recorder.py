@@ -103,6 +103,7 @@ class Watch(ProducerHooks):
         self.producer: dict | None = None
         self.notes: list[str] = []
         self.truncated = False
+        self.failed: dict | None = None  # an error in the watch's own code stopped the recording (``fail``)
         self.snapshot_index: list[dict] = []
         self.skipped: list[dict] = []
         self.steps_sha = hashlib.sha256()
@@ -173,8 +174,9 @@ class Watch(ProducerHooks):
         self._record_model()  # what the judge rebuilds the layers from (``by_value.py``, issue 43)
         self._write_manifest(complete=False)
         self._install()
-        self.spy = ScalerSpy(self.scaler).install() if self.scaler is not None else None  # clip before unscale_?
-        self.sampler = SamplerSpy().install()  # a DistributedSampler told no epoch?
+        # clip before unscale_? a DistributedSampler told no epoch? (an error of theirs stops the recording: ``fail``)
+        self.spy = ScalerSpy(self.scaler, self.fail).install() if self.scaler is not None else None
+        self.sampler = SamplerSpy(self.fail).install()
         return self
 
     def _record_model(self) -> None:
@@ -195,14 +197,12 @@ class Watch(ProducerHooks):
         self.handles.clear()
         if self.spy is not None:
             self.spy.remove()
-            self.notes += self.spy.notes()
         if self.sampler is not None:
             self.sampler.remove()
-        self.notes += self.producer_notes()
-        if self.pending:
-            self._end_step(loss=None)
-        if self.layers or self.hashes:
-            self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
+        try:  # the block's end is the user's code too: an error of the watch's here stops nothing of theirs
+            self._close_steps()
+        except Exception as error:  # noqa: BLE001 - said in the manifest (``fail``)
+            self.fail(error, "the block's end")
         self.steps_file.close()
         if exc_type is not None:  # an orderly stop: what was recorded is whole, and says where it stopped
             try:
@@ -212,9 +212,50 @@ class Watch(ProducerHooks):
             self.stopped = {"exception": exc_type.__name__, "message": detail, "step": self.step_index}
             self.notes.append(f"the watched block stopped with {exc_type.__name__} at step {self.step_index}"
                               + (f": {detail}" if detail else ""))
-        self._write_manifest(complete=True)  # only a killed process leaves complete: false
+        try:
+            self._write_manifest(complete=True)  # only a killed process leaves complete: false
+        except Exception as error:  # noqa: BLE001 - the run is left complete: false, said on stderr
+            print(f"convcheck.watch: the manifest of {self.out} was not written ({type(error).__name__}: "
+                  f"{error}); the run is unreadable (convcheck's fault, please report it)", file=sys.stderr)
         self.lock = release(getattr(self, "lock", None))
         return False
+
+    def _close_steps(self) -> None:
+        """What the block's end records: the scaler's and the producer's notes, a step left pending."""
+        if self.failed is not None:
+            return
+        if self.spy is not None:
+            self.notes += self.spy.notes()
+        self.notes += self.producer_notes()
+        if self.pending:
+            self._end_step(loss=None)
+        if self.layers or self.hashes:
+            self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
+
+    def fail(self, error: Exception, where: str) -> None:
+        """An error in convcheck's own code, met inside the user's loop (a hook, ``w.step``, a wrapper): the watch
+        records nothing more for the rest of the block - what it wrote stays, the manifest's ``watch_error`` and
+        ``truncated`` and a note say where it stopped (``diff`` reads it as a record cut there) - and the loop runs
+        on exactly as without the watch. Once; one line on stderr."""
+        if self.failed is not None:
+            return
+        try:
+            message = " ".join(str(error).split())[:200]
+        except Exception:  # noqa: BLE001 - an exception whose str() fails is still named
+            message = ""
+        self.failed = {"step": self.step_index, "where": where, "exception": type(error).__name__, "message": message}
+        self.truncated = True  # nothing more is recorded (``_recording``)
+        self.taker, self.pending = None, False
+        for h in self.handles:  # routes nothing more here (torch's hooks stay until the block ends: ``attach``)
+            h.detach()
+        self.notes.append(f"recording stopped at step {self.step_index}: convcheck.watch failed in {where} "
+                          f"({type(error).__name__}" + (f": {message}" if message else "") + ") - convcheck's fault, "
+                          "please report it; the training loop ran on, unrecorded")
+        print(f"convcheck.watch: {self.notes[-1]}", file=sys.stderr)
+        try:
+            self._write_manifest(complete=False)
+        except Exception:  # noqa: BLE001 - written again as the block ends
+            pass
 
     def _install(self) -> None:
         # the root's hooks never traced (they run at a compiled graph's edges); the others return at once
@@ -416,11 +457,18 @@ class Watch(ProducerHooks):
 
     def _queue_backward_end(self, grad):
         """Without an optimizer (a manual update): the step's gradients are read when its backward ends."""
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        if self.failed is None:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         return None
 
     def _backward_end(self) -> None:
-        if self.optimizers:  # one was found stepping meanwhile: its hooks read the step
+        try:
+            self._read_backward()
+        except Exception as error:  # noqa: BLE001 - the watch's own (``fail``)
+            self.fail(error, "the end of a backward")
+
+    def _read_backward(self) -> None:
+        if self.optimizers or self.failed is not None:  # one was found stepping meanwhile: its hooks read the step
             return
         self._read_grads()
         self.stepped = True  # the loop's own update follows (seen in the next step's parameters)
@@ -430,8 +478,16 @@ class Watch(ProducerHooks):
     # --- the user's call -----------------------------------------------------------
     def step(self, loss=None) -> None:
         """End the step: record ``loss`` (a tensor or number) with what the hooks saw since the last step."""
+        if self.failed is not None:
+            return
+        value = step_loss(loss)  # a loss that is no scalar: the user's UsageError
+        try:
+            self._step(loss, value)
+        except Exception as error:  # noqa: BLE001 - the watch's own: recording stops, the loop goes on (``fail``)
+            self.fail(error, "w.step")
+
+    def _step(self, loss, value) -> None:
         self.explicit = True
-        value = step_loss(loss)
         self.loss_dtype = loss_dtype(loss, self.model_fns)
         if self.grad_norms is None:
             self.grad_norms = grad_norms(self.params, self.buffer)

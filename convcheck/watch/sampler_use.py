@@ -14,7 +14,8 @@ MAX_EPOCHS = 1000
 
 
 class SamplerSpy:
-    def __init__(self):
+    def __init__(self, on_error=None):
+        self.on_error = on_error  # an exception of the spy's own, met inside the loop (``Watch.fail``)
         self.shuffle: bool | None = None
         self.epochs: set[int] = set()
         self.saved = None
@@ -28,14 +29,23 @@ class SamplerSpy:
         spy, original = self, DistributedSampler.__iter__
 
         def __iter__(sampler):
-            spy.shuffle = bool(spy.shuffle) or bool(getattr(sampler, "shuffle", False))
-            epoch = getattr(sampler, "epoch", None)
-            if isinstance(epoch, int) and len(spy.epochs) < MAX_EPOCHS:
-                spy.epochs.add(epoch)
+            try:
+                spy.seen(sampler)
+            except Exception as error:  # noqa: BLE001 - the watch's own: recording stops, the loop goes on
+                if spy.on_error is None:
+                    raise
+                spy.on_error(error, "DistributedSampler.__iter__")
             return original(sampler)
 
         DistributedSampler.__iter__ = __iter__
         return self
+
+    def seen(self, sampler) -> None:
+        """A DistributedSampler iterated: whether it shuffles, the epoch it was told."""
+        self.shuffle = bool(self.shuffle) or bool(getattr(sampler, "shuffle", False))
+        epoch = getattr(sampler, "epoch", None)
+        if isinstance(epoch, int) and len(self.epochs) < MAX_EPOCHS:
+            self.epochs.add(epoch)
 
     def remove(self) -> None:
         if self.saved is not None:

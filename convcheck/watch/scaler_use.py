@@ -45,13 +45,22 @@ def _method(name: str, fn):
         running.add(name)
         try:
             for spy in spies:
-                spy.before(name, args, kwargs)
-            return fn(self, *args, **kwargs)
+                _guarded(spy, spy.before, name, args, kwargs)
+            return fn(self, *args, **kwargs)  # the scaler's own call: its exceptions are the user's
         finally:
             running.discard(name)
             for spy in spies:
-                spy.after(name)
+                _guarded(spy, spy.after, name)
     return method
+
+
+def _guarded(spy, record, *args) -> None:
+    """``record(*args)``, one of the spy's: an exception there is the watch's, handed to ``spy.on_error``
+    (``Watch.fail``: recording stops) - never the loop's."""
+    try:
+        record(*args)
+    except Exception as error:  # noqa: BLE001 - convcheck's own code
+        spy.on_error(error, f"the GradScaler's spy ({getattr(record, '__name__', 'record')})")
 
 
 def _clip(fn):
@@ -59,7 +68,7 @@ def _clip(fn):
     def clip(*args, **kwargs):
         for _, spies, _ in list(_SPIES.values()):
             for spy in spies:
-                spy.clip()
+                _guarded(spy, spy.clip)
         return fn(*args, **kwargs)
     return clip
 
@@ -91,6 +100,10 @@ def _unpatch(owner, name: str) -> None:
         setattr(owner, name, entry[0])
 
 
+def _raise(error: Exception, where: str) -> None:
+    raise error
+
+
 def _own_methods(scaler) -> list[tuple]:
     """(class, name) for each class of the scaler's MRO that defines one of ``METHODS`` as a plain function."""
     return [(cls, name) for cls in type(scaler).__mro__ if cls is not object
@@ -98,8 +111,9 @@ def _own_methods(scaler) -> list[tuple]:
 
 
 class ScalerSpy:
-    def __init__(self, scaler):
+    def __init__(self, scaler, on_error=None):
         self.scaler = scaler
+        self.on_error = on_error or _raise  # an exception of the spy's own, met inside the loop (``Watch.fail``)
         self.unscaled = False  # the loop called unscale_ itself since the last step
         self.inside_step = False
         self.clipped_scaled = False  # a clip ran on scaled gradients this step
@@ -171,9 +185,12 @@ class ScalerSpy:
     def _optimizer_step(self, optimizer, args, kwargs):
         """Any optimizer's step: one taken outside ``scaler.step`` on gradients this scaler scaled and nobody
         unscaled applies them scaled."""
+        _guarded(self, self._stepped, optimizer)
+        return None
+
+    def _stepped(self, optimizer) -> None:
         if self.scaled and not self.inside_step and not self.unscaled:
             self.stepped_outside.add(id(optimizer))
-        return None
 
     def start(self, lrs: list) -> None:
         """A step's first forward: the learning rates it starts with."""

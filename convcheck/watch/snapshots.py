@@ -23,12 +23,14 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from convcheck.watch.keep import CallKeeper
+from convcheck.watch.layouts import dense, kind, stand_in, stands_for
 
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
 # a layer's non-floating tensor arguments (position ids, indices, masks), stored as they are (issue 43)
 EXACT = {torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
          torch.bool: "bool"}
+MAX_NOT_STORED = 50  # the "not stored" reasons one snapshot entry lists
 MAX_SPEC_DEPTH = 8  # nesting of a call's recorded arguments (``arg_spec``)
 MEMBER_SLACK = 512  # an .npz member's zip headers and .npy header: a bound, so the cap is never passed
 FILE_SLACK = 4096
@@ -104,6 +106,8 @@ class SnapshotTaker:
         self.hashes: dict[str, str] = {}  # each parameter's SHA-256 in the current evaluation
         self.evaluations: list[dict] = []  # the parameters each forward of the step ran with (``take_params``)
         self.stale: list[str] = []  # "layer/k": calls made after their parameters changed within an evaluation
+        # "key: why" for each array not kept as the tensor it was (a sparse adjacency's values: ``layouts.py``)
+        self.not_stored: list[str] = []
         self.params = False
         self.grads = False
         self.partial = partial
@@ -219,7 +223,7 @@ class SnapshotTaker:
         if spec is not None and not spec["plain"]:
             tensors += [(f"arg/{layer}/{k}/{j}", t) for j, t in enumerate(exact)]
         roles = self.keeper.arrive(layer, k, _largest(outputs))
-        if not self._room(*self._cost([t for _, t in tensors])):
+        if not self._room(*self._cost([t for _, t in tensors if stands_for(t) is None])):
             self.keeper.not_kept()
             return
         self.keeper.keep(layer, k, roles)
@@ -228,6 +232,10 @@ class SnapshotTaker:
             self.stale.append(f"{layer}/{k}")  # its weights are no evaluation's: the judge leaves the call out
         keys = []
         for key, t in tensors:
+            if stands_for(t) is not None:  # its values alone would replay as the argument they are not
+                if len(self.not_stored) < MAX_NOT_STORED:
+                    self.not_stored.append(f"{key}: a {stands_for(t)} tensor (not kept; its call is not replayed)")
+                continue
             if key.startswith("arg/"):
                 self._put_exact(key, t)
             elif t.dtype in STORED:
@@ -245,7 +253,7 @@ class SnapshotTaker:
         when an optimizer moved some of them within the step (an LBFGS closure's evaluations, SAM's second pass, a
         GAN's second model), a new *evaluation*: its parameters' SHA-256 always, and those that moved since the
         step's start (``eval/<e>/<name>``) where the budget allows - the judge replays its calls with them."""
-        params = [(n, p) for n, p in params if p.dtype in STORED]
+        params = [(n, p) for n, p in params if p.dtype in STORED and dense(p)]
         if not self.params:
             self._first_params(params)
         elif any(self.versions.get(id(p)) != p._version for _, p in params):
@@ -288,7 +296,13 @@ class SnapshotTaker:
             return
         self.reserve = (0, 0)  # the room held back for them
         for n, p in params:
-            if p.grad is not None and self._room(*self._cost([p.grad])):
+            if f"grad/{n}" in self.arrays or f"grad/{n}" in self.same_as:
+                self._forget(f"grad/{n}")  # read again at another optimizer's step (``optimizers=``): the later read
+            if p.grad is not None and not dense(p.grad):  # a sparse gradient (Embedding(sparse=True)): not kept
+                why = f"grad/{n}: a {kind(p.grad)} tensor (not kept)"
+                if why not in self.not_stored and len(self.not_stored) < MAX_NOT_STORED:
+                    self.not_stored.append(why)
+            elif p.grad is not None and self._room(*self._cost([p.grad])):
                 self._put(f"grad/{n}", p.grad)
 
     def nbytes(self) -> int:
@@ -301,6 +315,7 @@ class SnapshotTaker:
         for held in (self.arrays, self.same_as, self.seen, self.ident_of, self.aliases, self.call_keys, self.specs):
             held.clear()
         self.stale.clear()
+        self.not_stored.clear()
         self.evaluations.clear()
         self.held = 0
         self.reserve = (0, 0)
@@ -335,6 +350,8 @@ class SnapshotTaker:
             entry["calls"] = dict(self.specs)
         if self.stale:
             entry["stale_calls"] = list(self.stale)
+        if self.not_stored:  # arrays not kept as the tensors they were, and why (``layouts.py``)
+            entry["not_stored"] = list(self.not_stored)
         if len(self.evaluations) > 1:  # the parameters moved within the step: each forward's (``take_params``)
             entry["evaluations"] = [dict(e) for e in self.evaluations]
         kept = self.keeper.summary(self.budget)
@@ -355,6 +372,10 @@ def arg_spec(args, kwargs: dict) -> dict:
     exact: list = []
 
     def enc(o, depth: int):
+        if isinstance(o, torch.Tensor) and not dense(o):  # a sparse adjacency, a nested tensor: not kept
+            if o.is_floating_point() and stand_in(o) is not None:
+                counts["in"] += 1  # ``producers.floats`` lists its values in its place (``in/`` numbering)
+            return {"opaque": f"a {kind(o)} tensor"}
         if isinstance(o, torch.Tensor):
             if o.dtype in STORED:
                 counts["in"] += 1

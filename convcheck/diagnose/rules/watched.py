@@ -315,7 +315,8 @@ def watched_unexplained(ev: PairEvidence) -> Verdict | None:
 def _compared(ev: PairEvidence) -> list[str]:
     extra = [f"A ran {ev.steps[0]} steps, B {ev.steps[1]}: compared the first {min(ev.steps)}"] \
         if ev.steps[0] != ev.steps[1] else []
-    extra += [f"{side}'s record was cut by its size cap: {note}; the steps after it were not compared"
+    extra += [f"{side}'s record was cut{' by its size cap' if 'max_bytes' in note else ''}: {note}; the steps after "
+              "it were not compared"
               for side, note in zip(SIDES, ev.truncated) if note]
     if ev.precision is not None:  # agreeing at different precisions: within the coarser one's rounding, said so
         extra.append(f"{ev.precision}: they agree within the coarser precision's rounding")

@@ -143,7 +143,8 @@ def run_stopped(ev: RunEvidence) -> Verdict | None:
 
 
 def run_ok(ev: RunEvidence) -> Verdict:
-    cut = [f"the record was cut by its size cap: {ev.truncated}; the steps after it were not seen"] \
+    cut = [f"the record was cut{' by its size cap' if 'max_bytes' in ev.truncated else ''}: {ev.truncated}; the "
+           "steps after it were not seen"] \
         if ev.truncated else []
     cut += [interrupt_line(ev.stopped)] if interrupted(ev.stopped) else []
     upto = f" up to step {ev.stopped['step']}, where it was interrupted" if interrupted(ev.stopped) else ""
