@@ -76,9 +76,13 @@ def measure(t: torch.Tensor) -> dict:
     lo, hi = torch.aminmax(x)
     # the 2-norm rather than ``dot(x, x)``: no faster on one thread (0.142 against 0.143 ms on 1M float32
     # elements, ``benchmarks/stats_pass.py``) and its BLAS sum less exact (std 1e-5 apart)
-    lo, hi, total, norm, *extra = torch.stack([lo.double(), hi.double(), x.sum(dtype=acc).double(),
-                                               torch.linalg.vector_norm(x, dtype=acc).double(),
-                                               *_extra_reductions(x, acc)]).tolist()
+    parts = [lo, hi, x.sum(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)]
+    ext = _extra_reductions(x, acc)
+    if ext or acc is not None:  # stacked in float64 (exact from float32 and the half types)
+        parts = [p.double() for p in parts] + ext
+    # else all four in x's own float32/float64, read as they are: the same values with four ops fewer (each
+    # dispatch costs ~4 us inside a step, paid by a layer called once per time step at every call: issue 45)
+    lo, hi, total, norm, *extra = torch.stack(parts).tolist()
     sumsq = norm * norm
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return _measure_nonfinite(t)
