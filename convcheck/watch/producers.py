@@ -163,7 +163,10 @@ def forward_op(start, stops, limit: int = 512) -> str | None:
 
 
 def closure(args, kwargs) -> bool:
-    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call."""
+    """``optimizer.step(closure)`` with a closure: the step's forward and backward run inside the call. ``args`` as
+    torch's step hooks give them: the optimizer first, then what ``step`` was called with."""
+    if args and isinstance(args[0], torch.optim.Optimizer):
+        args = args[1:]
     return (args[0] if args else kwargs.get("closure")) is not None
 
 

@@ -38,3 +38,32 @@ def test_a_zero_grad_between_backward_and_step_is_named(tmp_path):
     assert d.verdict.headline.startswith("no parameter has a gradient when B's optimizer steps, from step 0")
     assert "zero_grad()" in d.verdict.remedies[0]
     assert not [s for s in d.own[1] if "non-finite" in s.evidence], [s.evidence for s in d.own[1]]
+
+
+def test_a_plain_step_is_no_closure_step_and_its_gradients_are_read_before_the_update(tmp_path):
+    """torch's step hooks hand over the optimizer as the first argument: a step without a closure must not be taken
+    for one (two forwards a step - two half batches - are not two closure evaluations), and an optimizer that clears
+    the gradients inside its step does not hide them from the record."""
+    import json
+
+    class ClearingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            out = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.zero_()  # an optimizer that clears what it used
+            return out
+
+    convcheck.seed_everything(0)
+    model = nn.Linear(4, 1)
+    opt = ClearingSGD(model.parameters(), lr=0.1)
+    with convcheck.watch(model, opt, out=tmp_path / "run") as w:
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            loss = model(x[:4]).pow(2).mean() + model(x[4:]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    assert all("closure_evaluations" not in s for s in steps)
+    assert all(s["grad_norms"]["weight"] > 0 for s in steps)
