@@ -67,3 +67,25 @@ def test_a_plain_step_is_no_closure_step_and_its_gradients_are_read_before_the_u
     steps = [json.loads(line) for line in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     assert all("closure_evaluations" not in s for s in steps)
     assert all(s["grad_norms"]["weight"] > 0 for s in steps)
+
+
+def test_a_run_that_never_hands_its_loss_to_the_watch_has_no_non_finite_loss(tmp_path):
+    """No ``w.step(loss)`` (the optimizer's hooks end each step): the loss is not recorded, which is not a NaN loss."""
+
+    def run(out):
+        convcheck.seed_everything(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(3)
+        with convcheck.watch(model, opt, out=out):
+            for _ in range(5):
+                x = torch.randn(16, 6, generator=g)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+                opt.step()
+
+    run(tmp_path / "a")
+    run(tmp_path / "b")
+    d = diff_watched(tmp_path / "a", tmp_path / "b")
+    assert d.verdict.category == "ok", d.verdict.headline
+    assert not any("non-finite loss" in s.evidence for side in d.own for s in side)

@@ -164,9 +164,11 @@ def run_findings(run, side: str) -> list[S.Symptom]:
     if not run.steps:
         return []
     c, g = curves(run, side)
-    # the steps a GradScaler skipped (Inf gradients found, the scale lowered) are its design, and a step whose
-    # optimizer found no gradient at all has no gradient norm to read (not a non-finite one): not read here
-    kept = ~c["skipped"].astype(bool) & c["step"].map(lambda k: bool(run.steps[k].get("grad_norms")))
+    # the steps a GradScaler skipped (Inf gradients found, the scale lowered) are its design, a step whose optimizer
+    # found no gradient at all has no gradient norm to read (not a non-finite one), and a step whose loss was never
+    # handed to the watch (no ``w.step(loss)``: null, where a NaN loss is NaN) has no loss to read: not read here
+    kept = ~c["skipped"].astype(bool) & c["step"].map(
+        lambda k: bool(run.steps[k].get("grad_norms")) and run.steps[k].get("loss") is not None)
     c, g = c[kept].reset_index(drop=True), g[g["step"].isin(set(c.loc[kept, "step"]))]
     if c.empty:
         return []
