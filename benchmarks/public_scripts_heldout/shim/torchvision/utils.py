@@ -1,0 +1,2 @@
+def save_image(*args, **kwargs):
+    """No image files from these runs."""
