@@ -16,6 +16,8 @@ import torch
 
 from convcheck.nested import tensors_in
 from convcheck.watch import deferred as _deferred
+from convcheck.runformat import statistics as _declared
+from convcheck.watch import stacked as _stacked
 from convcheck.watch import stats as _stats
 from convcheck.watch.layouts import dense, stand_in
 from convcheck.watch.snapshots import SnapshotTaker
@@ -174,16 +176,19 @@ def nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
 
 
+STACKED = object()  # ``Watch._measure_leaf``: the call is stacked, measured at the next flush (``stacked.py``)
+
+
 
 class ProducerHooks:
     """The producer half of ``Watch``: it reads ``self.producer``, ``self.buffer``, ``self.order``,
     ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.roots`` (the models called), ``self.taker`` and the snapshot settings."""
 
-    def _note_call(self, module, name, args, outs, leaf: bool) -> None:
-        """Who consumes what, for the backward producer: this call's floating inputs (by identity), its output's
-        autograd node (a module's own code lies between its output node and its children's), and a leaf's
-        calling line the first time it runs."""
-        for t in floats(args):
+    def _note_call(self, module, name, args, outs, leaf: bool, inputs=None) -> None:
+        """Who consumes what, for the backward producer: this call's floating inputs (by identity; ``inputs``: them,
+        found already), its output's autograd node (a module's own code lies between its output node and its
+        children's), and a leaf's calling line the first time it runs."""
+        for t in floats(args) if inputs is None else inputs:
             if id(t) not in self.consumed or not leaf or not self.consumed[id(t)][2]:
                 self.consumed[id(t)] = (name, weakref.ref(t), leaf)
         if outs and outs[0].grad_fn is not None:
@@ -232,22 +237,32 @@ class ProducerHooks:
     def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
         """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""
         if self.producer is None:
-            self._note_call(module, name, args, outs, leaf)
+            self._note_call(module, name, args, outs, leaf, self.stacked.calls[-1].inputs if row is STACKED and self.stacked.calls else None)
         if self.producer is None and self.buffer is not None:  # read at the step's end (``deferred.resolve``)
             if not leaf and outs:
                 same = self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1
                 self.buffer.container(name, outs, floats(args), same_as=self.last_leaf[1] if same else None)
             if outs and outs[0].requires_grad and (leaf or module in self.roots):
-                outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
+                self._hook_grad(name, outs[0])
+            return
+        if row is STACKED:  # measured at the next flush, its producer check with it (``_flush_stacked``)
+            self.last_leaf = (outs[0], None)
+            if self.producer is None and outs[0].requires_grad:
+                self._hook_grad(name, outs[0])
             return
         if self.producer is None:
             if row is not None:
                 bad = row["nan"] + row["inf"] > 0 or nonfinite(outs[1:])
                 self.last_leaf = (outs[0], bool(bad))
-            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1:
+            elif outs and self.last_leaf is not None and outs[0] is self.last_leaf[0] and len(outs) == 1 \
+                    and self.last_leaf[1] is not None:
                 bad = self.last_leaf[1]  # a container handing on its last leaf's output: already measured
             else:
                 bad = nonfinite(outs)
+            if bad and self.stacked.calls:  # a stacked call before this one may have made it: measured first
+                self._flush_stacked()
+                if self.producer is not None:
+                    return
             if outs and bad and not nonfinite(floats(args)):
                 self._found(name, "forward", "module" if module in self.leaves else "own code")
                 if row is not None:  # which call of the step (a cell unrolled over time: its time index)
@@ -259,7 +274,70 @@ class ProducerHooks:
                 self.producer.update(live_op(module, args))  # the op that made them (and its line in own code)
             elif outs and outs[0].requires_grad and (leaf or module in self.roots):
                 # leaves and the model's output only: cheaper
-                outs[0].register_hook(self._grad_hook(name, weakref.ref(outs[0])))
+                self._hook_grad(name, outs[0])
+
+    def _flush_stacked(self, live: bool = True) -> None:
+        """The stacked calls measured (``stacked.rows``) and merged into their layers' rows in the order they ran;
+        the first whose output holds NaN/Inf while its inputs did not is the forward producer, as a call measured
+        at once would have been. ``live``: the flush runs inside the forward (the module's parameters as the call
+        saw them), so the op that made it is found by re-running the call (``op_probe.live_op``); at the step's
+        end it is not (the parameters may have moved)."""
+        calls = self.stacked.take()
+        self.stacked_names.clear()
+        if not calls:
+            return
+        rows = _stacked.rows([c.out for c in calls], [c.name for c in calls])
+        others = [t for c in calls for t in c.others]
+        any_bad_other = bool(others) and not _stacked.all_finite(others)
+        first = None
+        if not any_bad_other and not any(r["nan"] + r["inf"] for r in rows) and not _declared.extensions():
+            by_layer: dict = {}  # all finite: each layer's calls merged at once (``stacked.merged``)
+            for c, row in zip(calls, rows):
+                by_layer.setdefault(c.name, []).append(row)
+            for name, got in by_layer.items():
+                self.layers[name] = _stats.merge(self.layers.get(name), _stacked.merged(got))
+            return
+        for c, row in zip(calls, rows):
+            before = self.layers.get(c.name)
+            self.layers[c.name] = _stats.merge(before, row)
+            if first is None and self.producer is None and (
+                    row["nan"] + row["inf"] > 0 or any_bad_other and nonfinite(c.others)):
+                first = (c, before["calls"] if before is not None else 0)
+        if first is None:
+            return
+        c, call = first
+        if nonfinite(c.inputs):  # NaN/Inf came in: made before it (found by a container's or the loss's check)
+            return
+        module = self.by_name.get(c.name)
+        self._found(c.name, "forward", "module")
+        self.producer["call"] = call
+        if self.call_lines.get(c.name):
+            self.producer["source"] = self.call_lines[c.name]
+        if any(t._version != v for t, v in zip(c.inputs, c.versions)):
+            self.producer["detail"] = "its inputs were changed in place after the call (read at the forward's end)"
+        elif live and module is not None:
+            from convcheck.watch.op_probe import live_op  # once a run, at its first NaN/Inf
+
+            self.producer.update(live_op(module, c.args))
+
+    def _hook_grad(self, name: str, out: torch.Tensor) -> None:
+        """The gradient into ``out`` seen by ``_grad_hook``: a pre-hook on the autograd node that made it (given that
+        node's output gradients; ``out``'s by its ``output_nr``), a third of a tensor hook's registration cost (2
+        against 7 us a call inside a step: paid at every call of a cell unrolled over time). Like a tensor hook
+        registered at the call, it sees the gradient of the value the call returned even when ``out`` is later
+        changed in place (an in-place ReLU after it); a user's own tensor hooks on ``out`` run before it. A
+        tensor without a node (a leaf returned as it is) takes a tensor hook."""
+        hook = self._grad_hook(name, weakref.ref(out))
+        node = out.grad_fn
+        if node is None:
+            out.register_hook(hook)
+            return
+        nr = out.output_nr
+
+        def pre(grads):
+            g = grads[nr] if nr < len(grads) else None
+            return None if g is None else hook(g)
+        node.register_prehook(pre)
 
     def _grad_hook(self, name: str, ref):
         def hook(grad):
