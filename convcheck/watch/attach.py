@@ -213,14 +213,15 @@ def _root_post_eager(module, args, kwargs, output):
 
 
 def _pre(module, args):
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         if _exporting():  # torch.export: fake tensors, no graph break allowed - the watch stays out of it
             return None
     elif torch._C._get_tracing_state():  # torch.jit.trace: nothing of the watch is traced
         return None
     if id(module) in _ROOT_IDS:
         _root_pre_eager(module, args)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         if _DEPTH[0] == 0:
             _OUTERMOST[0] = module
         _DEPTH[0] += 1
@@ -228,14 +229,15 @@ def _pre(module, args):
 
 
 def _post(module, args, kwargs, output):
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()  # read once: every module call of the process pays this hook
+    if compiling:
         if _exporting():  # torch.export: fake tensors, no graph break allowed - the watch stays out of it
             return None
     elif torch._C._get_tracing_state():  # torch.jit.trace: nothing of the watch is traced
         return None
     if id(module) in _ROOT_IDS:
         _root_post_eager(module, args, kwargs, output)
-    if torch.compiler.is_compiling():  # a layer inside a compiled graph: nothing of the watch is traced into it
+    if compiling:  # a layer inside a compiled graph: nothing of the watch is traced into it
         return None
     _DEPTH[0] = max(_DEPTH[0] - 1, 0)
     if _DEPTH[0] == 0:

@@ -176,6 +176,7 @@ def nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
 
 
+_WIDE = (torch.float32, torch.float64)  # summed in their own dtype without rounding the check away (``stats.finite``)
 STACKED = object()  # ``Watch._measure_leaf``: the call is stacked, measured at the next flush (``stacked.py``)
 
 
@@ -336,7 +337,12 @@ class ProducerHooks:
 
         def pre(grads):
             g = grads[nr] if nr < len(grads) else None
-            return None if g is None else hook(g)
+            if g is None or self.producer is not None or self.failed is not None:
+                return None
+            # the common case in one frame: a float32/float64 gradient whose sum is finite (its values all are)
+            if self.buffer is None and g.dtype in _WIDE and not g.requires_grad and math.isfinite(g.sum().item()):
+                return None
+            return hook(g)
         node.register_prehook(pre)
 
     def _grad_hook(self, name: str, ref):
