@@ -176,7 +176,14 @@ def nonfinite(ts) -> bool:
     return any(not _stats.finite(t) for t in ts)
 
 
-_WIDE = (torch.float32, torch.float64)  # summed in their own dtype without rounding the check away (``stats.finite``)
+_WIDE = (torch.float32, torch.float64)
+
+
+def wide_finite(g: torch.Tensor) -> bool:
+    """True when ``g`` is a float32/float64 gradient whose sum is finite (so are its values); False otherwise
+    (another dtype, a finite sum not read: ``stats.finite`` decides) - one op and one read, the gradient hooks'
+    common case."""
+    return g.dtype in _WIDE and not g.requires_grad and math.isfinite(g.sum().item())
 STACKED = object()  # ``Watch._measure_leaf``: the call is stacked, measured at the next flush (``stacked.py``)
 
 
@@ -339,8 +346,11 @@ class ProducerHooks:
             g = grads[nr] if nr < len(grads) else None
             if g is None or self.producer is not None or self.failed is not None:
                 return None
-            # the common case in one frame: a float32/float64 gradient whose sum is finite (its values all are)
-            if self.buffer is None and g.dtype in _WIDE and not g.requires_grad and math.isfinite(g.sum().item()):
+            try:  # the common case without more frames: a float32/float64 gradient whose values are all finite
+                if self.buffer is None and wide_finite(g):
+                    return None
+            except Exception as error:  # noqa: BLE001 - the watch's own: recording stops, the backward goes on
+                self.fail(error, f"the gradient hook on {name}'s output")
                 return None
             return hook(g)
         node.register_prehook(pre)

@@ -77,7 +77,8 @@ def _planted():
             "w.step": (recorder, "loss_dtype", 2, {}),
             "a layer's snapshot (a layer's forward hook)": (snapshots.SnapshotTaker, "take_call", 4,
                                                              {"snapshot_steps": [0, 1, 2]}),
-            "a gradient hook": (producers.ProducerHooks, "_grad_into", 4, {}),
+            "a gradient hook": (producers, "wide_finite", 4, {}),
+            "a gradient hook, read once a step": (producers.ProducerHooks, "_grad_into", 4, {"sync": "step"}),
             "the GradScaler's spy": (scaler_use.ScalerSpy, "clip", 2, {"scaler": True})}
 
 
