@@ -45,9 +45,10 @@ def recipe_of(w) -> dict:
                                      type(w.outer).__name__ if w.outer is not w.model else None) if x]}
 
 
-def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
+def forward_state(model: torch.nn.Module, names: dict, device: str, params=None) -> dict:
     """The state a step's forward ran in: the autocast dtype (None without autocast) and the modules whose
-    training mode differs from the model's (sorted names)."""
+    training mode differs from the model's (sorted names). ``params``: the model's parameters as ``(name, p)``
+    pairs, listed already (``model.parameters()`` walks the module tree: 0.2 ms a step on a small CNN)."""
     kind = device.split(":")[0]
     try:
         autocast = str(torch.get_autocast_dtype(kind)).removeprefix("torch.") \
@@ -57,7 +58,7 @@ def forward_state(model: torch.nn.Module, names: dict, device: str) -> dict:
     odd = sorted(names[m] for m in names if m is not model and m.training != model.training)
     state = {"autocast": autocast, "modes_differ": odd}
     if any(p.dim() == 4 and not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
-           for p in model.parameters()):
+           for p in (model.parameters() if params is None else (p for _, p in params))):
         state["memory_format"] = "channels_last"  # other conv kernels: rounding-level differences, as threads
     return state
 

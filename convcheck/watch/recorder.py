@@ -305,7 +305,7 @@ class Watch(ProducerHooks):
             if self.spy is not None:
                 self.spy.start(learning_rates(self.optimizer))
             if self.forward_state is None:
-                self.forward_state = forward_state(self.model, self.names, self.device)
+                self.forward_state = forward_state(self.model, self.names, self.device, self.params)
             self.leaves_before = self.leaf_calls
             if self.taker is not None:  # the first forward's parameters, or a closure evaluation's (``snapshots``)
                 self.taker.take_params(self.params)
