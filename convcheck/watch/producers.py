@@ -237,10 +237,11 @@ class ProducerHooks:
         return found
 
     def _next_leaf(self, name: str) -> dict:
-        after = self.order.index(name) + 1 if name in self.order else len(self.order)
-        if after >= len(self.order):
+        order = list(self.order)
+        after = order.index(name) + 1 if name in self.order else len(order)
+        if after >= len(order):
             return {"layer": "the loss", "kind": "own code"}
-        return {"layer": self.order[after], "kind": "module", "source": self.call_lines.get(self.order[after])}
+        return {"layer": order[after], "kind": "module", "source": self.call_lines.get(order[after])}
 
     def _check_producer(self, module, name, args, outs, row, leaf: bool) -> None:
         """The first NaN/Inf made by this call (its inputs finite), or a gradient hook on its output."""

@@ -118,7 +118,7 @@ class Watch(ProducerHooks):
         self.loss_dtype: str | None = None  # the dtype of the loss handed to ``w.step`` (``recipe.loss_dtype``)
         self.closure_step = False  # the optimizer stepped with a closure (``_pre_step``)
         self.layers: dict[str, dict] = {}
-        self.order: list[str] = []
+        self.order: dict[str, None] = {}  # the leaves in the order they first ran (a dict: looked up every call)
         self.hashes: list[str] = []
         self.rounded: list[dict | None] = []  # each batch's ``rounded_hashes``
         self.targets: list[str] = []  # the hashes of what the loss modules were given besides the model's output
@@ -401,7 +401,7 @@ class Watch(ProducerHooks):
     def _measure_leaf(self, name: str, args, outs) -> dict | None:
         """A leaf call's statistics: measured now (its row), or left on the device for the step's end (None)."""
         if outs and name not in self.order:
-            self.order.append(name)
+            self.order[name] = None
         if not outs:
             return None
         if self.buffer is not None:
