@@ -6,8 +6,10 @@ reduced in float32 so that the mean and std of a bfloat16 output are not themsel
 from __future__ import annotations
 
 import math
+import struct
 import threading
 
+import numpy as np
 import torch
 
 from convcheck.runformat import statistics as _declared
@@ -65,13 +67,18 @@ def measure(t: torch.Tensor) -> dict:
     whether the tensor holds zeros at all (its sign is constant, or its smallest magnitude is
     positive) and whether anything is non-finite (NaN and Inf reach ``aminmax``), so the zero count
     and the smallest nonzero magnitude cost more passes only for tensors that do hold zeros (ReLU's
-    outputs), and NaN/Inf are counted only for tensors that hold them (``_measure_nonfinite``)."""
+    outputs), and NaN/Inf are counted only for tensors that hold them (``_measure_nonfinite``). A large CPU tensor
+    while torch runs on one thread takes ``_measure_serial`` instead: the same values, with no pass that writes a
+    tensor of its size."""
     x = t.detach()
     n = x.numel()
     if n == 0:
         return _row(0, 0.0, 0.0, 0.0, None, 0, 0, 0, t)
     if x.dtype not in _BITS:
         return _measure_nonfinite(t)
+    u = _serial_bits(x)
+    if u is not None:
+        return _measure_serial(x, u, t)
     acc = reduce_dtype(x)
     lo, hi = torch.aminmax(x)
     # the 2-norm rather than ``dot(x, x)``: no faster on one thread (0.142 against 0.143 ms on 1M float32
@@ -102,6 +109,117 @@ def measure(t: torch.Tensor) -> dict:
             return _row(n, total, sumsq, max_abs, smallest, 0, 0, 0, t, extra)
     zeros, min_nonzero = _zeros(x, nonnegative=lo == 0)
     return _row(n, total, sumsq, max_abs, min_nonzero, zeros, 0, 0, t, extra)
+
+
+# --- a large CPU tensor on one thread: each statistic from reading the tensor, nothing of its size written ----------
+# (issue 45: on cifar_cnn the zero count and the smallest nonzero magnitude cost ~9 of the watch's ~14 ms a step.)
+# A float's bits read as a signed integer order the values whose sign bit is clear by magnitude, above those whose
+# sign bit is set, which order by magnitude from -0 up; read as an unsigned integer, the other way round. So the
+# signed and unsigned minimum and maximum of the bits (numpy's: torch reduces no unsigned type on the CPU) are the
+# smallest and largest magnitude of each sign: the extremes, whether a +0 (unsigned minimum 0) or a -0 (signed minimum
+# the sign bit) is there, and the smallest nonzero magnitude of a tensor without zeros. A tensor holding zeros counts
+# its nonzero bits (``np.count_nonzero``: one read, no branch on the values) and takes the minimum of its bits minus
+# one (0 wraps to the top), written to a reused buffer of ``PIECE`` elements. All of it runs a ``PIECE`` at a time,
+# so that the tensor comes from memory once and every pass after the first reads the cache; the sum and the 2-norm
+# stay torch's own reductions of the whole tensor (bit for bit the values of the torch passes below). Numpy's
+# reductions run on one thread, torch's on all of its own: with more than ``SERIAL_THREADS`` of them the torch passes
+# below are kept.
+LARGE = 1 << 14  # elements: up to this, the torch passes' fewer dispatches cost less (benchmarks/stats_pass.py)
+PIECE = 1 << 17  # elements: 512 KB of float32's bits, read from the cache by the passes after the first
+SERIAL_THREADS = 1
+_UNSIGNED = {torch.float32: np.uint32, torch.float64: np.uint64, torch.float16: np.uint16, torch.bfloat16: np.uint16}
+_FORMATS = {torch.float32: ("<I", "<f"), torch.float64: ("<Q", "<d"), torch.float16: ("<H", "<e")}
+
+
+def _serial_bits(x: torch.Tensor) -> np.ndarray | None:
+    """A large CPU tensor's bits as numpy's unsigned integers of its width, one contiguous row in memory order (a
+    channels_last or transposed tensor read in the order of its strides), no copy; None where ``_measure_serial`` is
+    not taken: a small tensor, another device, a tensor subclass, a lazily negated view, a tensor with gaps or
+    overlaps (a slice), or torch running on more than ``SERIAL_THREADS`` threads."""
+    if x.numel() <= LARGE or x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout != torch.strided \
+            or x.is_neg() or torch.get_num_threads() > SERIAL_THREADS:
+        return None
+    if not x.is_contiguous():
+        x = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
+        if not x.is_contiguous():
+            return None
+    return x.view(_BITS[x.dtype][0]).numpy().reshape(-1).view(_UNSIGNED[x.dtype])
+
+
+def _value(bits: int, dtype) -> float:
+    """The float of ``dtype`` whose bits, read as an unsigned integer, are ``bits``."""
+    if dtype == torch.bfloat16:  # a float32's upper half
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    ints, floats = _FORMATS[dtype]
+    return struct.unpack(floats, struct.pack(ints, bits))[0]
+
+
+def _measure_serial(x: torch.Tensor, u: np.ndarray, t: torch.Tensor) -> dict:
+    """``measure`` of a large CPU tensor on one thread (``u``: its ``_serial_bits``): the same values, the sum and
+    the 2-norm (and the declared statistics) read back in one ``tolist``, then ``_scan``."""
+    n, dtype = x.numel(), x.dtype
+    acc = reduce_dtype(x)
+    parts = [x.sum(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)]
+    ext = _extra_reductions(x, acc)
+    if ext or acc is not None:
+        parts = [p.double() for p in parts] + ext
+    total, norm, *extra = torch.stack(parts).tolist()
+    sumsq = norm * norm
+    if not (math.isfinite(total) and math.isfinite(sumsq)):  # NaN/Inf reach the sum, or finite values overflow acc
+        if not bool(torch.isfinite(x).all()):
+            return _measure_nonfinite(t)
+        total = float(x.sum(dtype=torch.float64))
+        norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+        sumsq = norm * norm
+    top, least, zeros = _scan(u)
+    return _row(n, total, sumsq, _value(top, dtype), None if least is None else _value(least, dtype), zeros, 0, 0, t,
+                _extra_values(extra))
+
+
+def _scan(u: np.ndarray) -> tuple[int, int | None, int]:
+    """The largest magnitude's bits, the smallest nonzero magnitude's (None: none) and the number of zeros (+0 and
+    -0) of a finite tensor's bits ``u`` (unsigned), a ``PIECE`` at a time: its unsigned minimum and maximum, then
+    where both signs are in the piece its signed ones too, then where a zero is, the count and the least nonzero."""
+    s = u.view(f"i{u.itemsize}")
+    sign = 1 << (8 * u.itemsize - 1)
+    mag = sign - 1
+    mask, one = u.dtype.type(mag), u.dtype.type(1)
+    buf = _np_buffer(u.dtype)
+    top, least, zeros = 0, sign, 0
+    for i in range(0, u.size, PIECE):
+        c = u[i:i + PIECE]
+        low, high = int(c.min()), int(c.max())
+        if high < sign:  # no sign bit set: magnitudes low..high
+            positive, negative = low, None
+            top = max(top, high)
+        elif low >= sign:  # every sign bit set
+            positive, negative = None, low - sign
+            top = max(top, high - sign)
+        else:  # both: the unsigned minimum is the least positive, the maximum the lowest negative; the signed ones
+            # the negative nearest 0 and the largest positive
+            piece = s[i:i + PIECE]
+            positive, negative = low, int(piece.min()) + sign
+            top = max(top, high - sign, int(piece.max()))
+        if positive == 0 or negative == 0:  # zeros: -0's need the sign bits cleared first; +0's bits are 0 as they are
+            b = buf[:c.size]
+            if negative == 0:
+                c = np.bitwise_and(c, mask, out=b)
+            nonzero = int(np.count_nonzero(c))
+            zeros += c.size - nonzero
+            if nonzero:  # the least nonzero bits, their sign bit cleared (the magnitude nearest 0 of either sign)
+                least = min(least, (int(np.subtract(c, one, out=b).min()) + 1) & mag)
+        least = min(least, positive or sign, negative or sign)
+    return top, (least if least < sign else None), zeros
+
+
+def _np_buffer(dtype) -> np.ndarray:
+    """The reused numpy buffer of ``PIECE`` elements of ``dtype`` of this thread."""
+    bufs = getattr(_scratch, "np", None)
+    if bufs is None:
+        bufs = _scratch.np = {}
+    if dtype not in bufs or bufs[dtype].size < PIECE:
+        bufs[dtype] = np.empty(PIECE, dtype=dtype)
+    return bufs[dtype]
 
 
 # Passes that need a tensor of their own (|x|, signs, bits) run on a large CPU tensor chunk by chunk
