@@ -17,6 +17,12 @@ from convcheck.runformat import statistics as _declared
 FIELDS = ("n", "max_abs", "min_nonzero", "mean", "std", "zeros", "nan", "inf", "dtype", "calls")
 
 
+def _resolved(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a lazy negation (``torch._neg_view``, what ``conj`` of a real view can give) applied: a bit view
+    of a negated view is refused by torch."""
+    return x.resolve_neg() if x.is_neg() else x
+
+
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
@@ -70,7 +76,7 @@ def measure(t: torch.Tensor) -> dict:
     outputs), and NaN/Inf are counted only for tensors that hold them (``_measure_nonfinite``). A large CPU tensor
     while torch runs on one thread takes ``_measure_serial`` instead: the same values, with no pass that writes a
     tensor of its size."""
-    x = t.detach()
+    x = _resolved(t.detach())
     n = x.numel()
     if n == 0:
         return _row(0, 0.0, 0.0, 0.0, None, 0, 0, 0, t)
@@ -372,7 +378,7 @@ def device_row(t: torch.Tensor) -> torch.Tensor:
     reading anything back (no branch on a value: every pass runs). Over the finite values only, as
     ``_measure_nonfinite`` (a declared statistic's ``reduce`` sees the non-finite values as 0);
     ``min_nonzero`` 0 means none."""
-    x = t.detach()
+    x = _resolved(t.detach())
     n = x.numel()
     if n == 0 or x.dtype not in _BITS:
         return torch.tensor([float(n)] + [0.0] * (len(DEVICE_FIELDS) - 1 + len(_declared.extensions())),

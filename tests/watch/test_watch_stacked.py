@@ -116,3 +116,12 @@ def test_a_nan_made_by_a_stacked_call_is_named_with_its_call_and_op(tmp_path):
     p = run["first_nonfinite"]
     assert (p["layer"], p["direction"], p.get("call"), p.get("op")) == ("gate", "forward", 7, "exp")
     assert run.steps[0]["layers"]["gate"]["nonfinite_call"] == 7
+
+
+def test_a_lazily_negated_view_is_measured_as_its_values():
+    """``torch._neg_view`` (a negation applied lazily): torch refuses a bit view of it; measured as its values."""
+    base = torch.tensor([0.0, 1.0, -2.0, 0.0])
+    got = stats.measure(torch._neg_view(base))
+    _same_row(got, stats.measure(-base))
+    assert got["zeros"] == 2 and got["max_abs"] == 2.0
+    _same_row(stacked.rows([torch._neg_view(base)], ["a"])[0], stats.measure(-base))
