@@ -37,6 +37,7 @@ from convcheck.runformat.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFES
 from convcheck.runformat.layout import DEFAULT_SNAPSHOT_BYTES, ENV_SNAPSHOT_BYTES
 from convcheck.runformat.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
+from convcheck.watch.snapshot_file import Background, SnapshotWriteFailed
 from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import STACKED, ProducerHooks, closure, floats, loss_op
@@ -108,6 +109,10 @@ class Watch(ProducerHooks):
         self.snapshot_index: list[dict] = []
         self.skipped: list[dict] = []
         self.steps_sha = hashlib.sha256()
+        # the snapshot being written in the background (``snapshot_file.py``; at most one) and the step records held
+        # behind it until it is whole: (line, steps recorded with it)
+        self.writing: Background | None = None
+        self.held: list[tuple[str, int]] = []
         self._reset()
 
     # --- per-step state -------------------------------------------------------
@@ -148,7 +153,8 @@ class Watch(ProducerHooks):
 
     def _budget(self) -> int:
         """What a snapshot may take: snapshot_bytes, or the rest of max_bytes when less (``keep.py`` chooses the
-        calls kept within it)."""
+        calls kept within it); a snapshot still being written is waited for first (its exact size counts)."""
+        self._settle()
         return min(self.snapshot_bytes, max(self.max_bytes - self.written, 0))
 
     def _snapshotting(self, step: int) -> bool:
@@ -204,6 +210,7 @@ class Watch(ProducerHooks):
             self.sampler.remove()
         try:  # the block's end is the user's code too: an error of the watch's here stops nothing of theirs
             self._close_steps()
+            self._settle()  # a snapshot still being written: whole, and indexed, before the manifest names it
         except Exception as error:  # noqa: BLE001 - said in the manifest (``fail``)
             self.fail(error, "the block's end")
         self.steps_file.close()
@@ -231,7 +238,7 @@ class Watch(ProducerHooks):
             self.notes += self.spy.notes()
         self.notes += self.producer_notes()
         if self.pending:
-            self._end_step(loss=None)
+            self._end_step(loss=None, where="the block's end")
         if self.layers or self.hashes:
             self.notes.append(f"step {self.step_index} was begun but not ended (no optimizer step); not recorded")
 
@@ -239,9 +246,20 @@ class Watch(ProducerHooks):
         """An error in convcheck's own code, met inside the user's loop (a hook, ``w.step``, a wrapper): the watch
         records nothing more for the rest of the block - what it wrote stays, the manifest's ``watch_error`` and
         ``truncated`` and a note say where it stopped (``diff`` reads it as a record cut there) - and the loop runs
-        on exactly as without the watch. Once; one line on stderr."""
+        on exactly as without the watch. Once; one line on stderr. A snapshot written in the background is waited
+        for first (what was recorded before stays whole); its own failure (``SnapshotWriteFailed``) is said as
+        the end of its step would have said it, that step's record and those after it not kept."""
         if self.failed is not None:
             return
+        if not isinstance(error, SnapshotWriteFailed):
+            try:
+                self._settle()
+            except SnapshotWriteFailed as first:  # it failed before this error: the recording stopped there
+                error = first
+            except Exception:  # noqa: BLE001 - the error at hand is said
+                pass
+        if isinstance(error, SnapshotWriteFailed):
+            self.step_index, where, error = error.step, error.where, error.error
         try:
             message = " ".join(str(error).split())[:200]
         except Exception:  # noqa: BLE001 - an exception whose str() fails is still named
@@ -298,7 +316,7 @@ class Watch(ProducerHooks):
 
     def _root_pre(self, module, args):
         if self.pending:
-            self._end_step(loss=None)
+            self._end_step(loss=None, where=f"the forward pre-hook of {type(module).__name__}")
         if torch.is_grad_enabled() and not self.model.training and not self.truncated:
             self.eval_forwards += 1  # not recorded (a validation pass without no_grad) unless it is all the step had
         if self._recording():
@@ -372,7 +390,7 @@ class Watch(ProducerHooks):
         outs = floats(output)
         row = self._measure_leaf(name, args, outs)
         if self.taker is not None:  # the call as made (a compiled run's backends are re-run on it: ``backends.py``)
-            self.taker.take_call(name, floats((args, kwargs or {})), outs, args, kwargs)
+            self.taker.take_call(name, floats((args, kwargs or {})), outs, args, kwargs, measured=row)
         self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
         self.model_out = weakref.ref(outs[0]) if outs else None
         self._check_producer(self.model, name, args, outs, row, leaf=True)
@@ -389,7 +407,7 @@ class Watch(ProducerHooks):
             self.leaf_calls += 1
             row = self._measure_leaf(name, args, outs)
         if self.taker is not None and module in self.leaves:  # the call as made: ints, tuples, kwargs (issue 43)
-            self.taker.take_call(name, floats((args, kwargs or {})), outs, args, kwargs, module)
+            self.taker.take_call(name, floats((args, kwargs or {})), outs, args, kwargs, module, measured=row)
         if module in self.roots:  # where the loss's own code begins (``loss_op`` stops there)
             self.model_fns = [t.grad_fn for t in outs if t.grad_fn is not None]
             self.model_out = weakref.ref(outs[0]) if outs else None
@@ -517,9 +535,10 @@ class Watch(ProducerHooks):
             # the loss is already non-finite in its forward: a backward NaN/Inf of this step came after it
             self._found("the loss", "forward", "own code", detail=f"the loss is {value}", ended=self.defer)
             self.producer.update(loss_op(loss, value, self.model_fns))
-        self._end_step(loss=value)
+        self._end_step(loss=value, where="w.step")
 
-    def _end_step(self, loss) -> None:
+    def _end_step(self, loss, where: str = "the step's end") -> None:
+        """The step recorded; ``where``: what ended it (a failure of its snapshot's write is said there)."""
         _attach.outermost()
         self._flush_stacked(live=False)  # calls made outside the model's forward (its end flushes the others)
         self._resolve()
@@ -552,17 +571,10 @@ class Watch(ProducerHooks):
                                   "model.training False (model.train() not called after an evaluation?); those "
                                   "steps' layers and batches are not recorded")
         if self.taker is not None:
-            self._write_snapshot()
+            self._write_snapshot(where)
         line = json.dumps(record) + "\n"
         if not self.truncated:
-            if self.written + len(line) > self.max_bytes:
-                self._cap(f"the per-step record of step {self.step_index}")
-            else:
-                self.steps_file.write(line)
-                self.steps_file.flush()
-                self.steps_sha.update(line.encode("utf-8"))
-                self.written += len(line)
-                self.recorded = self.step_index + 1
+            self._record_line(line)
         self.step_index += 1
         self._reset()
 
@@ -574,7 +586,49 @@ class Watch(ProducerHooks):
                 and self.layers.get(p["layer"], {}).get("calls", 1) < 2:
             del p["call"]
 
-    def _write_snapshot(self) -> None:
+    def _record_line(self, line: str) -> None:
+        """A step's record, within ``max_bytes``: written, or held while a snapshot is written in the background (a
+        record that only the snapshot's exact size lets in or not waits for it; held records follow it into
+        ``steps.jsonl``, or go with it when it fails)."""
+        if self.writing is not None and (self.writing.done()
+                                         or self.written + self.writing.bound + len(line) > self.max_bytes):
+            self._settle()
+        if self.written + len(line) > self.max_bytes:
+            self._cap(f"the per-step record of step {self.step_index}")
+            return
+        self.written += len(line)
+        if self.writing is not None:
+            self.held.append((line, self.step_index + 1))
+        else:
+            self._emit(line, self.step_index + 1)
+
+    def _emit(self, line: str, recorded: int) -> None:
+        self.steps_file.write(line)
+        self.steps_file.flush()
+        self.steps_sha.update(line.encode("utf-8"))
+        self.recorded = recorded
+
+    def _settle(self) -> None:
+        """The snapshot being written in the background waited for: its entry indexed, the step records held behind
+        it written; its failure raised (``SnapshotWriteFailed``, said by ``fail`` as at the end of its step)."""
+        pending, self.writing = self.writing, None
+        if pending is None:
+            return
+        try:
+            entry = pending.wait()
+        except SnapshotWriteFailed:
+            self.held.clear()  # its step's record and those after it: the recording stopped at its step
+            raise
+        self.written += entry["bytes"]
+        self.snapshot_index.append(entry)
+        held, self.held = self.held, []
+        for line, recorded in held:
+            self._emit(line, recorded)
+
+    def _write_snapshot(self, where: str) -> None:
+        """The step's snapshot handed to a thread of its own (``snapshot_file.Background``): the loop goes on while it
+        is written, hashed as it is (issue 45)."""
+        self._settle()  # one at a time (settled already when this step's budget was taken)
         size = self.taker.nbytes()
         if self.taker.over is not None or self.written + size > self.max_bytes:
             reason = (f"snapshot of step {self.step_index} ({size / 1e6:.1f} MB) not written: its parameters and "
@@ -587,9 +641,8 @@ class Watch(ProducerHooks):
             print(f"convcheck.watch: {reason}", file=sys.stderr)
             self.taker.drop()
             return
-        entry = self.taker.write(self.out / SNAPSHOTS, self.step_index)
-        self.written += entry["bytes"]
-        self.snapshot_index.append(entry)
+        file = self.taker.file(self.out / SNAPSHOTS, self.step_index)
+        self.writing = Background(file.write, self.step_index, where, size)
 
     def _cap(self, what: str) -> None:
         self.truncated = True

@@ -7,16 +7,19 @@ twice at the same version (a layer's output is the next layer's input; an in-pla
 output) is copied and written once, the other keys naming it (``same_as`` in the index); each array is
 copied once (to float32 for half types, else a plain copy) and written from its own memory into the
 archive. The taker holds at most ``budget`` bytes: past it, it drops what it holds and only counts, so
-the step is skipped with its size (``over``), never half-written and never held whole in memory."""
+the step is skipped with its size (``over``), never half-written and never held whole in memory.
+
+Off the training thread (issue 45: a snapshot step <= 1.5x a bare step): ``file`` hands the step's arrays and
+its index entry to a ``SnapshotFile`` that the watch writes in the background (``snapshot_file.py``), hashed as
+it is written; a call's ``worst`` measure is the max|x| its statistics measured already when they did
+(``_largest``), and the parameters are hashed only when a second evaluation needs their SHA-256."""
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
-import tempfile
 import weakref
-import zipfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from convcheck.watch.keep import CallKeeper
 from convcheck.watch.layouts import dense, kind, stand_in, stands_for
+from convcheck.watch.snapshot_file import write_npz
 
 STORED = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
           torch.float16: torch.float32}
@@ -58,9 +62,14 @@ def _stored_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _largest(outputs) -> float:
-    """The largest max|x| of a call's floating outputs (NaN or Inf when one holds either): its ``worst`` measure."""
-    got = [torch.aminmax(t.detach()) for t in outputs if t.dtype in STORED and t.numel()]
+def _largest(outputs, measured: dict | None = None) -> float:
+    """The largest max|x| of a call's floating outputs (Inf when one holds a NaN or Inf): its ``worst`` measure.
+    ``measured``: the statistics (``stats.measure``) of ``outputs[0]``, when the watch measured them as the call
+    ran - a call with that one output is not read again (the same ``aminmax``)."""
+    stored = [t for t in outputs if t.dtype in STORED and t.numel()]
+    if isinstance(measured, dict) and len(outputs) == 1 and len(stored) == 1:
+        return math.inf if measured["nan"] or measured["inf"] else float(measured["max_abs"])
+    got = [torch.aminmax(t.detach()) for t in stored]
     if not got:
         return 0.0
     ends = torch.stack([torch.stack([lo.abs(), hi.abs()]).to(torch.float64) for lo, hi in got]).cpu()
@@ -76,14 +85,18 @@ def file_bound(nbytes: int, members: int) -> int:
     return nbytes + MEMBER_SLACK * members + FILE_SLACK
 
 
-def file_sha256(path) -> str:
-    """The SHA-256 of a written file, read back in 1 MiB pieces (``diff`` checks it: a changed snapshot is
-    refused, never diagnosed)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            h.update(piece)
-    return h.hexdigest()
+class SnapshotFile:
+    """One step's arrays ready to be written (``snapshot_file.write_npz``) and its index entry, whose ``bytes`` and
+    ``sha256`` (``diff`` checks it: a changed snapshot is refused, never diagnosed) ``write`` fills in. The taker
+    has let go of the arrays: they are held here until written."""
+
+    def __init__(self, path: Path, members: list[tuple[str, np.ndarray]], entry: dict):
+        self.path, self.members, self.entry = path, members, entry
+
+    def write(self) -> dict:
+        self.entry["bytes"], self.entry["sha256"] = write_npz(self.path, self.members)
+        self.members = []  # freed once written
+        return self.entry
 
 
 class SnapshotTaker:
@@ -104,6 +117,7 @@ class SnapshotTaker:
         self.versions: dict[int, int] = {}  # each parameter's version in the current evaluation
         self.base: dict[int, int] = {}  # each parameter's version at the step's first forward
         self.hashes: dict[str, str] = {}  # each parameter's SHA-256 in the current evaluation
+        self.first: dict[str, np.ndarray] = {}  # the first forward's parameters, hashed when a second evaluation comes
         self.evaluations: list[dict] = []  # the parameters each forward of the step ran with (``take_params``)
         self.stale: list[str] = []  # "layer/k": calls made after their parameters changed within an evaluation
         # "key: why" for each array not kept as the tensor it was (a sparse adjacency's values: ``layouts.py``)
@@ -207,11 +221,12 @@ class SnapshotTaker:
         self.held += a.nbytes
 
     def take_call(self, layer: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], args=None,
-                  kwargs=None, module=None) -> None:
+                  kwargs=None, module=None, measured: dict | None = None) -> None:
         """One leaf call: its floating inputs (``in/``) and outputs (``out/``); with ``args``/``kwargs`` (the call
         as made), anything else it was given - integer or bool tensors (``arg/``), numbers, None, tuples, nested
         structures, keyword arguments - as ``arg_spec`` in the index (``specs``), so the judge replays the call as
-        it was made. Kept when it fits the budget or takes a role (``keep.py``)."""
+        it was made. Kept when it fits the budget or takes a role (``keep.py``; ``measured``: the statistics of its
+        output, when the watch measured them, for its ``worst`` measure)."""
         k = self.calls.get(layer, 0)
         self.calls[layer] = k + 1
         if self.over is not None:
@@ -222,7 +237,7 @@ class SnapshotTaker:
             [(f"out/{layer}/{k}/{i}", t) for i, t in enumerate(outputs)]
         if spec is not None and not spec["plain"]:
             tensors += [(f"arg/{layer}/{k}/{j}", t) for j, t in enumerate(exact)]
-        roles = self.keeper.arrive(layer, k, _largest(outputs))
+        roles = self.keeper.arrive(layer, k, _largest(outputs, measured))
         if not self._room(*self._cost([t for _, t in tensors if stands_for(t) is None])):
             self.keeper.not_kept()
             return
@@ -272,10 +287,20 @@ class SnapshotTaker:
         self.reserve = need
         for n, p in params:
             self.versions[id(p)] = self.base[id(p)] = p._version
-            self.hashes[n] = _sha(self._put(f"param/{n}", p))
-        self.evaluations.append({"calls": {}, "sha256": self._state()})
+            self.first[n] = self._put(f"param/{n}", p)
+        # its SHA-256 is written only beside a second evaluation's: hashed then (``_hash_first``)
+        self.evaluations.append({"calls": {}, "sha256": None})
+
+    def _hash_first(self) -> None:
+        """The first evaluation's parameters hashed, as a second evaluation begins."""
+        if self.first:
+            self.hashes.update((n, _sha(a)) for n, a in self.first.items())
+            self.first.clear()
+            if self.evaluations and self.evaluations[0]["sha256"] is None:
+                self.evaluations[0]["sha256"] = self._state()
 
     def _evaluation(self, params) -> None:
+        self._hash_first()
         e = len(self.evaluations)
         moved = [(n, p) for n, p in params if p._version != self.base.get(id(p), p._version)]
         kept = self._room(*self._cost([p for _, p in moved]))
@@ -312,7 +337,8 @@ class SnapshotTaker:
         return file_bound(self.held, len(self.arrays))
 
     def drop(self) -> None:
-        for held in (self.arrays, self.same_as, self.seen, self.ident_of, self.aliases, self.call_keys, self.specs):
+        for held in (self.arrays, self.same_as, self.seen, self.ident_of, self.aliases, self.call_keys, self.specs,
+                     self.first):
             held.clear()
         self.stale.clear()
         self.not_stored.clear()
@@ -321,30 +347,21 @@ class SnapshotTaker:
         self.reserve = (0, 0)
 
     def write(self, folder, step: int) -> dict:
+        """The step's file written here and now; its index entry."""
+        return self.file(folder, step).write()
+
+    def file(self, folder, step: int) -> SnapshotFile:
+        """The step's arrays and index entry handed over to be written (in the background: ``recorder.py``), the
+        entry's ``bytes`` and ``sha256`` filled in as the file is; the taker holds nothing after."""
         keys = sorted(self.arrays)
-        member = {k: f"a{i:05d}" for i, k in enumerate(keys)}
         rel = f"snapshots/step_{step:05d}.npz"
-        path = folder / f"step_{step:05d}.npz"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        try:  # each array written from its own memory (no chunked copies), renamed into place when whole
-            with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-                for k in keys:
-                    a = self.arrays[k][0]
-                    with z.open(member[k] + ".npy", "w", force_zip64=True) as m:
-                        np.lib.format.write_array_header_1_0(m, np.lib.format.header_data_from_array_1_0(a))
-                        if a.nbytes:
-                            m.write(memoryview(a.reshape(-1)).cast("B"))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        members = [(f"a{i:05d}", self.arrays[k][0]) for i, k in enumerate(keys)]
         arrays = [{"key": k, "shape": list(self.arrays[k][0].shape), "dtype": self.arrays[k][1]} for k in keys]
         for k, first in sorted(self.same_as.items()):
             if first in self.arrays:
                 arrays.append({"key": k, "shape": list(self.arrays[first][0].shape),
                                "dtype": self.arrays[first][1], "same_as": first})
-        entry = {"step": step, "file": rel, "bytes": path.stat().st_size, "sha256": file_sha256(path),
+        entry = {"step": step, "file": rel, "bytes": None, "sha256": None,  # filled in as the file is written
                  "partial": self.partial, "arrays": arrays}
         if self.specs:
             entry["calls"] = dict(self.specs)
@@ -358,7 +375,7 @@ class SnapshotTaker:
         if kept is not None:  # calls let go over the budget: which were kept of each layer, and why (``keep.py``)
             entry["kept"] = kept
         self.drop()
-        return entry
+        return SnapshotFile(Path(folder) / f"step_{step:05d}.npz", members, entry)
 
 
 def arg_spec(args, kwargs: dict) -> dict:
