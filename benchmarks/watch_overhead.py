@@ -1,10 +1,21 @@
 """What ``convcheck.watch`` costs (issue 25): ratios against the bare loop, in one process.
 
 For each model: N bare SGD steps and N watched steps (statistics every step, no snapshot), alternated
-round by round so that both see the same machine; then one snapshot step (its file written) against the
-fastest of the bare steps around it, once per round; and the process's peak RSS growth over the snapshot
-steps against the snapshot's size. Each ratio is the median over the rounds, in wall time and in the
-process's CPU time (on a shared, loaded machine the CPU-time ratio is the steadier of the two).
+round by round so that both see the same machine; then the snapshot's cost, two ways (issue 45):
+
+* one snapshot step in a block of its own - ``with convcheck.watch(...)`` around one step, timed from the step's
+  start to the block's end (its exit, which waits for the snapshot's file, included; its enter not) - against the
+  fastest of the bare steps around it, once per round: what a loop that snapshots and leaves at once pays (before
+  issue 45's background write this timed the step alone, the file written inside it, the exit left out);
+* the snapshot inside a run: a watched block of N steps with a snapshot at step 0 against the same block without
+  one (enter and exit in both, the exit's wait for the file included), alternated round by round, the difference
+  in bare steps of the same round (the snapshot's remaining cost, its file written in the background while the
+  later steps run), and the snapshot step as the run pays for it - that difference plus a watched step - as a
+  ratio against a bare step;
+
+and the process's peak RSS growth over the snapshot steps against the snapshot's size. Each ratio is the median
+over the rounds, in wall time and in the process's CPU time (every thread's: the background write's included; on
+a shared, loaded machine the CPU-time ratio is the steadier of the two).
 
     python benchmarks/watch_overhead.py --models cifar_cnn,resnet18,transformer --steps 10 --rounds 3
 
@@ -119,6 +130,27 @@ class _NaiveHook:
             h.remove()
 
 
+def _block(model, opt, batches, out, snapshot_steps) -> tuple[float, float]:
+    """A whole watched block over ``batches``: its enter, the steps and its exit (which waits for a snapshot's file)."""
+    _sync(batches)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with convcheck.watch(model, opt, out=out, snapshot_steps=snapshot_steps) as w:
+        _steps(model, opt, batches, w)
+    _sync(batches)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _in_run(triples, steps: int, i: int) -> tuple[list[float], list[float]]:
+    """Per round, from (with a snapshot, without, bare) timings (``i``: 0 wall, 1 CPU): what the snapshot added to the
+    run in bare steps, and the snapshot step as the run pays for it (that plus a watched step) against a bare step."""
+    extra, step = [], []
+    for snap, plain, bare in triples:
+        one = bare[i] / steps
+        extra.append((snap[i] - plain[i]) / one)
+        step.append((snap[i] - plain[i] + plain[i] / steps) / one)
+    return extra, step
+
+
 def _anchors(model, opt, batches) -> dict:
     """One round of each anchor over the same batches: the naive hook, and ``torch.autograd.detect_anomaly``."""
     naive = _NaiveHook(getattr(model, "_orig_mod", model))
@@ -171,19 +203,39 @@ def measure(name: str, steps: int, rounds: int, batch: int, backend: str | None 
         for r in range(rounds):
             before = _steps(model, opt, batches[:1])
             with convcheck.watch(model, opt, out=Path(tmp) / f"snap{r}", snapshot_steps=(0,)) as w:
-                one_snap = _steps(model, opt, batches[:1], w)
+                _sync(batches)
+                t0, c0 = time.perf_counter(), time.process_time()  # the step and the block's exit, not its enter
+                _steps(model, opt, batches[:1], w)
+            _sync(batches)
+            one_snap = (time.perf_counter() - t0, time.process_time() - c0)
             after = _steps(model, opt, batches[:1])
             snap_pairs.append((one_snap, (min(before[0], after[0]), min(before[1], after[1]))))
-        snap_mb = sum(p.stat().st_size for p in (Path(tmp) / "snap0" / "snapshots").iterdir()) / 1e6
+        snap_mb = sum(p.stat().st_size for p in (Path(tmp) / "snap0" / "snapshots").iterdir()
+                      if p.name.startswith("step_")) / 1e6
         rss_growth = _rss_mb() - rss0
+        run_triples = []  # (a watched run with a snapshot at step 0, the same without, a bare run), per round
+        for r in range(rounds):
+            bare = _steps(model, opt, batches)
+            got = {}
+            for snap in ((True, False) if r % 2 == 0 else (False, True)):  # alternated: neither always first
+                got[snap] = _block(model, opt, batches, Path(tmp) / f"run{r}{'s' if snap else ''}",
+                                   (0,) if snap else ())
+            run_triples.append((got[True], got[False], bare))
     stats_wall, stats_cpu = _ratios(stats_pairs)
     snap_wall, snap_cpu = _ratios(snap_pairs)
+    extra_wall, step_wall = _in_run(run_triples, steps, 0)
+    extra_cpu, step_cpu = _in_run(run_triples, steps, 1)
+    in_run = {"in_run_steps": steps, "in_run_extra_bare_steps": statistics.median(extra_wall),
+              "in_run_extra_bare_steps_cpu": statistics.median(extra_cpu),
+              "in_run_snapshot_ratio": statistics.median(step_wall),
+              "in_run_snapshot_cpu_ratio": statistics.median(step_cpu),
+              "in_run_snapshot_spread": [min(step_wall), max(step_wall)]}
     anchors = {f"{k}_ratio": _ratios(v)[0] for k, v in (("naive", naive_pairs), ("anomaly", anomaly_pairs)) if v}
     # the watch against the naive hook round by round (both against the same bare loop)
     anchors.update({f"{k}_spread": _spread(v) for k, v in (("naive", naive_pairs), ("anomaly", anomaly_pairs)) if v})
     if naive_pairs:
         anchors["watch_over_naive"] = statistics.median(s[0][0] / n[0][0] for s, n in zip(stats_pairs, naive_pairs))
-    return {**anchors, "model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu,
+    return {**anchors, **in_run, "model": name, "stats_ratio": stats_wall, "stats_cpu_ratio": stats_cpu,
             "stats_spread": _spread(stats_pairs), "snapshot_spread": _spread(snap_pairs), "rounds": rounds,
             "snapshot_ratio": snap_wall,
             "snapshot_cpu_ratio": snap_cpu, "snapshot_mb": snap_mb, "rss_growth_mb": rss_growth}
@@ -208,9 +260,15 @@ def main() -> None:
         results.append(r)
         sp = "({:.2f}-{:.2f})".format
         print(f"{r['model']:<10} statistics every step: {r['stats_ratio']:.3f}x bare {sp(*r['stats_spread'])} (CPU "
-              f"time {r['stats_cpu_ratio']:.3f}x) | one snapshot step: {r['snapshot_ratio']:.2f}x a bare step "
-              f"{sp(*r['snapshot_spread'])} (CPU time {r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | "
-              f"peak RSS growth {r['rss_growth_mb']:.1f} MB")
+              f"time {r['stats_cpu_ratio']:.3f}x) | one snapshot step in a block of its own (the step and the exit that "
+              f"waits for its file): {r['snapshot_ratio']:.2f}x a bare step {sp(*r['snapshot_spread'])} (CPU "
+              f"time {r['snapshot_cpu_ratio']:.2f}x, {r['snapshot_mb']:.1f} MB) | peak RSS growth "
+              f"{r['rss_growth_mb']:.1f} MB")
+        print(f"{'':<10} the snapshot inside a run of {r['in_run_steps']} watched steps (with/without alternated, "
+              f"enter and exit with its wait included): it adds {r['in_run_extra_bare_steps']:.2f} bare steps (CPU "
+              f"time {r['in_run_extra_bare_steps_cpu']:.2f}); the snapshot step as the run pays for it "
+              f"{r['in_run_snapshot_ratio']:.2f}x a bare step {sp(*r['in_run_snapshot_spread'])} (CPU time "
+              f"{r['in_run_snapshot_cpu_ratio']:.2f}x)")
         if "naive_ratio" in r:
             print(f"{'':<10} anchors in the same rounds: a naive max|x|/mean/std hook {r['naive_ratio']:.3f}x bare "
                   f"{sp(*r['naive_spread'])}, torch.autograd.detect_anomaly {r['anomaly_ratio']:.3f}x bare "
