@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import weakref
+import errno as _errno
 from pathlib import Path
 
 import torch
@@ -45,6 +46,9 @@ from convcheck.runformat.ranks import rank_out
 from convcheck.watch.sampler_use import SamplerSpy
 from convcheck.watch.scaler_use import ScalerSpy
 from convcheck.watch.selection import selection, unmatched
+
+
+_NO_ROOM = (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG)  # a write refused for room: the user's disk, not a bug
 
 
 class Watch(ProducerHooks):
@@ -269,9 +273,11 @@ class Watch(ProducerHooks):
         self.taker, self.pending = None, False
         for h in self.handles:  # routes nothing more here (torch's hooks stay until the block ends: ``attach``)
             h.detach()
+        whose = "the disk is full or over its quota where the run is written: free some space or give another " \
+            "out=" if isinstance(error, OSError) and error.errno in _NO_ROOM else "convcheck's fault, please report it"
         self.notes.append(f"recording stopped at step {self.step_index}: convcheck.watch failed in {where} "
-                          f"({type(error).__name__}" + (f": {message}" if message else "") + ") - convcheck's fault, "
-                          "please report it; the training loop ran on, unrecorded")
+                          f"({type(error).__name__}" + (f": {message}" if message else "") + f") - {whose}; "
+                          "the training loop ran on, unrecorded")
         print(f"convcheck.watch: {self.notes[-1]}", file=sys.stderr)
         try:
             self._write_manifest(complete=False)
