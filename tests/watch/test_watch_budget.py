@@ -80,6 +80,7 @@ def test_a_step_over_its_budget_keeps_the_first_last_worst_and_first_nonfinite_c
     assert taker.nbytes() <= budget
 
 
+@pytest.mark.slow  # ~3 s: the slow pass (the README's command stays under 3 minutes)
 def test_a_recurrent_cell_unrolled_over_1000_steps_is_kept_within_its_budget_and_judged(tmp_path, capsys,
                                                                                         monkeypatch):
     """The snapshot at most its budget (CONVCHECK_SNAPSHOT_BYTES, as a user sets it without touching the script), the

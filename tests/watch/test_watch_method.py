@@ -164,6 +164,7 @@ def test_a_float64_model_against_its_float32_twin_is_a_healthy_precision_pair(tm
     assert "precision: weights kept in float32 | float64" in out
 
 
+@pytest.mark.slow  # ~6 s: the slow pass (the README's command stays under 3 minutes)
 def test_lbfgs_pairs_identical_ok_and_without_zero_grad_in_the_closure_named_in_the_gradients(tmp_path, capsys):
     """LBFGS evaluates its closure up to max_iter times a step and moves the parameters between the evaluations
     (issue 48): the same command twice is ok; the closure without zero_grad accumulates gradients across its
