@@ -261,6 +261,10 @@ def _check_recipe_fields(rec: dict, where: str) -> None:
             raise _Bad(f"{where}.target_rounded holds {type(r).__name__}, expected an object of hashes or null")
     if get_field(rec, "memory_format", str, where, optional=True) not in (None, "channels_last"):
         raise _Bad(f"{where}.memory_format is {rec['memory_format']!r:.40}, not channels_last")
+    unchecked = get_field(rec, "grads_unchecked", dict, where, optional=True) or {}
+    if not all(isinstance(n, str) and isinstance(c, int) and not isinstance(c, bool) and c > 0
+               for n, c in unchecked.items()):
+        raise _Bad(f"{where}.grads_unchecked holds something other than layer names and call counts")
     evaluations = get_field(rec, "closure_evaluations", int, where, optional=True)
     if evaluations is not None and evaluations < 2:
         raise _Bad(f"{where}.closure_evaluations is {evaluations}, expected 2 or more")

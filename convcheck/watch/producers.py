@@ -190,7 +190,8 @@ STACKED = object()  # ``Watch._measure_leaf``: the call is stacked, measured at 
 
 class ProducerHooks:
     """The producer half of ``Watch``: it reads ``self.producer``, ``self.buffer``, ``self.order``,
-    ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.roots`` (the models called), ``self.taker`` and the snapshot settings."""
+    ``self.last_leaf``, ``self.leaves``, ``self.model``, ``self.roots`` (the models called), ``self.taker``,
+    ``self.each_grad``, ``self.grads_together`` and the snapshot settings."""
 
     def _note_call(self, module, name, args, outs, leaf: bool, inputs=None) -> None:
         """Who consumes what, for the backward producer: this call's floating inputs (by identity; ``inputs``: them,
@@ -257,7 +258,10 @@ class ProducerHooks:
         if row is STACKED:  # measured at the next flush, its producer check with it (``_flush_stacked``)
             self.last_leaf = (outs[0], None)
             if self.producer is None and outs[0].requires_grad:
-                self._hook_grad(name, outs[0])
+                if self.each_grad:
+                    self._hook_grad(name, outs[0])
+                else:  # checked with the layer's first call (which backward reaches after it) and the parameters
+                    self.grads_together[name] = self.grads_together.get(name, 0) + 1
             return
         if self.producer is None:
             if row is not None:
@@ -372,8 +376,21 @@ class ProducerHooks:
             self.buffer.grad(name, grad, ref)
         elif self.producer is None and not _stats.finite(grad):
             found = self._consumer(name, ref)
-            self._found(found.pop("layer"), "backward", found.pop("kind"), detail=f"gradient into {name}'s output")
+            self._found(found.pop("layer"), "backward", found.pop("kind"),
+                        detail=f"gradient into {name}'s output" + self._together_said())
             self.producer.update(found)
+            if self.grads_together:
+                self.producer["calls_unchecked"] = dict(self.grads_together)
+
+    def _together_said(self) -> str:
+        """What a backward producer found at this step cannot say: the repeated calls whose gradients got no hook of
+        their own (``repeated_grads="together"``), where the first non-finite gradient may have come in."""
+        if not self.grads_together:
+            return ""
+        n = sum(self.grads_together.values())
+        return (f"; the gradients into the repeated calls of {', '.join(sorted(self.grads_together))} ({n} at this "
+                "step) were not checked one by one (repeated_grads=\"together\"): the first non-finite one may have "
+                "come in at one of them (repeated_grads=\"each\" names it)")
 
     def _found(self, layer: str, direction: str, kind: str, detail: str | None = None, ended: bool = False) -> None:
         self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,

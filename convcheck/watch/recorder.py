@@ -57,7 +57,7 @@ class Watch(ProducerHooks):
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,),
                  snapshot_nonfinite: bool = True, max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False,
                  layers=None, steps=None, every: int = 1, sync: str = "auto", models=None, optimizers=None,
-                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES):
+                 snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES, repeated_grads: str = "together"):
         # several models / optimizers: one ``Models`` container, one ``Optimizers`` view (``several.py``)
         model, optimizer, self.optimizers = _several.gather(model, optimizer, models, optimizers)
         _args.check_model(model)  # each argument of the wrong kind one UsageError naming it (``arguments.py``)
@@ -73,7 +73,9 @@ class Watch(ProducerHooks):
         self.spy = self.sampler = None  # how the loop uses its GradScaler and DistributedSampler (from __enter__)
         self.scaled_infs = 0  # steps a GradScaler skipped whose scaled backward held Inf/NaN (``producers``)
         self.from_env = from_env()  # CONVCHECK_SNAPSHOT_STEPS / CONVCHECK_WATCH_MAX_BYTES win over the script's
-        self.selection, chosen_by_env = selection(layers, steps, every, sync)  # CONVCHECK_WATCH_LAYERS, ... too
+        # CONVCHECK_WATCH_LAYERS, ... too
+        self.selection, chosen_by_env = selection(layers, steps, every, sync, repeated_grads=repeated_grads)
+        self.each_grad = self.selection.repeated_grads == "each"  # a gradient hook on every repeated call
         self.from_env.update(chosen_by_env)
         snapshot_steps = self.from_env.get("snapshot_steps", snapshot_steps)
         max_bytes = self.from_env.get("max_bytes", max_bytes)
@@ -151,6 +153,7 @@ class Watch(ProducerHooks):
         self.stepped_by: set = set()  # the optimizers that stepped this step (it ends once all have)
         self.backward_end = False  # without an optimizer: the end of the backward queued (``_backward_end``)
         self.stacked = _stacked.Stacked()  # repeated small calls waiting to be measured together (``stacked.py``)
+        self.grads_together: dict[str, int] = {}  # the stacked calls this step whose gradient got no hook of its own
         self.stacked_names: set = set()  # the layers with a call stacked this step
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)
                       else None)
@@ -562,6 +565,9 @@ class Watch(ProducerHooks):
             record["closure_evaluations"] = len(self.hashes)
         if self.grad_sample:
             record["grad_sample"] = self.grad_sample
+        norms = record["grad_norms"].values()
+        if self.grads_together and any(isinstance(v, float) and not math.isfinite(v) for v in norms):
+            record["grads_unchecked"] = dict(self.grads_together)  # a parameter's gradient non-finite: said where
         if not self.chosen:
             record["layers_recorded"] = False  # left out by the selection, or paused
         if self.scaler is not None:
@@ -664,7 +670,8 @@ class Watch(ProducerHooks):
 
 def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
           max_bytes: int = DEFAULT_MAX_BYTES, force: bool = False, layers=None, steps=None, every: int = 1,
-          sync: str = "auto", models=None, optimizers=None, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES) -> Watch:
+          sync: str = "auto", models=None, optimizers=None, snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
+          repeated_grads: str = "together") -> Watch:
     """``with convcheck.watch(model, optimizer, out="runs/gpu") as w:`` around the user's loop.
 
     Records at each ``optimizer.step()`` (or at ``w.step(loss)`` once the loop calls it, which also
@@ -685,7 +692,10 @@ def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), 
     ``"0-99,500"``); ``every``, every N-th step; ``sync``: ``"step"`` reads the statistics once a step (the
     default on an accelerator), ``"layer"`` as each layer runs (the default on the CPU; on a GPU it also names
     the op of the first NaN/Inf and snapshots it at once). Steps left out still record their loss, gradient
-    norms and batch. ``w.pause()`` / ``w.resume()`` around a phase the loop wants left out.
+    norms and batch. ``w.pause()`` / ``w.resume()`` around a phase the loop wants left out. ``repeated_grads``:
+    ``"together"`` (the default) checks the gradients into a layer's second and later small calls in a step (a
+    cell unrolled over time) with its first call's and the parameters' (a first non-finite gradient found then
+    says that it may have come in at one of them); ``"each"`` hooks every call, at about 20 us a call.
 
     Several models and optimizers (a GAN): ``models={"G": G, "D": D}`` (or a list: named by class) and
     ``optimizers=[opt_g, opt_d]``; layers are named ``G.fc``..., a step ends once every optimizer has stepped
@@ -695,4 +705,5 @@ def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), 
     the optimizer (``attach.py``): saving, copying or averaging them inside the block works as without it."""
     return Watch(model, optimizer, out=out, scaler=scaler, snapshot_steps=snapshot_steps,
                  snapshot_nonfinite=snapshot_nonfinite, max_bytes=max_bytes, force=force, layers=layers, steps=steps,
-                 every=every, sync=sync, models=models, optimizers=optimizers, snapshot_bytes=snapshot_bytes)
+                 every=every, sync=sync, models=models, optimizers=optimizers, snapshot_bytes=snapshot_bytes,
+                 repeated_grads=repeated_grads)

@@ -11,6 +11,11 @@ steps while not paused (a step left out has ``"layers_recorded": false``); a lay
     CONVCHECK_WATCH_EVERY=10                every 10th step (0, 10, 20, ...)
     CONVCHECK_WATCH_SYNC=step|layer|auto    read statistics once a step (``deferred.py``) or as each layer
                                             runs; auto: once a step on an accelerator, as they run on the CPU
+    CONVCHECK_WATCH_REPEATED_GRADS=together|each
+                                            the gradients into a layer's repeated small calls in a step (a cell
+                                            unrolled over time; ``stacked.py``): checked with its first call's
+                                            (together, the default: a hook a call is most of the watch's cost
+                                            there) or call by call, naming the call a first NaN/Inf came in at
 
 Each variable, when set, replaces the script's argument; a bad value is one ``UsageError`` naming it.
 """
@@ -28,7 +33,9 @@ ENV_LAYERS = "CONVCHECK_WATCH_LAYERS"
 ENV_STEPS = "CONVCHECK_WATCH_STEPS"
 ENV_EVERY = "CONVCHECK_WATCH_EVERY"
 ENV_SYNC = "CONVCHECK_WATCH_SYNC"
+ENV_REPEATED = "CONVCHECK_WATCH_REPEATED_GRADS"
 SYNCS = ("auto", "step", "layer")
+REPEATED = ("together", "each")
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class Selection:
     steps: tuple[tuple[int, int], ...] | None = None  # inclusive windows; None: every step
     every: int = 1
     sync: str = "auto"
+    repeated_grads: str = "together"
 
     def layer_chosen(self, name: str) -> bool:
         """A layer whose name, or the name of a module it is inside, matches a pattern (``layer4`` is all of
@@ -55,7 +63,7 @@ class Selection:
     def to_dict(self) -> dict:
         return {"layers": None if self.layers is None else list(self.layers),
                 "steps": None if self.steps is None else [list(w) for w in self.steps], "every": self.every,
-                "sync": self.sync}
+                "sync": self.sync, "repeated_grads": self.repeated_grads}
 
 
 def _layers(value, what: str) -> tuple[str, ...] | None:
@@ -78,23 +86,26 @@ def _every(value, what: str) -> int:
     return whole_number(value, what, lo=1, takes="a whole number of steps")
 
 
-def _sync(value, what: str) -> str:
+def _sync(value, what: str, among: tuple[str, ...] = SYNCS) -> str:
     text = value.strip().lower() if isinstance(value, str) else None
-    if text not in SYNCS:
-        raise UsageError(f"{what}={shown(value, 40)} is not one of {', '.join(SYNCS)}")
+    if text not in among:
+        raise UsageError(f"{what}={shown(value, 40)} is not one of {', '.join(among)}")
     return text
 
 
-def selection(layers=None, steps=None, every=1, sync="auto", environ=None) -> tuple[Selection, dict]:
+def selection(layers=None, steps=None, every=1, sync="auto", environ=None,
+              repeated_grads="together") -> tuple[Selection, dict]:
     """The watch's ``Selection`` from its arguments, each replaced by its environment variable when set;
     and the variables that were set (recorded in the manifest's ``settings_from_env``)."""
     env = os.environ if environ is None else environ
-    got = {k: env[k] for k in (ENV_LAYERS, ENV_STEPS, ENV_EVERY, ENV_SYNC) if env.get(k) is not None}
+    got = {k: env[k] for k in (ENV_LAYERS, ENV_STEPS, ENV_EVERY, ENV_SYNC, ENV_REPEATED) if env.get(k) is not None}
     sel = Selection(
         layers=_layers(got[ENV_LAYERS], ENV_LAYERS) if ENV_LAYERS in got else _layers(layers, "layers"),
         steps=_windows(got[ENV_STEPS], ENV_STEPS) if ENV_STEPS in got else _windows(steps, "steps"),
         every=_every(got[ENV_EVERY], ENV_EVERY) if ENV_EVERY in got else _every(every, "every"),
-        sync=_sync(got[ENV_SYNC], ENV_SYNC) if ENV_SYNC in got else _sync(sync, "sync"))
+        sync=_sync(got[ENV_SYNC], ENV_SYNC) if ENV_SYNC in got else _sync(sync, "sync"),
+        repeated_grads=_sync(got[ENV_REPEATED], ENV_REPEATED, REPEATED) if ENV_REPEATED in got
+        else _sync(repeated_grads, "repeated_grads", REPEATED))
     return sel, got
 
 

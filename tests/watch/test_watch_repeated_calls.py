@@ -168,3 +168,73 @@ def test_calls_merge_into_one_row():
     assert (row["nan"], row["max_abs"], row["min_nonzero"]) == (1, 5.0, 1.0)
     one = stats.finish(stats.measure(xs[0]))
     assert "worst_call" not in one and "nonfinite_call" not in one  # a row of one call stays as before
+
+
+class PowerNormGRU(nn.Module):
+    """Signed square-root ("power normalisation") features of a GRU's state at each character: the ReLU's zeros
+    make the root's backward 1/(2 sqrt(0)) = Inf into the ReLU's output, at every time step, its forward finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(len(VOCAB), 16)
+        self.cell = nn.GRUCell(16, 32)
+        self.proj = nn.Linear(32, 32)
+        self.relu = nn.ReLU()
+        self.root = Root()
+        self.head = nn.Linear(32, len(VOCAB))
+
+    def forward(self, chars):
+        h = torch.zeros(chars.shape[0], 32)
+        logits = []
+        for t in range(chars.shape[1]):
+            h = self.cell(self.embed(chars[:, t]), h)
+            logits.append(self.head(self.root(self.relu(self.proj(h)))))
+        return torch.stack(logits, 1)
+
+
+class Root(nn.Module):
+    def forward(self, x):
+        return x.sqrt()
+
+
+def _train_power_norm(out, **kwargs) -> dict:
+    torch.manual_seed(0)
+    model = PowerNormGRU()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with convcheck.watch(model, opt, out=out, snapshot_steps=(), **kwargs) as w:
+        for x, y in batches(1):
+            loss = nn.functional.cross_entropy(model(x).reshape(-1, len(VOCAB)), y.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_a_nonfinite_gradient_at_repeated_calls_is_named_and_says_what_was_not_checked(tmp_path):
+    # the default checks a layer's repeated calls' gradients with its first call's: the root that made the Inf is
+    # named, and the producer says that the repeated calls were not checked one by one
+    p = _train_power_norm(tmp_path / "together")["first_nonfinite"]
+    assert (p["layer"], p["direction"], p["step"]) == ("root", "backward", 0)
+    assert "not checked one by one" in p["detail"] and "repeated_grads=\"each\"" in p["detail"]
+    assert p["calls_unchecked"] == {n: SEQ - 1 for n in ("embed", "cell", "proj", "relu", "root", "head")}
+    # each call hooked: the same layer, named at the last character (the first that backward reaches), no caveat
+    manifest = _train_power_norm(tmp_path / "each", repeated_grads="each")
+    q = manifest["first_nonfinite"]
+    assert (q["layer"], q["direction"], q["step"]) == ("root", "backward", 0)
+    assert "not checked" not in q["detail"] and "calls_unchecked" not in q
+    assert manifest["selection"]["repeated_grads"] == "each"
+
+
+def test_repeated_grads_is_checked_at_the_edge(tmp_path, monkeypatch):
+    with pytest.raises(convcheck.UsageError, match="repeated_grads='every' is not one of together, each"):
+        convcheck.watch(CharGRU(), out=tmp_path / "w", repeated_grads="every")
+    monkeypatch.setenv("CONVCHECK_WATCH_REPEATED_GRADS", "each")
+    model = CharGRU()
+    with convcheck.watch(model, out=tmp_path / "env") as w:
+        for x, y in batches(1):
+            nn.functional.cross_entropy(model(x).reshape(-1, len(VOCAB)), y.reshape(-1)).backward()
+            w.step()
+    manifest = json.loads((tmp_path / "env" / "manifest.json").read_text())
+    assert manifest["selection"]["repeated_grads"] == "each"
+    assert manifest["settings_from_env"]["CONVCHECK_WATCH_REPEATED_GRADS"] == "each"

@@ -133,7 +133,8 @@ def test_layers_by_pattern_and_steps_by_window_and_stride(tmp_path):
     assert [bool(s["layers"]) for s in run.steps] == [True, False, True, False, False, False]
     assert [s.get("layers_recorded", True) for s in run.steps] == [True, False, True, False, False, False]
     assert all(s["grad_norms"] for s in run.steps)
-    assert run["selection"] == {"layers": ["blocks.1.*", "head"], "steps": [[0, 3]], "every": 2, "sync": "auto"}
+    assert run["selection"] == {"layers": ["blocks.1.*", "head"], "steps": [[0, 3]], "every": 2, "sync": "auto",
+                                "repeated_grads": "together"}
 
 
 def test_pause_and_resume_leave_a_phase_out(tmp_path):

@@ -356,11 +356,25 @@ def first_nonfinite(run) -> dict | None:
         bad = [n for n, v in s["grad_norms"].items() if isinstance(v, (int, float)) and not math.isfinite(v)]
         if bad:
             name = bad[0]
-            return {"layer": name.rsplit(".", 1)[0] if "." in name else name, "step": k, "direction": "backward",
-                    "kind": PARAMETER_GRADIENT, "parameter": name,
-                    "detail": f"the gradient of {name} is {s['grad_norms'][name]} while every module's input and "
-                              "output gradient is finite"}
+            found = {"layer": name.rsplit(".", 1)[0] if "." in name else name, "step": k, "direction": "backward",
+                     "kind": PARAMETER_GRADIENT, "parameter": name,
+                     "detail": f"the gradient of {name} is {s['grad_norms'][name]} while every module's input and "
+                               "output gradient is finite"}
+            unchecked = _unchecked_calls(run, s)
+            if unchecked:  # not every output gradient was read: the first non-finite one may be among them
+                found["detail"] = (f"the gradient of {name} is {s['grad_norms'][name]} while every module output "
+                                   "gradient checked is finite; the gradients into the repeated calls of "
+                                   f"{', '.join(unchecked)} were not checked one by one (repeated_grads=\"together\")")
+                found["calls_unchecked"] = unchecked
+            return found
     return p
+
+
+def _unchecked_calls(run, step: dict) -> list[str]:
+    """The layers whose repeated calls at ``step`` had their gradients checked together with the first call's
+    (``repeated_grads="together"``): recorded at a step whose parameter gradients are not all finite."""
+    got = step.get("grads_unchecked")
+    return sorted(n for n in got if isinstance(n, str)) if isinstance(got, dict) else []
 
 
 def scaled_backward(run, side: str) -> S.Symptom | None:
