@@ -299,7 +299,14 @@ class ProducerHooks:
         self.stacked_names.clear()
         if not calls:
             return
-        rows = _stacked.rows([c.out for c in calls], [c.name for c in calls])
+        changed = {c.name for c in calls if not c.exact()}  # held as they were, then changed in place
+        for name in sorted(changed):
+            self.notes.append(f"the output of {name} was changed in place after its call at step {self.step_index} "
+                              "(an in-place op on it): that step's statistics of its repeated calls read the changed "
+                              "values; from then on each call's output is copied as it returns")
+        self.stacked.learn(calls)
+        with torch.no_grad():  # outputs held as they are: stacking them records nothing for autograd
+            rows = _stacked.rows([c.out for c in calls], [c.name for c in calls])
         others = [t for c in calls for t in c.others]
         any_bad_other = bool(others) and not _stacked.all_finite(others)
         first = None
@@ -313,7 +320,7 @@ class ProducerHooks:
         for c, row in zip(calls, rows):
             before = self.layers.get(c.name)
             self.layers[c.name] = _stats.merge(before, row)
-            if first is None and self.producer is None and (
+            if first is None and self.producer is None and c.name not in changed and (
                     row["nan"] + row["inf"] > 0 or any_bad_other and nonfinite(c.others)):
                 first = (c, before["calls"] if before is not None else 0)
         if first is None:

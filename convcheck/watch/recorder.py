@@ -152,7 +152,10 @@ class Watch(ProducerHooks):
         self.stepped = self.pending = False
         self.stepped_by: set = set()  # the optimizers that stepped this step (it ends once all have)
         self.backward_end = False  # without an optimizer: the end of the backward queued (``_backward_end``)
-        self.stacked = _stacked.Stacked()  # repeated small calls waiting to be measured together (``stacked.py``)
+        # repeated small calls waiting to be measured together (``stacked.py``); the layers copied at the call kept
+        before = getattr(self, "stacked", None)
+        self.stacked = _stacked.Stacked() if before is None else \
+            _stacked.Stacked(trusted=before.trusted, copied=before.copied)
         self.grads_together: dict[str, int] = {}  # the stacked calls this step whose gradient got no hook of its own
         self.stacked_names: set = set()  # the layers with a call stacked this step
         self.taker = (SnapshotTaker(self.names, budget=self._budget()) if self._snapshotting(self.step_index)

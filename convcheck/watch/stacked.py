@@ -4,9 +4,12 @@
 A recurrent cell unrolled over 64 characters is 64 calls a step of a (batch, hidden) output; measured one by one,
 each call pays ``measure``'s five torch dispatches and its read (~30 us of the watch's ~100 us a call, most of it
 Python and dispatch, not memory). Here a layer's second and later calls in a step whose output is small (at most
-``SMALL`` elements) are kept as copies (one dispatch: the copy, because the output may be changed in place after
-the call - an in-place ReLU, ``h.clamp_()``), and ``rows`` measures all of them at once, a few batched reductions
-along the stacked calls and one read, when the model's forward ends (``ProducerHooks._flush_stacked``). The rows
+``SMALL`` elements) are kept, and ``rows`` measures all of them at once, a few batched reductions along the
+stacked calls and one read, when the model's forward ends (``ProducerHooks._flush_stacked``). An output may be
+changed in place after its call (an in-place ReLU, ``h.clamp_()``): a layer's outputs are copied at the call until
+a flush has seen, from their versions, that nothing changes them; then they are held as they are (``Stacked``).
+A layer that starts changing them later is read changed at that one flush (said in the run's notes) and copied
+from then on. The rows
 are ``measure``'s: the same counts and extremes; the sum and sum of squares summed along a stack's rows (the same
 values up to the last bits of the summation order).
 
@@ -32,21 +35,39 @@ HELD_MAX = 1 << 24  # elements held for a flush before one is forced (64 MiB of 
 
 @dataclass
 class Call:
-    """One stacked call: its layer, its output's copy, its other outputs' copies, what it was called with (held by
-    reference, each input with its version at the call, for the producer's check) and its index in the step."""
+    """One stacked call: its layer, its output and other outputs (held as they are, or copies), what it was called
+    with (held by reference, each input with its version at the call, for the producer's check); ``seen``: the
+    outputs' versions at the call, of ``src`` (the outputs themselves, when ``out`` and ``others`` are copies) or
+    else of ``out`` and ``others``."""
     name: str
     out: torch.Tensor
     others: list
     args: tuple
     inputs: list
     versions: list
+    seen: list | None = None
+    src: list | None = None
+
+    def changed(self) -> bool:
+        """Whether an in-place op changed one of the call's outputs between the call and now."""
+        held = self.src if self.src is not None else [self.out, *self.others]
+        return self.seen is not None and any(t._version != v for t, v in zip(held, self.seen))
+
+    def exact(self) -> bool:
+        """Whether the values held are the ones the call returned (copies, or outputs no op has changed since)."""
+        return self.src is not None or not self.changed()
 
 
 @dataclass
 class Stacked:
-    """The calls waiting for a flush, in the order they ran."""
+    """The calls waiting for a flush, in the order they ran. A layer's outputs are copied at the call (one more
+    dispatch a call, ~7 us inside a loop) until a flush finds that no op changed them in place (``held``: from
+    then on held as they are, their versions noted); one found changed is copied from then on (``copied``). Both
+    sets are kept across steps: an in-place op after a call is the code's, the same each step."""
     calls: list = field(default_factory=list)
     held: int = 0
+    trusted: set = field(default_factory=set)
+    copied: set = field(default_factory=set)
 
     def takes(self, out: torch.Tensor, seen: bool) -> bool:
         """Whether a leaf's call goes to the stack: a layer's second or later call in the step (``seen``) of a small
@@ -54,12 +75,27 @@ class Stacked:
         return seen and out.numel() <= SMALL and out.dtype in _stats._BITS and out.layout == torch.strided
 
     def add(self, name: str, outs: list, args, inputs: list) -> bool:
-        """Keep the call; True when the held copies reach ``HELD_MAX`` (the caller flushes)."""
-        out = outs[0].detach().clone()
-        others = [t.detach().clone() for t in outs[1:]]
-        self.calls.append(Call(name, out, others, args, inputs, [t._version for t in inputs]))
+        """Keep the call; True when the held outputs reach ``HELD_MAX`` (the caller flushes)."""
+        seen = [t._version for t in outs]
+        if name in self.trusted:
+            out, others, src = outs[0], list(outs[1:]), None
+        else:  # copied; and, until a flush has found the layer's outputs changed or not, their versions watched
+            out, others = outs[0].detach().clone(), [t.detach().clone() for t in outs[1:]]
+            src, seen = (None, None) if name in self.copied else (list(outs), seen)
+        self.calls.append(Call(name, out, others, args, inputs, [t._version for t in inputs], seen, src))
         self.held += out.numel() + sum(t.numel() for t in others)
         return self.held >= HELD_MAX
+
+    def learn(self, calls: list) -> set:
+        """After a flush of ``calls``: the layers whose outputs an op changed in place since their call, newly found
+        (copied from now on); the layers copied whose outputs no op changed are held as they are from now on."""
+        changed = {c.name for c in calls if c.changed()}
+        watched = {c.name for c in calls if c.src is not None}
+        new = changed - self.copied
+        self.copied |= changed
+        self.trusted -= changed
+        self.trusted |= watched - changed - self.copied
+        return new
 
     def take(self) -> list:
         got, self.calls, self.held = self.calls, [], 0

@@ -125,3 +125,47 @@ def test_a_lazily_negated_view_is_measured_as_its_values():
     _same_row(got, stats.measure(-base))
     assert got["zeros"] == 2 and got["max_abs"] == 2.0
     _same_row(stacked.rows([torch._neg_view(base)], ["a"])[0], stats.measure(-base))
+
+
+class LaterInPlace(Unrolled):
+    """``Unrolled`` whose ReLU after each call is written in place only from its third forward on (a mode switched
+    mid-run): the first two steps' outputs are left as they returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, seq):
+        self.calls += 1
+        h = torch.zeros(seq.shape[0], 8)
+        for t in range(seq.shape[1]):
+            h = self.step(self.gate(seq[:, t]) + h)
+            h = h.relu_() if self.calls >= 3 else h.relu()
+        return h.sum(1)
+
+
+def test_an_output_changed_in_place_only_later_is_said_once_and_copied_from_then_on(tmp_path):
+    torch.manual_seed(0)
+    model = LaterInPlace()
+    seen = []
+    model.step.register_forward_hook(lambda m, args, output: seen.append(output.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    seqs = [torch.randn(4, 10, 8) * 0.1 for _ in range(4)]
+    with convcheck.watch(model, opt, out=tmp_path / "run", snapshot_steps=(), sync="layer") as w:
+        for seq in seqs:
+            loss = model(seq).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            w.step(loss)
+    run = open_watched(tmp_path / "run")
+    for k in (0, 1, 3):  # copied (step 0), held as they are (step 1), copied again once found changed (step 3)
+        acc = None
+        for t in seen[10 * k:10 * k + 10]:
+            acc = stats.merge(acc, stats.measure(t))
+        want, row = stats.finish(acc), run.steps[k]["layers"]["step"]
+        for key in ("n", "max_abs", "min_nonzero", "zeros", "calls", "worst_call"):
+            assert row[key] == want[key], (k, key)
+    changed = [n for n in run["notes"] if "changed in place" in n]
+    assert len(changed) == 1 and "the output of step was changed in place after its call at step 2" in changed[0]
+    assert run.steps[2]["layers"]["step"]["zeros"] > 0  # that step read the ReLU's zeros, as the note says
