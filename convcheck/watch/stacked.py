@@ -118,62 +118,91 @@ def merged(rows_: list[dict]) -> dict:
 
 
 def rows(outs: list[torch.Tensor], names: list[str]) -> list[dict]:
-    """``stats.measure``'s row of each tensor of ``outs`` (the outputs of the layers ``names``): each layer's
-    tensors stacked (by shape, dtype and device when they differ) and reduced along the stack, each stack read
-    back in one ``tolist``; a tensor holding NaN/Inf (or any tensor, when a statistic is declared:
-    ``runformat/statistics.py``) measured on its own."""
+    """``stats.measure``'s row of each tensor of ``outs`` (the outputs of the layers ``names``): the layers whose
+    calls have one shape, dtype and device stacked together (several layers of one shape: one stack; a layer's
+    calls that differ: stacked by shape, dtype and device) and reduced along the stack, each stack read back in one
+    ``tolist``; a tensor holding NaN/Inf (or any tensor, when a statistic is declared: ``runformat/statistics.py``;
+    an empty one, or one of a dtype ``measure`` does not reduce) measured on its own."""
     if _declared.extensions():
         return [_stats.measure(t) for t in outs]
     layers: dict = {}
     for i, name in enumerate(names):
         layers.setdefault(name, []).append(i)
-    got: list = [None] * len(outs)
+    stacks: dict = {}  # by each layer's first call: its calls have its shape, dtype and device as a rule
     for idx in layers.values():
-        ts = [outs[i] for i in idx]
-        dtype = ts[0].dtype
-        try:  # one layer's calls: one shape, dtype and device as a rule (stack would promote mixed dtypes)
-            if any(t.dtype != dtype for t in ts):
-                raise RuntimeError("mixed dtypes")
-            groups = [(idx, torch.stack(ts).reshape(len(ts), -1))]
-        except RuntimeError:
-            by: dict = {}
-            for i in idx:
-                by.setdefault((tuple(outs[i].shape), outs[i].dtype, outs[i].device), []).append(i)
-            groups = [(g, torch.stack([outs[i] for i in g]).reshape(len(g), -1)) for g in by.values()]
-        for g, x in groups:
-            for i, values in zip(g, _reduced(x)):
-                got[i] = _row(values, outs[i])
+        t = outs[idx[0]]
+        stacks.setdefault((t.shape, t.dtype, t.device), []).extend(idx)
+    got: list = [None] * len(outs)
+    with torch.no_grad():  # the stacks are the flush's own (no graph), reduced in place
+        for idx in stacks.values():
+            ts = [outs[i] for i in idx]
+            dtype = ts[0].dtype
+            try:  # stack would promote mixed dtypes; it refuses mixed shapes and devices
+                if any(t.dtype != dtype for t in ts):
+                    raise RuntimeError("mixed dtypes")
+                groups = [(idx, ts, torch.stack(ts))]
+            except RuntimeError:
+                by: dict = {}
+                for i in idx:
+                    by.setdefault((outs[i].shape, outs[i].dtype, outs[i].device), []).append(i)
+                groups = [(g, [outs[i] for i in g], torch.stack([outs[i] for i in g])) for g in by.values()]
+            for g, ts, x in groups:
+                _rows_into(got, g, ts, x)
     return got
 
 
-def _reduced(x: torch.Tensor) -> list[list[float]]:
-    """Per row of ``x`` (calls x elements): min, max, sum, 2-norm, zero count, smallest nonzero |x|, as floats.
-    As ``stats.measure``, the zero count and the smallest nonzero cost more passes only where a row can hold
-    zeros: first the extremes, the sums and the smallest |x| (one read); then, for a stack with a row whose
-    smallest |x| is 0, the |sign| sum and the sign-cleared bits (0's wrap to the sign bit: -0.0, none)."""
+def _rows_into(got: list, idx: list, ts: list, x: torch.Tensor) -> None:
+    """The rows of the tensors ``ts`` (stacked: ``x``, changed here) written to ``got`` at ``idx``."""
+    n = ts[0].numel()
+    if n == 0 or x.dtype not in _stats._BITS:
+        for i, t in zip(idx, ts):
+            got[i] = _stats.measure(t)
+        return
+    values = _reduced(x if x.dim() > 1 else x.reshape(len(ts), 1))
+    base = _stats._row(n, 0.0, 0.0, 0.0, None, 0, 0, 0, ts[0])  # what every row of the stack shares
+    isfinite = math.isfinite
+    for i, t, (top, total, norm, zeros, smallest) in zip(idx, ts, values):
+        if not (isfinite(top) and isfinite(total) and isfinite(norm)):
+            got[i] = _stats.measure(t)  # NaN/Inf, or a sum that overflows its accumulator: the exact path
+            continue
+        row = base.copy()  # ``stats._row``'s, four dict entries set rather than a call building twelve
+        row["sum"], row["sumsq"], row["max_abs"] = total, norm * norm, top
+        row["min_nonzero"], row["zeros"] = (None if zeros == n else smallest), zeros
+        got[i] = row
+
+
+def _reduced(x: torch.Tensor) -> list[tuple]:
+    """Per call of the stack ``x`` (calls first; the flush's own copy, changed in place): max |x|, sum, 2-norm, zero
+    count and smallest nonzero |x|: seven dispatches (ten for the half types) and one read where no call holds a
+    zero, ten more and a read where one does (the rows before: thirteen, and fifteen more).
+
+    The sum and the 2-norm are torch's along each call in ``stats.reduce_dtype``'s accumulator (the values of the
+    rows before, bit for bit: ``measure``'s up to the last bits of the summation order). Then ``x`` is made |x| in
+    place (a new |x| is 512 KB written to memory a first stack of 63 x 2048 float32 inside a training step: 98
+    against 29 us), and its maximum and minimum along each call are max |x| (NaN or Inf where the call holds one: the
+    exact path's) and the smallest |x| (``amin``/``amax`` rather than ``aminmax``, ten times slower along a dimension
+    on the CPU); the half types' from their bits read as integers, which order like |x| (4 against 26-36 us on
+    63 x 2048). All four read in one ``tolist``, promoted to the sums' dtype (exact). Where the smallest |x| is 0 (+0
+    or -0) the call holds zeros, and a pass more counts them (a sum of sign(|x|), exact in float32 up to 2**24
+    elements) and takes the least nonzero bits (the bits minus one: 0's wrap to the top)."""
+    dims = tuple(range(1, x.dim()))
     acc = _stats.reduce_dtype(x)
-    # ``amin`` and ``amax`` along the rows rather than ``aminmax`` (ten times slower along a dimension on the CPU:
-    # 222 against 22 us on 63 x 2048 float32); the nonzero count as a sum of |sign| (exact: a row of at most
-    # ``SMALL`` elements; 36 against 143 us for ``(x == 0).sum``)
-    first = torch.stack([x.amin(dim=1).double(), x.amax(dim=1).double(), x.sum(dim=1, dtype=acc).double(),
-                         torch.linalg.vector_norm(x, dim=1, dtype=acc).double(), x.abs().amin(dim=1).double()],
-                        dim=1).tolist()
-    if all(r[4] > 0 or r[4] != r[4] for r in first):  # no row holds a zero (NaN: the exact path's)
-        return [r[:4] + [0.0, r[4]] for r in first]
-    zeros = x.shape[1] - torch.sign(x).abs_().sum(dim=1, dtype=torch.float32)
+    total, norm = x.sum(dim=dims, dtype=acc), torch.linalg.vector_norm(x, dim=dims, dtype=acc)
+    mag = x.abs_()
     ints, mask = _stats._BITS[x.dtype]
-    least = torch.bitwise_and(x.view(ints), mask).sub_(1).bitwise_and_(mask).amin(dim=1).add_(1)
-    more = torch.stack([zeros.double(), least.view(x.dtype).double()], dim=1).tolist()
-    return [r[:4] + m for r, m in zip(first, more)]
-
-
-def _row(values: list, t: torch.Tensor) -> dict:
-    lo, hi, total, norm, zeros, smallest = values
-    if not (math.isfinite(lo) and math.isfinite(hi)) or not (math.isfinite(total) and math.isfinite(norm)):
-        return _stats.measure(t)  # NaN/Inf, or a sum that overflows its accumulator: the exact path
-    n, zeros = t.numel(), int(zeros)
-    min_nonzero = None if zeros == n else abs(smallest)
-    return _stats._row(n, total, norm * norm, max(-lo, hi), min_nonzero, zeros, 0, 0, t)
+    if acc is None:  # float32, float64
+        top, least = mag.amax(dim=dims), mag.amin(dim=dims)
+    else:
+        bits = mag.view(ints)
+        top, least = bits.amax(dim=dims).view(x.dtype), bits.amin(dim=dims).view(x.dtype)
+    first = torch.stack([top, total, norm, least], dim=1).tolist()
+    if all(r[3] > 0 or not math.isfinite(r[0]) for r in first):  # no call holds a zero (NaN/Inf: the exact path's)
+        return [(top, total, norm, 0, least) for top, total, norm, least in first]
+    n = x.numel() // x.shape[0]
+    nonzero = torch.sign(mag).sum(dim=dims, dtype=torch.float32 if n <= 1 << 24 else torch.float64)
+    least = mag.view(ints).sub_(1).bitwise_and_(mask).amin(dim=dims).add_(1)  # a call of zeros only: 0 again
+    more = torch.stack([nonzero, least.view(x.dtype)], dim=1).tolist()
+    return [(top, total, norm, n - int(nz), low) for (top, total, norm, _), (nz, low) in zip(first, more)]
 
 
 def all_finite(ts: list[torch.Tensor]) -> bool:

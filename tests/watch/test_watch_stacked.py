@@ -169,3 +169,18 @@ def test_an_output_changed_in_place_only_later_is_said_once_and_copied_from_then
     changed = [n for n in run["notes"] if "changed in place" in n]
     assert len(changed) == 1 and "the output of step was changed in place after its call at step 2" in changed[0]
     assert run.steps[2]["layers"]["step"]["zeros"] > 0  # that step read the ReLU's zeros, as the note says
+
+
+def test_stacked_rows_leave_the_outputs_as_they_are_and_share_a_stack_across_layers_of_one_shape():
+    """The stacks are reduced in place (made |x|): the outputs held as they are (``Stacked``) come back unchanged.
+    Layers of one shape share a stack; a call of another dtype among them, 0-d calls and empty ones are measured too."""
+    torch.manual_seed(0)
+    outs = [torch.randn(3, 4), torch.randn(3, 4).relu(), torch.randn(3, 4).double(), -torch.randn(3, 4).abs(),
+            torch.tensor(-1.5), torch.tensor(0.0), torch.zeros(2, 0), torch.zeros(2, 0),
+            torch.randn(3, 4, requires_grad=True) * 1]
+    names = ["a", "b", "b", "c", "s", "s", "e", "e", "a"]
+    before = [t.detach().clone() for t in outs]
+    for got, t in zip(stacked.rows(outs, names), outs):
+        _same_row(got, stats.measure(t))
+    for b, t in zip(before, outs):
+        assert torch.equal(b, t.detach())
