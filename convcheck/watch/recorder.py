@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from convcheck.watch import stacked as _stacked
+from convcheck.watch import fused as _fused
 from convcheck.watch import stats as _stats
 from convcheck.watch.batches import batch_hash, data_tensors, rounded_hashes
 from convcheck.watch.functional_losses import MAX_TARGETS_PER_STEP, criterion as functional_criterion
@@ -188,6 +189,7 @@ class Watch(ProducerHooks):
         self.flags = math_flags()
         self.settings = optimizer_settings(self.optimizer)
         self.recipe = recipe_of(self)  # diffed first (``recipe.py``)
+        _fused.ready()  # the statistics' one pass compiled or loaded now, not inside the first step
         # the folder claimed before anything is written: a second watch started on it at once stops here
         self.steps_file = os.fdopen(claim(self.out), "w", encoding="utf-8")
         self._record_model()  # what the judge rebuilds the layers from (``by_value.py``, issue 43)

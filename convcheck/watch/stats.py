@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from convcheck.runformat import statistics as _declared
+from convcheck.watch import fused as _fused
 
 FIELDS = ("n", "max_abs", "min_nonzero", "mean", "std", "zeros", "nan", "inf", "dtype", "calls")
 
@@ -73,15 +74,20 @@ def measure(t: torch.Tensor) -> dict:
     whether the tensor holds zeros at all (its sign is constant, or its smallest magnitude is
     positive) and whether anything is non-finite (NaN and Inf reach ``aminmax``), so the zero count
     and the smallest nonzero magnitude cost more passes only for tensors that do hold zeros (ReLU's
-    outputs), and NaN/Inf are counted only for tensors that hold them (``_measure_nonfinite``). A large CPU tensor
-    while torch runs on one thread takes ``_measure_serial`` instead: the same values, with no pass that writes a
-    tensor of its size."""
+    outputs), and NaN/Inf are counted only for tensors that hold them (``_measure_nonfinite``). A float32/float64 CPU
+    tensor takes ``fused.scan``'s one pass where numba is there (``_measure_fused``); else a large CPU tensor while
+    torch runs on one thread takes ``_measure_serial``: the same values, with no pass that writes a tensor of its
+    size."""
     x = _resolved(t.detach())
     n = x.numel()
     if n == 0:
         return _row(0, 0.0, 0.0, 0.0, None, 0, 0, 0, t)
     if x.dtype not in _BITS:
         return _measure_nonfinite(t)
+    if x.dtype in _FUSED and not _declared.extensions():
+        row = _measure_fused(x, t)
+        if row is not None:
+            return row
     u = _serial_bits(x)
     if u is not None:
         return _measure_serial(x, u, t)
@@ -150,6 +156,31 @@ def _serial_bits(x: torch.Tensor) -> np.ndarray | None:
         if not x.is_contiguous():
             return None
     return x.view(_BITS[x.dtype][0]).numpy().reshape(-1).view(_UNSIGNED[x.dtype])
+
+
+_FUSED = (torch.float32, torch.float64)
+
+
+def _measure_fused(x: torch.Tensor, t: torch.Tensor) -> dict | None:
+    """``measure`` in ``fused.scan``'s one pass, or None where it is not taken: numba missing, a tensor
+    ``_serial_bits`` would not read (another device, a subclass, a view with gaps) or a large one while torch runs on
+    more than ``SERIAL_THREADS`` threads (its passes then share the cores), or NaN/Inf in it (the exact path's)."""
+    if x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout != torch.strided or x.is_neg() \
+            or x.numel() > LARGE and torch.get_num_threads() > SERIAL_THREADS:
+        return None
+    if not x.is_contiguous():
+        x = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
+        if not x.is_contiguous():
+            return None
+    values = x.numpy().reshape(-1)
+    got = _fused.scan(values, values.view(_UNSIGNED[x.dtype]))
+    if got is None:
+        return None
+    total, sumsq, top, least, zeros = got
+    if not (math.isfinite(total) and math.isfinite(sumsq)):  # float64 values whose sum overflows: torch's path
+        return None
+    return _row(x.numel(), total, sumsq, _value(top, x.dtype), None if least is None else _value(least, x.dtype),
+                zeros, 0, 0, t)
 
 
 def _value(bits: int, dtype) -> float:

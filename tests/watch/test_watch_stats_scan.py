@@ -1,6 +1,8 @@
 """Issue 45: a large CPU tensor's statistics on one thread (``stats._measure_serial``: the bits' signed and unsigned
 extremes, the zero count and the least nonzero bits read a piece at a time, no tensor of its size written) are the
-torch passes' values exactly - counts, extremes, and the sum and sum of squares bit for bit."""
+torch passes' values exactly - counts, extremes, and the sum and sum of squares bit for bit. A float32/float64 CPU
+tensor takes ``fused.scan``'s one pass before either (numba): its counts and extremes exact too, its sums in float64
+(close to torch's, not bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn as nn
 
 import convcheck
 from convcheck.runformat import statistics
-from convcheck.watch import stats
+from convcheck.watch import fused, stats
 
 
 def _reference(t: torch.Tensor) -> dict:
@@ -32,8 +34,15 @@ def _same(a: dict, b: dict) -> bool:
         for k in a)
 
 
+def _no_fused(monkeypatch) -> None:
+    """``fused.scan``'s pass not there (as without numba): the torch and numpy passes."""
+    fused.ready()
+    monkeypatch.setattr(fused, "_KERNELS", {})
+
+
 def _serial(monkeypatch, piece: int | None = None) -> None:
     """Every tensor (but a slice, a subclass, another device) through ``_measure_serial``, whatever torch's threads."""
+    _no_fused(monkeypatch)
     monkeypatch.setattr(stats, "LARGE", 0)
     monkeypatch.setattr(stats, "SERIAL_THREADS", 1 << 20)
     if piece is not None:
@@ -43,6 +52,7 @@ def _serial(monkeypatch, piece: int | None = None) -> None:
 def _torch_path(t: torch.Tensor, monkeypatch) -> dict:
     with monkeypatch.context() as m:
         m.setattr(stats, "LARGE", 1 << 62)
+        _no_fused(m)
         return stats.measure(t)
 
 
@@ -99,6 +109,7 @@ def test_a_tensor_bigger_than_the_torch_chunk_with_zeros_of_both_signs_in_some_p
     """More than ``CHUNK`` elements with the default ``PIECE``: a ReLU-like tensor whose -0's, subnormal and largest
     value lie in different pieces, and a both-signed one without zeros but one in its last piece."""
     monkeypatch.setattr(stats, "SERIAL_THREADS", 1 << 20)
+    _no_fused(monkeypatch)
     g = torch.Generator().manual_seed(2)
     n = stats.CHUNK + 3 * stats.PIECE + 5
     x = torch.randn(n, generator=g).relu()
@@ -193,7 +204,68 @@ def test_a_watched_run_records_the_same_rows_through_the_serial_scan(tmp_path, m
         scanned = _watched(tmp_path / "scan")
     assert len(scans) >= 2 * 5  # every leaf's output, every step
     monkeypatch.setattr(stats, "LARGE", 1 << 62)
-    assert scanned == _watched(tmp_path / "torch") == _watched(tmp_path / "step", sync="step")
+    with monkeypatch.context() as m:
+        _no_fused(m)
+        assert scanned == _watched(tmp_path / "torch") == _watched(tmp_path / "step", sync="step")
     layers = json.loads(scanned.splitlines()[0])["layers"]
     assert layers["relu"]["zeros"] > 0.3 and 0 < layers["pool"]["zeros"] < 0.3 and layers["conv"]["zeros"] == 0
     assert all(layers[k]["min_nonzero"] > 0 for k in layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_pass_gives_exact_counts_and_extremes_and_close_sums(dtype, monkeypatch):
+    """``fused.scan``'s one pass over every case above: the reference's counts and extremes exactly, NaN/Inf counted by
+    the exact path, and the sum and sum of squares within float32 rounding of the torch passes' (float64 here)."""
+    if not fused.ready():
+        pytest.skip("numba cannot compile here: the torch and numpy passes are the only ones")
+    taken = []
+    scan = fused.scan
+
+    def counted(values, bits):
+        got = scan(values, bits)
+        taken.extend([values.size] if got is not None else [])
+        return got
+
+    monkeypatch.setattr(fused, "scan", counted)
+    cases = _cases(dtype) + [torch.randn(3, 70000, dtype=dtype).relu(), -torch.randn(70000, dtype=dtype).abs()]
+    for c in cases:
+        got, ref, slow = stats.measure(c), _reference(c), _torch_path(c, monkeypatch)
+        for key in ("n", "max_abs", "min_nonzero", "zeros", "nan", "inf", "dtype", "calls"):
+            assert got[key] == ref.get(key, slow[key]), (key, c)
+        for key in ("sum", "sumsq"):
+            assert math.isclose(got[key], slow[key], rel_tol=1e-5, abs_tol=1e-30) or math.isnan(slow[key]), (key, c)
+        assert math.copysign(1.0, got["max_abs"]) > 0, c
+    # not the slice (x[:, ::3]) or the empty tensor; the three holding NaN or Inf read by the exact path after it
+    assert len(taken) == len(cases) - 2 - 3
+
+
+def test_the_fused_pass_is_left_where_it_would_not_pay_or_cannot_read(monkeypatch):
+    """Not for a float16/bfloat16 tensor, a declared statistic, a slice, a large tensor while torch runs on more
+    threads than ``SERIAL_THREADS``; and ``CONVCHECK_NO_FUSED=1`` turns it off for the process."""
+    if not fused.ready():
+        pytest.skip("numba cannot compile here")
+    big = torch.randn(4, 8, stats.LARGE)
+    assert stats._measure_fused(big, big) is not None
+    assert stats._measure_fused(big[:, ::2], big) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert stats._measure_fused(big, big) is None and stats._measure_fused(big[0, 0, :8].clone(), big) is not None
+    monkeypatch.setenv(fused.ENV_OFF, "1")
+    assert fused._compile() == {}
+    monkeypatch.setenv(fused.ENV_OFF, "0")
+    assert fused._compile()
+
+
+def test_a_watched_run_through_the_fused_pass_records_the_torch_rows_counts_and_extremes(tmp_path, monkeypatch):
+    if not fused.ready():
+        pytest.skip("numba cannot compile here")
+    fast = [json.loads(line) for line in _watched(tmp_path / "fused").splitlines()]
+    _no_fused(monkeypatch)
+    slow = [json.loads(line) for line in _watched(tmp_path / "torch").splitlines()]
+    for a, b in zip(fast, slow):
+        assert a["layers"].keys() == b["layers"].keys()
+        for name in a["layers"]:
+            x, y = a["layers"][name], b["layers"][name]
+            assert {k: x[k] for k in ("n", "max_abs", "min_nonzero", "zeros", "nan", "inf")} == \
+                {k: y[k] for k in ("n", "max_abs", "min_nonzero", "zeros", "nan", "inf")}, name
+            assert math.isclose(x["mean"], y["mean"], rel_tol=1e-4, abs_tol=1e-7)
+            assert math.isclose(x["std"], y["std"], rel_tol=1e-5)

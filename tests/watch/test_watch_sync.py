@@ -17,6 +17,7 @@ import convcheck
 from convcheck.cli.main import main
 from convcheck.errors import UsageError
 from convcheck.runformat.reader import open_watched
+from convcheck.watch import fused
 
 from .loops import attention_run
 
@@ -87,7 +88,9 @@ class _counting:
         return False
 
 
-def test_sync_step_reads_a_constant_number_of_times_per_step_whatever_the_depth(tmp_path):
+def test_sync_step_reads_a_constant_number_of_times_per_step_whatever_the_depth(tmp_path, monkeypatch):
+    fused.ready()
+    monkeypatch.setattr(fused, "_KERNELS", {})  # each layer's torch reads counted (the one pass reads through numpy)
     counts, sites = {}, {}
     for blocks in (2, 12):
         for sync in ("step", "layer"):
@@ -102,13 +105,26 @@ def test_sync_step_reads_a_constant_number_of_times_per_step_whatever_the_depth(
     assert counts["layer", 12] > counts["layer", 2] + 20  # per layer: the counter sees the reads it should
 
 
-def test_sync_step_records_the_same_numbers_as_reading_each_layer(tmp_path):
-    for sync in ("step", "layer"):
+def test_sync_step_records_the_same_numbers_as_reading_each_layer(tmp_path, monkeypatch):
+    for sync in ("step", "layer", "torch"):
         torch.manual_seed(0)
-        _loop(Deep(3), tmp_path / sync, sync=sync)
+        with monkeypatch.context() as m:
+            if sync == "torch":  # reading each layer with torch's passes, as without numba
+                fused.ready()
+                m.setattr(fused, "_KERNELS", {})
+            _loop(Deep(3), tmp_path / sync, sync="layer" if sync == "torch" else sync)
     a = (tmp_path / "step" / "steps.jsonl").read_text()
-    b = (tmp_path / "layer" / "steps.jsonl").read_text()
-    assert a == b
+    assert a == (tmp_path / "torch" / "steps.jsonl").read_text()
+    # the one pass (``fused.py``) sums in float64: the same counts and extremes, means and stds to float32's rounding
+    layer = (tmp_path / "layer" / "steps.jsonl").read_text()
+    for x, y in zip(map(json.loads, a.splitlines()), map(json.loads, layer.splitlines())):
+        assert x.keys() == y.keys() and x["grad_norms"] == y["grad_norms"] and x["loss"] == y["loss"]
+        for name, row in x["layers"].items():
+            other = y["layers"][name]
+            assert {k: v for k, v in row.items() if k not in ("mean", "std")} == \
+                {k: v for k, v in other.items() if k not in ("mean", "std")}, name
+            assert row["mean"] == pytest.approx(other["mean"], rel=1e-4, abs=1e-7)
+            assert row["std"] == pytest.approx(other["std"], rel=1e-5)
 
 
 def test_sync_step_finds_the_first_nonfinite_producer_at_the_steps_end(tmp_path, monkeypatch):
