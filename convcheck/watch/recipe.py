@@ -106,9 +106,33 @@ def samples_of(keys: list[str], sizes: list[int], values: list[float]) -> dict[s
 
 
 def grad_sample(params) -> dict[str, list[float]]:
-    """Every parameter's sampled gradient entries (``sample_parts``), read in one transfer."""
+    """Every parameter's sampled gradient entries (``sample_parts``), read in one transfer; where every gradient is a
+    contiguous float32/float64 CPU tensor, picked through numpy views (the same entries and values, without four
+    torch dispatches a parameter: ~0.5 ms a step on cifar_cnn)."""
+    picked = _cpu_samples(params)
+    if picked is not None:
+        weights = weight_norm(params)
+        if weights is not None:
+            picked[WEIGHT_NORM] = [float(weights)]
+        return picked
     keys, sizes, t = sample_parts(params)
     return {} if t is None else samples_of(keys, sizes, t.tolist())
+
+
+def _cpu_samples(params) -> dict[str, list[float]] | None:
+    """``sample_parts``' entries of every gradient read through numpy, or None where one is not a plain contiguous
+    float32/float64 CPU tensor (``sample_parts`` reads them all then)."""
+    out = {}
+    for n, p in params:
+        g = p.grad
+        if g is None or not dense(g) or not g.numel():
+            continue
+        if g.device.type != "cpu" or g.dtype not in (torch.float32, torch.float64) or type(g) is not torch.Tensor \
+                or not g.is_contiguous() or g.is_neg():
+            return None
+        flat = g.detach().numpy().reshape(-1)
+        out[n] = flat[::max(1, flat.size // SAMPLES)][:SAMPLES].tolist()
+    return out
 
 
 LOSS_GRAPH_NODES = 256  # the most autograd nodes ``loss_dtype`` reads between the loss and the model's output
