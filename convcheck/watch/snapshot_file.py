@@ -30,6 +30,7 @@ import hashlib
 import io
 import mmap
 import os
+import sys
 import tempfile
 import threading
 import zipfile
@@ -188,6 +189,23 @@ class SnapshotWriteFailed(Exception):
         self.error, self.step, self.where = error, step, where
 
 
+NICER = 10  # how much lower the writer thread's scheduling priority is than the training thread's
+
+
+def _yield_cpu() -> None:
+    """The calling thread made ``NICER`` nicer (Linux: a thread's own priority, ``setpriority`` on its id): where
+    the cores are all busy - torch's threads, another process - the loop runs first and the snapshot is written in
+    what time is left; on an idle core nothing changes. Elsewhere, or where it is refused, nothing is done."""
+    native = getattr(threading, "get_native_id", None)
+    if native is None or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = native()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICER))
+    except OSError:
+        pass
+
+
 class Background:
     """``write()`` run by a thread of its own; ``wait`` joins it and gives its result or raises
     ``SnapshotWriteFailed``."""
@@ -199,6 +217,7 @@ class Background:
         self.thread.start()
 
     def _run(self, write) -> None:
+        _yield_cpu()
         try:
             self.result = write()
         except BaseException as exc:  # noqa: BLE001 - raised again in the training thread (``wait``)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import threading
 import zipfile
 
@@ -321,3 +322,18 @@ def test_a_snapshot_that_cannot_be_written_stops_the_recording_as_it_did(tmp_pat
     assert run["steps"] == len(run.steps) == step and run["snapshots"] == [] and run["stopped"] is None
     assert _leftovers(tmp_path / "run") == []
     assert [f for f in os.listdir(tmp_path / "run" / "snapshots") if f.startswith("step_")] == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is Linux's")
+def test_the_writer_thread_runs_nicer_than_the_loop(tmp_path):
+    """On busy cores the loop is scheduled first and the snapshot written in the time left; the training thread's
+    own priority is left as it was."""
+    from convcheck.watch import snapshot_file
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    job = snapshot_file.Background(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())),
+                                   step=0, where="test", bound=0)
+    job.wait()
+    assert seen == [min(19, before + snapshot_file.NICER)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
