@@ -337,3 +337,31 @@ def test_the_writer_thread_runs_nicer_than_the_loop(tmp_path):
     job.wait()
     assert seen == [min(19, before + snapshot_file.NICER)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_the_archive_is_a_zip64_npz_that_zipfile_numpy_and_unzip_read(tmp_path):
+    """Hundreds of small members, a large one, an empty array, a 0-d one and a non-ASCII name, written by
+    ``snapshot_file._Archive``: every member's CRC checks out, ``np.load`` gives back each array exactly, the size and
+    SHA-256 returned are the file's, and ``unzip -t`` (where installed) finds no error."""
+    import hashlib
+    import shutil
+
+    from convcheck.watch.snapshot_file import write_npz
+
+    g = np.random.default_rng(0)
+    members = [(f"out/cell/{k}/0", g.standard_normal((16, 8)).astype(np.float32)) for k in range(300)]
+    members += [("big", g.standard_normal(70000)), ("empty", np.zeros((0, 3), np.float32)),
+                ("zero_d", np.array(3.5)), ("grad/ünï", np.arange(5))]
+    n, sha = write_npz(tmp_path / "s.npz", members)
+    data = (tmp_path / "s.npz").read_bytes()
+    assert n == len(data) and sha == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(tmp_path / "s.npz") as z:
+        assert z.testzip() is None and len(z.namelist()) == len(members)
+        assert all(i.flag_bits & 0x08 and i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+    with np.load(tmp_path / "s.npz") as f:
+        for name, a in members:
+            got = f[name]
+            assert got.dtype == a.dtype and got.shape == a.shape and np.array_equal(got, a), name
+    if shutil.which("unzip"):
+        done = subprocess.run(["unzip", "-tq", str(tmp_path / "s.npz")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
