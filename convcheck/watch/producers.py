@@ -394,10 +394,10 @@ class ProducerHooks:
         their own (``repeated_grads="together"``), where the first non-finite gradient may have come in."""
         if not self.grads_together:
             return ""
-        n = sum(self.grads_together.values())
-        return (f"; the gradients into the repeated calls of {', '.join(sorted(self.grads_together))} ({n} at this "
-                "step) were not checked one by one (repeated_grads=\"together\"): the first non-finite one may have "
-                "come in at one of them (repeated_grads=\"each\" names it)")
+        n, names = sum(self.grads_together.values()), sorted(self.grads_together)
+        names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"; {n} later calls of {names} at this step were not checked one by one (it may have come in at one "
+                "of them; repeated_grads=\"each\" checks each)")
 
     def _found(self, layer: str, direction: str, kind: str, detail: str | None = None, ended: bool = False) -> None:
         self.producer = {"layer": layer, "step": self.step_index, "direction": direction, "kind": kind,

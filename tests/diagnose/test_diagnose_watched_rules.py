@@ -215,3 +215,24 @@ def test_a_short_run_is_no_training_failure_and_one_runs_divergence_is_evidence_
     ev = replace(PAIR_CASES["W008"][0], divergence=(None, EXPLODES))
     v = decide(ev, watched_ok)
     assert v.category == "numerics" and any(e.startswith("B on its own: the loss explodes: 43.05") for e in v.evidence)
+
+
+def test_a_parameter_gradient_producer_says_which_repeated_calls_went_unchecked():
+    """A step whose parameter gradient is non-finite while no hooked output gradient was: with the repeated calls'
+    gradients checked together (``grads_unchecked`` in the step), the producer no longer claims that every module's
+    output gradient was finite; without them it says so as before."""
+    from types import SimpleNamespace
+
+    from convcheck.diagnose.detectors.watched import PARAMETER_GRADIENT, first_nonfinite
+
+    step = {"grad_norms": {"cell.weight_hh": float("inf"), "head.weight": 1.0}, "layers": {}}
+    quiet = SimpleNamespace(manifest={"first_nonfinite": None}, steps=[step])
+    p = first_nonfinite(quiet)
+    assert (p["layer"], p["kind"], p["step"]) == ("cell", PARAMETER_GRADIENT, 0)
+    assert "every module's input and output gradient is finite" in p["detail"] and "calls_unchecked" not in p
+    names = ["a", "b", "cell", "head", "proj"]
+    unchecked = SimpleNamespace(manifest={"first_nonfinite": None},
+                                steps=[{**step, "grads_unchecked": {n: 63 for n in names}}])
+    q = first_nonfinite(unchecked)
+    assert q["calls_unchecked"] == names and "the later calls of a, b, cell and 2 more were not checked" in q["detail"]
+    assert "every module's input and output gradient is finite" not in q["detail"] and len(q["detail"]) <= 200

@@ -362,9 +362,10 @@ def first_nonfinite(run) -> dict | None:
                                "output gradient is finite"}
             unchecked = _unchecked_calls(run, s)
             if unchecked:  # not every output gradient was read: the first non-finite one may be among them
+                some = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
                 found["detail"] = (f"the gradient of {name} is {s['grad_norms'][name]} while every module output "
-                                   "gradient checked is finite; the gradients into the repeated calls of "
-                                   f"{', '.join(unchecked)} were not checked one by one (repeated_grads=\"together\")")
+                                   f"gradient checked is finite; the later calls of {some} were not checked one by "
+                                   "one (repeated_grads=\"together\")")
                 found["calls_unchecked"] = unchecked
             return found
     return p
