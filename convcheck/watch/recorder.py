@@ -39,7 +39,7 @@ from convcheck.runformat.layout import DEFAULT_MAX_BYTES, ENV_MAX_BYTES, MANIFES
 from convcheck.runformat.layout import DEFAULT_SNAPSHOT_BYTES, ENV_SNAPSHOT_BYTES
 from convcheck.runformat.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
-from convcheck.watch.snapshot_file import Background, SnapshotWriteFailed
+from convcheck.watch.snapshot_file import BACKGROUND_FROM, Background, SnapshotWriteFailed
 from convcheck.watch.manifest import manifest_of
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import STACKED, ProducerHooks, closure, floats, loss_op
@@ -660,6 +660,8 @@ class Watch(ProducerHooks):
             return
         file = self.taker.file(self.out / SNAPSHOTS, self.step_index)
         self.writing = Background(file.write, self.step_index, where, size)
+        if size < BACKGROUND_FROM:  # a small one waited for at once: its write overlaps little, contends for the GIL
+            self._settle()          # with the loop, and would hold the step records behind it (a kill loses them)
 
     def _cap(self, what: str) -> None:
         self.truncated = True

@@ -69,7 +69,11 @@ def _leftovers(run) -> list[str]:
 
 
 def _hold_the_writer(monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """The snapshot's first array header waits for ``release`` (at most ``TIMEOUT``), ``started`` set as it does."""
+    """The snapshot's first array header waits for ``release`` (at most ``TIMEOUT``), ``started`` set as it does; every
+    snapshot written in the background, however small (``recorder.BACKGROUND_FROM``)."""
+    from convcheck.watch import recorder
+
+    monkeypatch.setattr(recorder, "BACKGROUND_FROM", 0)
     started, release = threading.Event(), threading.Event()
     original = np.lib.format.write_array_header_1_0
 
@@ -365,3 +369,16 @@ def test_the_archive_is_a_zip64_npz_that_zipfile_numpy_and_unzip_read(tmp_path):
     if shutil.which("unzip"):
         done = subprocess.run(["unzip", "-tq", str(tmp_path / "s.npz")], capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_small_snapshot_is_whole_with_its_steps_record_at_the_steps_end(tmp_path):
+    """Under ``BACKGROUND_FROM`` bytes the step waits for its snapshot: the file is there and every step's record is in
+    ``steps.jsonl`` as the next step begins (a process killed then keeps them: ``test_watch_perf``'s killed run)."""
+    path = tmp_path / "run" / "snapshots" / "step_00000.npz"
+    seen = []
+
+    def during(i, w):
+        seen.append((path.exists(), len((tmp_path / "run" / "steps.jsonl").read_text().splitlines())))
+
+    _train(tmp_path / "run", during=during, snapshot_steps=(0,))
+    assert seen[1:] == [(True, i) for i in range(1, len(seen))]
