@@ -148,14 +148,22 @@ def _serial_bits(x: torch.Tensor) -> np.ndarray | None:
     channels_last or transposed tensor read in the order of its strides), no copy; None where ``_measure_serial`` is
     not taken: a small tensor, another device, a tensor subclass, a lazily negated view, a tensor with gaps or
     overlaps (a slice), or torch running on more than ``SERIAL_THREADS`` threads."""
-    if x.numel() <= LARGE or x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout != torch.strided \
-            or x.is_neg() or torch.get_num_threads() > SERIAL_THREADS:
+    if x.numel() <= LARGE or torch.get_num_threads() > SERIAL_THREADS:
+        return None
+    x = _in_memory_order(x)
+    return None if x is None else x.view(_BITS[x.dtype][0]).numpy().reshape(-1).view(_UNSIGNED[x.dtype])
+
+
+def _in_memory_order(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a plain CPU tensor numpy can read in the order of its memory (a channels_last or transposed one
+    permuted by its strides, no copy), or None: another device, a subclass, a lazily negated view, gaps or overlaps."""
+    if x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout != torch.strided or x.is_neg():
         return None
     if not x.is_contiguous():
         x = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
         if not x.is_contiguous():
             return None
-    return x.view(_BITS[x.dtype][0]).numpy().reshape(-1).view(_UNSIGNED[x.dtype])
+    return x
 
 
 _FUSED = (torch.float32, torch.float64)
@@ -165,13 +173,11 @@ def _measure_fused(x: torch.Tensor, t: torch.Tensor) -> dict | None:
     """``measure`` in ``fused.scan``'s one pass, or None where it is not taken: numba missing, a tensor
     ``_serial_bits`` would not read (another device, a subclass, a view with gaps) or a large one while torch runs on
     more than ``SERIAL_THREADS`` threads (its passes then share the cores), or NaN/Inf in it (the exact path's)."""
-    if x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout != torch.strided or x.is_neg() \
-            or x.numel() > LARGE and torch.get_num_threads() > SERIAL_THREADS:
+    if x.numel() > LARGE and torch.get_num_threads() > SERIAL_THREADS:
         return None
-    if not x.is_contiguous():
-        x = x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
-        if not x.is_contiguous():
-            return None
+    x = _in_memory_order(x)
+    if x is None:
+        return None
     values = x.numpy().reshape(-1)
     got = _fused.scan(values, values.view(_UNSIGNED[x.dtype]))
     if got is None:
