@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn as nn
@@ -269,3 +271,36 @@ def test_a_watched_run_through_the_fused_pass_records_the_torch_rows_counts_and_
                 {k: y[k] for k in ("n", "max_abs", "min_nonzero", "zeros", "nan", "inf")}, name
             assert math.isclose(x["mean"], y["mean"], rel_tol=1e-4, abs_tol=1e-7)
             assert math.isclose(x["std"], y["std"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_pass_is_exact_wherever_the_extremes_and_zeros_lie_in_its_blocks(dtype):
+    """The pass sums ``fused.BLOCK`` elements at a time and reads the tail after the last whole block on its own: tensors
+    of sizes around the blocks, with zeros of either sign, a tiny value and the largest one planted in a block or in
+    the tail, all signs or one, give the reference's counts and extremes exactly and its sums to float32 rounding."""
+    if not fused.ready():
+        pytest.skip("numba cannot compile here")
+    g = torch.Generator().manual_seed(1)
+    for case in range(120):
+        n = int(torch.randint(1, 4 * fused.BLOCK + 40, (1,), generator=g))
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        sign = case % 3  # both signs, non-negative, non-positive
+        x = x if sign == 0 else x.abs() if sign == 1 else -x.abs()
+        if case % 4:  # zeros of either sign, a fraction of them
+            x[torch.rand(n, generator=g) < 0.1 * (case % 4)] = 0.0 if case % 2 else -0.0
+        at = torch.randint(0, n, (2,), generator=g).tolist()
+        x[at[0]] = (1e-30 if dtype == torch.float32 else 1e-300) * (-1 if case % 5 == 0 else 1)
+        x[at[1]] = 1e3 * (-1 if case % 7 == 0 else 1)
+        if case % 11 == 0:
+            x.zero_()
+        t = x.to(dtype)
+        ref = _reference(t)
+        values = t.numpy()
+        got = fused.scan(values, values.view(np.uint32 if dtype == torch.float32 else np.uint64))
+        total, squares, top, least, zeros = got
+        assert stats._value(top, dtype) == ref["max_abs"], case
+        assert (None if least is None else stats._value(least, dtype)) == ref["min_nonzero"], case
+        assert zeros == ref["zeros"], case
+        exact = t.double()
+        assert math.isclose(total, float(exact.sum()), rel_tol=1e-6, abs_tol=1e-6 * float(exact.abs().sum())), case
+        assert math.isclose(squares, float((exact * exact).sum()), rel_tol=1e-6), case
