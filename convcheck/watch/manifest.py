@@ -3,6 +3,8 @@ false) and again as it ends."""
 
 from __future__ import annotations
 
+import json
+
 from convcheck.watch import stats as _stats
 from convcheck.watch.compiled import fallback_random
 from convcheck.runformat.layout import WATCH_SCHEMA
@@ -46,3 +48,9 @@ def manifest_of(w, complete: bool) -> dict:
         # layers ran inside a compiled graph (only the model's output was recorded as a layer then)
         "compiled": {"how": w.compiled, "layers_hidden": w.hidden, "fallback_random": fallback_random()},
     }
+
+
+def manifest_text(manifest: dict) -> str:
+    """The manifest as written: one line a key, each value in JSON's compact form - the C encoder's (``indent``
+    takes json's Python one: a snapshot's index of a few hundred arrays, 1.7 against 0.3 ms, paid as the block ends)."""
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in manifest.items()) + "\n}\n"

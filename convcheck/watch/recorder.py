@@ -40,7 +40,7 @@ from convcheck.runformat.layout import DEFAULT_SNAPSHOT_BYTES, ENV_SNAPSHOT_BYTE
 from convcheck.runformat.layout import release, take
 from convcheck.watch.snapshots import SnapshotTaker
 from convcheck.watch.snapshot_file import BACKGROUND_FROM, Background, SnapshotWriteFailed
-from convcheck.watch.manifest import manifest_of
+from convcheck.watch.manifest import manifest_of, manifest_text
 from convcheck.watch.norms import grad_norms
 from convcheck.watch.producers import STACKED, ProducerHooks, closure, floats, loss_op
 from convcheck.runformat.ranks import rank_out
@@ -672,7 +672,7 @@ class Watch(ProducerHooks):
     def _write_manifest(self, complete: bool) -> None:
         from convcheck.files import atomic_write_text
 
-        atomic_write_text(self.out / MANIFEST, json.dumps(manifest_of(self, complete), indent=1) + "\n")
+        atomic_write_text(self.out / MANIFEST, manifest_text(manifest_of(self, complete)))
 
 
 def watch(model=None, optimizer=None, *, out, scaler=None, snapshot_steps=(0,), snapshot_nonfinite: bool = True,
