@@ -304,3 +304,15 @@ def test_the_fused_pass_is_exact_wherever_the_extremes_and_zeros_lie_in_its_bloc
         exact = t.double()
         assert math.isclose(total, float(exact.sum()), rel_tol=1e-6, abs_tol=1e-6 * float(exact.abs().sum())), case
         assert math.isclose(squares, float((exact * exact).sum()), rel_tol=1e-6), case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_largest_is_measures_max_abs_and_inf_where_a_nan_or_inf_is(dtype):
+    """``stats.largest`` (a snapshot's worst measure of a stacked call): ``measure``'s max|x| over every case above, a
+    large tensor and a transposed one; Inf for a tensor holding NaN or Inf."""
+    for c in _cases(dtype) + [torch.randn(300, 300).to(dtype), torch.randn(40, 30).to(dtype).t()]:
+        if not c.numel():
+            continue
+        row = stats.measure(c)
+        want = math.inf if row["nan"] or row["inf"] else row["max_abs"]
+        assert stats.largest(c) == want, c
