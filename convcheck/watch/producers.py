@@ -28,7 +28,12 @@ def floats(obj) -> list[torch.Tensor]:
     """The floating tensors of ``obj`` (a call's arguments, a layer's output), in ``nested.tensors_in``'s order; one
     that is not strided memory (a sparse adjacency, a nested tensor) as its values (``layouts.stand_in``), one
     with none to read (a meta tensor) left out."""
-    found = [t for t in tensors_in(obj) if t.is_floating_point()]
+    if type(obj) is torch.Tensor:  # the common cases without the walk (a layer's output, its positional arguments)
+        found = [obj] if obj.is_floating_point() else []
+    elif type(obj) is tuple and all(type(o) is torch.Tensor for o in obj):
+        found = [t for t in obj if t.is_floating_point()]
+    else:
+        found = [t for t in tensors_in(obj) if t.is_floating_point()]
     for t in found:
         if not dense(t):
             return [s for s in (t if dense(t) else stand_in(t) for t in found) if s is not None]

@@ -135,7 +135,9 @@ def rows(outs: list[torch.Tensor], names: list[str]) -> list[dict]:
     got: list = [None] * len(outs)
     with torch.no_grad():  # the stacks are the flush's own (no graph), reduced in place
         for idx in stacks.values():
-            ts = [outs[i] for i in idx]
+            # detached: stacking outputs that require grad costs twice as much, even without grad (a char_gru forward's
+            # two stacks of 63 calls: 341 against 164 us)
+            ts = [outs[i].detach() for i in idx]
             dtype = ts[0].dtype
             try:  # stack would promote mixed dtypes; it refuses mixed shapes and devices
                 if any(t.dtype != dtype for t in ts):
@@ -145,7 +147,8 @@ def rows(outs: list[torch.Tensor], names: list[str]) -> list[dict]:
                 by: dict = {}
                 for i in idx:
                     by.setdefault((outs[i].shape, outs[i].dtype, outs[i].device), []).append(i)
-                groups = [(g, [outs[i] for i in g], torch.stack([outs[i] for i in g])) for g in by.values()]
+                groups = [(g, [outs[i].detach() for i in g], torch.stack([outs[i].detach() for i in g]))
+                          for g in by.values()]
             for g, ts, x in groups:
                 _rows_into(got, g, ts, x)
     return got
