@@ -316,3 +316,20 @@ def test_largest_is_measures_max_abs_and_inf_where_a_nan_or_inf_is(dtype):
         row = stats.measure(c)
         want = math.inf if row["nan"] or row["inf"] else row["max_abs"]
         assert stats.largest(c) == want, c
+
+
+def test_the_fused_pass_keeps_the_std_of_tiny_values_and_of_values_far_from_zero():
+    """The one pass sums in float64: a float32 tensor of values near 1e-25 (whose squares float32 cannot hold) and one
+    whose std is a millionth of its mean (1000 + 1e-3 x noise, which a float32 sum of squares cancels to 0) keep the
+    std a float64 reference gives; an empty array is nothing, not a read past its end."""
+    if not fused.ready():
+        pytest.skip("numba cannot compile here")
+    g = torch.Generator().manual_seed(2)
+    for t in (torch.randn(5000, generator=g) * 1e-25, 1000 + 1e-3 * torch.randn(4096, generator=g),
+              torch.randn(300, generator=g) * 1e-25):
+        got = stats.finish(stats.measure(t))
+        ref = t.double()
+        assert math.isclose(got["std"], float(ref.std(unbiased=False)), rel_tol=1e-3), (got["std"], float(ref.std()))
+        assert math.isclose(got["mean"], float(ref.mean()), rel_tol=1e-6)
+    empty = np.empty(0, dtype=np.float32)
+    assert fused.scan(empty, empty.view(np.uint32)) == (0.0, 0.0, 0, None, 0)
