@@ -74,7 +74,7 @@ def _largest(outputs, measured: dict | None = None) -> float:
     stored = [t for t in outputs if t.dtype in STORED and t.numel()]
     if isinstance(measured, dict) and len(outputs) == 1 and len(stored) == 1:
         return math.inf if measured["nan"] or measured["inf"] else float(measured["max_abs"])
-    if all(t.device.type == "cpu" for t in stored):  # a repeated call's, stacked: the one pass (``fused.py``)
+    if all(t.device.type == "cpu" for t in stored):  # a repeated call's, stacked: ``stats.largest``
         return max((_stats.largest(t) for t in stored), default=0.0)
     got = [torch.aminmax(t.detach()) for t in stored]
     if not got:

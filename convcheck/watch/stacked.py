@@ -147,8 +147,8 @@ def rows(outs: list[torch.Tensor], names: list[str]) -> list[dict]:
                 by: dict = {}
                 for i in idx:
                     by.setdefault((outs[i].shape, outs[i].dtype, outs[i].device), []).append(i)
-                groups = [(g, [outs[i].detach() for i in g], torch.stack([outs[i].detach() for i in g]))
-                          for g in by.values()]
+                parts = [(g, [outs[i].detach() for i in g]) for g in by.values()]
+                groups = [(g, part, torch.stack(part)) for g, part in parts]
             for g, ts, x in groups:
                 _rows_into(got, g, ts, x)
     return got
