@@ -164,10 +164,13 @@ def _rows_into(got: list, idx: list, ts: list, x: torch.Tensor) -> None:
     values = _reduced(x if x.dim() > 1 else x.reshape(len(ts), 1))
     base = _stats._row(n, 0.0, 0.0, 0.0, None, 0, 0, 0, ts[0])  # what every row of the stack shares
     isfinite = math.isfinite
+    wide = x.dtype == torch.float64  # float64 sums keep the std; float32 ones may not (``stats.lossy``)
+    tiny, cancel = _stats.TINY, _stats.CANCEL
     for i, t, (top, total, norm, zeros, smallest) in zip(idx, ts, values):
-        if not (isfinite(top) and isfinite(total) and isfinite(norm)):
-            got[i] = _stats.measure(t)  # NaN/Inf, or a sum that overflows its accumulator: the exact path
-            continue
+        if not (isfinite(top) and isfinite(total) and isfinite(norm)) or not wide and (
+                0.0 < top < tiny or norm * norm * n < cancel * total * total):
+            got[i] = _stats.measure(t)  # NaN/Inf, a sum that overflows its accumulator, or float32 sums that lost
+            continue  # the std (``stats.lossy``, written out: one test per call of a cell): the exact path
         row = base.copy()  # ``stats._row``'s, four dict entries set rather than a call building twelve
         row["sum"], row["sumsq"], row["max_abs"] = total, norm * norm, top
         row["min_nonzero"], row["zeros"] = (None if zeros == n else smallest), zeros

@@ -110,6 +110,7 @@ def measure(t: torch.Tensor) -> dict:
         norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
         sumsq = norm * norm
     max_abs = max(-lo, hi)
+    sumsq = precise_sumsq(x, n, total, sumsq, max_abs)
     extra = _extra_values(extra)
     if lo > 0 or hi < 0:
         return _row(n, total, sumsq, max_abs, lo if lo > 0 else -hi, 0, 0, 0, t, extra)
@@ -121,6 +122,46 @@ def measure(t: torch.Tensor) -> dict:
             return _row(n, total, sumsq, max_abs, smallest, 0, 0, 0, t, extra)
     zeros, min_nonzero = _zeros(x, nonnegative=lo == 0)
     return _row(n, total, sumsq, max_abs, min_nonzero, zeros, 0, 0, t, extra)
+
+
+# --- the sum of squares where float32 sums lose the std -------------------------------------------------------------
+# The torch passes sum a float32 (bfloat16, float16) tensor's squares in float32, fast, and right for most tensors. Not
+# for two kinds: values whose squares float32 cannot hold (below ~1e-19: the std of 1e-25 values read 0), and values
+# far from zero beside their spread (a std 1e-4 of the mean: sumsq / n - mean**2 cancels to nothing, 1M elements near 1
+# read a std of 0). Both are told from the pass's own values, and only those tensors take a second, exact pass:
+# ``torch.std`` (on the CPU, float32/float64 summed in float64 about the mean; elsewhere a copy scaled by a power of two
+# first, so that no square underflows). The fused pass sums in float64 and needs none of this.
+TINY = 2.0 ** -40  # a largest magnitude below this: some squares may have underflowed float32 (error <= n * 2**-46)
+CANCEL = 1.01  # sumsq * n below this times sum**2 (a variance under 1% of mean**2): float32's rounding may be all of it
+
+
+def lossy(n: int, total: float, sumsq: float, max_abs: float) -> bool:
+    """Whether float32 sums ``total`` and ``sumsq`` of ``n`` finite values may have lost their std."""
+    return 0.0 < max_abs < TINY or sumsq * n < CANCEL * total * total
+
+
+def precise_sumsq(x: torch.Tensor, n: int, total: float, sumsq: float, max_abs: float) -> float:
+    """``sumsq`` of the finite tensor ``x`` (``n`` elements, sum ``total``), recomputed from an exact std where
+    ``reduce_dtype``'s float32 sums may have lost it (``lossy``); float64 tensors' are kept."""
+    if x.dtype == torch.float64 or n < 2 or not lossy(n, total, sumsq, max_abs):
+        return sumsq
+    sd = float(spread(x, max_abs))
+    return n * sd * sd + total * total / n
+
+
+def spread(x: torch.Tensor, max_abs) -> torch.Tensor:
+    """The population std of the finite tensor ``x`` (largest magnitude ``max_abs``: a float or a 0-d tensor on its
+    device), as a float64 0-d tensor, without float32 squares underflowing or cancelling: on the CPU ``torch.std``
+    of a float32/float64 tensor sums in float64; elsewhere (and for the half types) ``x`` is copied to float32 (float64
+    kept) and scaled by the power of two that brings its largest magnitude into [0.5, 1) first."""
+    if x.device.type == "cpu" and x.dtype in _FUSED:
+        return torch.std(x, correction=0).double()
+    y = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32, copy=True)
+    floor = -1021 if y.dtype == torch.float64 else -125  # 2**-e must be a normal number of y's dtype
+    e = torch.frexp(torch.as_tensor(max_abs, dtype=torch.float64, device=y.device))[1].clamp(min=floor)
+    one = torch.ones((), dtype=y.dtype, device=y.device)
+    sd = torch.std(y.mul_(torch.ldexp(one, -e)), correction=0)
+    return sd.double() * torch.ldexp(torch.ones((), dtype=torch.float64, device=y.device), e)
 
 
 # --- a large CPU tensor on one thread: each statistic from reading the tensor, nothing of its size written ----------
@@ -231,8 +272,9 @@ def _measure_serial(x: torch.Tensor, u: np.ndarray, t: torch.Tensor) -> dict:
         norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
         sumsq = norm * norm
     top, least, zeros = _scan(u)
-    return _row(n, total, sumsq, _value(top, dtype), None if least is None else _value(least, dtype), zeros, 0, 0, t,
-                _extra_values(extra))
+    max_abs = _value(top, dtype)
+    return _row(n, total, precise_sumsq(x, n, total, sumsq, max_abs), max_abs,
+                None if least is None else _value(least, dtype), zeros, 0, 0, t, _extra_values(extra))
 
 
 def _scan(u: np.ndarray) -> tuple[int, int | None, int]:
@@ -443,15 +485,21 @@ def device_row(t: torch.Tensor) -> torch.Tensor:
     nan = torch.isnan(x).sum()
     xs = torch.where(fin, x, torch.zeros((), dtype=x.dtype, device=x.device))
     lo, hi = torch.aminmax(xs)
+    top = torch.maximum(-lo, hi).double()
     total = xs.sum(dtype=acc).double()
     norm = torch.linalg.vector_norm(xs, dtype=acc).double()
+    sumsq = norm * norm
+    if x.dtype != torch.float64 and n > 1:  # ``precise_sumsq``'s choice, made on the device (no read to branch on)
+        sd = spread(xs, top)  # the non-finite values' zeros add nothing to the sum of squares
+        lost = ((top > 0) & (top < TINY)) | (sumsq * n < CANCEL * total * total)
+        sumsq = torch.where(lost, sd * n * sd + total * total / n, sumsq)
     zeros = (xs == 0).sum() - nonfinite
     ints, mask = _BITS[x.dtype]
     # the smallest nonzero magnitude from |x|'s bits (0 -> the largest, as ``_zeros``); all zero: -0.0 -> none
     least = torch.bitwise_and(xs.view(ints), mask).sub_(1).bitwise_and_(mask).min().add(1)
     smallest = least.reshape(1).view(x.dtype).double().abs().reshape(())
-    return torch.stack([torch.full((), float(n), dtype=torch.float64, device=x.device), total, norm * norm,
-                        torch.maximum(-lo, hi).double(), smallest, zeros.double(), nan.double(),
+    return torch.stack([torch.full((), float(n), dtype=torch.float64, device=x.device), total, sumsq,
+                        top, smallest, zeros.double(), nan.double(),
                         (nonfinite - nan).double(), *_extra_reductions(xs, acc)])
 
 
