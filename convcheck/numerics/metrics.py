@@ -253,8 +253,12 @@ def reduction_length(module: nn.Module, inputs: tuple, output: torch.Tensor) -> 
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         x = inputs[0]
         return max(1, x.numel() // x.shape[1]) if module.training else 1
-    if isinstance(module, (nn.LayerNorm,)):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return math.prod(module.normalized_shape)
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):  # its statistics each sample's channel's
+        x = inputs[0]
+        uses_running = module.track_running_stats and not module.training
+        return 1 if uses_running or x.dim() < 2 else max(1, x[0, 0].numel() if x.dim() > 2 else x.shape[-1])
     if isinstance(module, nn.GroupNorm):
         x = inputs[0]
         return max(1, x[0].numel() // module.num_groups)

@@ -110,6 +110,15 @@ TINY_NORM = 1e-30
 # noise (K = 9: noise 6.2e-8). For 16-bit and TF32 targets (floors 1e-4..1e-2) it is negligible.
 # Measured: benchmarks/floors.py (benchmarks/results/floors-*.md).
 FLOOR_ABSOLUTE = 4e-7
+
+# A normalization's mean and variance are sums over K values (a BatchNorm's batch and positions). A float32 kernel
+# vectorised over SUM_LANES accumulators (a 512-bit register's float32 lanes), each summing K / SUM_LANES values one
+# after another, errs by about u * sqrt(K / SUM_LANES) relative to the spread it divides by (times how far the values
+# sit from their mean, ``floor.normalization_spread``); the part beyond FLOOR_ABSOLUTE raises a flagged row's floor.
+# Measured: the CPU's channels_last BatchNorm2d in training, 0.10-0.25 u * sqrt(K) at K = 1,024..65,536 (3.9e-6 on
+# 16x32x64x64, against 3.9e-8 for the contiguous kernel; tests/watch/test_watch_normalization_floor.py): within the
+# bound; a BatchNorm over 288 values wrong by 10x its noise (1e-6) still flagged (tests/measure/test_floor.py).
+SUM_LANES = 16
 # A relative error this large means the result is mostly lost: flagged whatever the factor,
 # unless the floor itself is this large (then the layer is ill-conditioned at that precision:
 # a numerics finding naming it, not a layer that computes something else).

@@ -35,6 +35,7 @@ from convcheck.nested import tensors_in
 from convcheck.numerics.metrics import rel_l2, rounding_error
 from convcheck.targets.runners import Runner
 from convcheck.numerics.formats import FLOAT32
+from convcheck.numerics.thresholds import FLOOR_ABSOLUTE, SUM_LANES
 from convcheck.targets.runners.precision import (
     OpPrecision,
     PrecisionModel,
@@ -189,7 +190,17 @@ class FloorMeter:
         closure evaluation); 0 for elementwise ops."""
         op = self.precision.for_module(module)
         if op_class(module) == "elementwise":
-            return 0.0
+            if k <= 1 or not isinstance(module, NORMALIZATIONS) or not judge_inputs \
+                    or not isinstance(judge_inputs[0], torch.Tensor):
+                return 0.0
+            # a normalization's mean and variance are sums of K terms, in float32 at least whatever the format
+            # (torch's kernels accumulate the half types in float32): their rounding error grows with K and with
+            # how far the values sit from their mean (``normalization_spread``). A kernel summing them in SUM_LANES
+            # accumulators (the CPU's channels_last BatchNorm: 100x the contiguous kernel's error on 16x32x64x64)
+            # is still a float32 implementation; the part of its error FLOOR_ABSOLUTE does not cover is added.
+            u = min(op.accumulate.unit_roundoff, FLOAT32.unit_roundoff)
+            lanes = u * math.sqrt(k / SUM_LANES) * normalization_spread(module, self.judge.reference(judge_inputs[0]))
+            return max(0.0, lanes - FLOOR_ABSOLUTE)
         ratio = magnitude_ratio(module, judge_inputs, judge_out, self.judge)
         if op.accumulate.unit_roundoff <= FLOAT32.unit_roundoff:
             ratio = max(ratio - math.sqrt(max(1, k)), 0.0)
@@ -236,6 +247,34 @@ class FloorMeter:
                 if t.is_floating_point():
                     t.copy_(round_to(t, op.operand))
         return copy
+
+
+NORMALIZATIONS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                  nn.RMSNorm)
+
+
+def normalization_spread(module: nn.Module, x: torch.Tensor) -> float:
+    """How far a normalization's input sits from the mean it subtracts, as its error grows: per group of values
+    normalized together, ``sqrt(E[x**2] / (var + eps))`` - 1 for values centred on zero, 10 for a mean ten times
+    their spread (the mean's rounding error, u * sqrt(K) * rms(x), is that many of the std it is divided by) -
+    combined as their root mean square over the groups; 1 for RMSNorm, which subtracts no mean."""
+    if isinstance(module, nn.RMSNorm) or x.dim() == 0 or x.numel() == 0:
+        return 1.0
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        groups = x.transpose(0, 1).reshape(x.shape[1], -1) if x.dim() > 1 else x.reshape(1, -1)
+    elif isinstance(module, nn.LayerNorm):
+        groups = x.reshape(-1, math.prod(module.normalized_shape))
+    elif isinstance(module, nn.GroupNorm):
+        groups = x.reshape(x.shape[0] * module.num_groups, -1)
+    else:  # instance norm: each sample's channel
+        groups = x.reshape(x.shape[0] * x.shape[1], -1) if x.dim() > 2 else x.reshape(x.shape[0], -1)
+    groups = groups.double()
+    var = groups.var(dim=1, unbiased=False)
+    square = groups.square().mean(dim=1)
+    eps = float(getattr(module, "eps", 0.0) or 0.0)
+    ratio = square / (var + eps)
+    ratio = ratio[torch.isfinite(ratio)]
+    return math.sqrt(float(ratio.mean())) if ratio.numel() else 1.0
 
 
 def magnitude_ratio(module: nn.Module, judge_inputs: tuple, judge_out: torch.Tensor, judge: Runner) -> float:
