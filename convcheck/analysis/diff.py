@@ -238,7 +238,7 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
             x, y = sa[key].astype(np.float64), sb[key].astype(np.float64)
             fa, fb = np.isfinite(x).all(), np.isfinite(y).all()
             if fa != fb:
-                return Parting(step, layer, f"its {what} is non-finite in {'B' if fa else 'A'} only")
+                return Parting(step, layer, f"its {what} is non-finite in {'B' if fa else 'A'} only", math.inf)
             if not fa:
                 continue
             norm = max(np.linalg.norm(x), np.linalg.norm(y))
@@ -249,7 +249,7 @@ def snapshot_parting(a: WatchedRun, b: WatchedRun, step: int) -> Parting | None:
                 origin = ("" if what != "input" else " (the batch: the runs were given different data)"
                           if not same_batch and i == 0 else " (made by the own code that runs before it)")
                 return Parting(step, layer, f"its {what}{origin} differs by {d:.3g} (relative, element by "
-                                            f"element), {d / u:.3g}x the roundoff of {coarser}")
+                                            f"element), {d / u:.3g}x the roundoff of {coarser}", d)
     return None
 
 

@@ -100,6 +100,10 @@ LAYER_REMEDIES = [declare("layer", "that layer computes less accurately than its
                   "a 16-bit type, a cast inside it), or run it in float32").remedy()]
 BF16_ZEROS = (declare("bf16-zeros", "bfloat16 keeps float32's range: these zeros are lost digits; compute the layer before it in "
               "float32", formats={"bfloat16"}).remedy())
+OUTCOME_STEPS = declare("outcome-steps", "record at least {steps} steps in each run (convcheck.watch around more of the "
+                        "loop), so that whether the precisions change how the runs end can be judged against their noise",
+                        answers=("precision unjudged",))
+
 PRECISION_PARTING = [declare("precision-parting", "run that layer in float32 on the lower-precision side, or check it against the float64 judge "
                      "with convcheck compare").remedy()]
 

@@ -31,6 +31,7 @@ class Parting:
     step: int
     layer: str
     why: str
+    size: float | None = None  # the relative difference, element by element (Inf: non-finite in one run only)
 
 
 @dataclass(frozen=True)

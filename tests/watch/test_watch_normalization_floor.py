@@ -74,6 +74,22 @@ def test_a_batchnorm_model_in_channels_last_against_itself_contiguous_is_ok(tmp_
     assert code == 0
 
 
+def test_the_same_pair_over_too_few_steps_to_judge_the_outcome_is_inconclusive(tmp_path, capsys):
+    """Six steps: the runs part in bn1 by the kernels' rounding, the judge finds every layer within its floor, and
+    there are too few steps to see how they end. Which kernel a run used is judged by the outcome: without one the
+    verdict says so (exit 5) and how to get one - not a ``numerics`` finding (exit 1), not an ``ok``."""
+    _train(tmp_path / "contiguous", channels_last=False, steps=6)
+    _train(tmp_path / "channels_last", channels_last=True, steps=6)
+    code = main(["diff", str(tmp_path / "contiguous"), str(tmp_path / "channels_last"), "--no-save"])
+    out = unwrapped(capsys.readouterr().out)
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict: "))
+    assert verdict == ("verdict: inconclusive: the runs part at step 0 in bn1, as their precisions can explain, but "
+                       "too few steps were recorded to judge whether it changes how they end"), out
+    assert "float64 judge on B: every replayed layer within its floor" in out
+    assert "remedy: record at least 10 steps in each run" in out
+    assert code == 5
+
+
 def test_the_floor_of_a_normalization_grows_with_its_reduction_and_its_inputs_offset():
     """The term a flagged normalization row's floor takes: u * sqrt(K) * sqrt(E[x^2] / (var + eps)), K its
     reduction (a BatchNorm's batch and positions in training, 1 in eval: no sum); none for other elementwise ops."""

@@ -72,7 +72,8 @@ def rows_of(path) -> tuple[list[str], list[dict]]:
 
 def test_csv_names_the_changed_layer(runs, tmp_path, capsys):
     code, out, err = cli(capsys, runs / "a", runs / "b", "--csv", tmp_path / "layers.csv", "--no-save")
-    assert code == 1 and "verdict: numerics" in out and err == ""
+    # four steps: too few to judge whether the bfloat16 head changes how the runs end (issue 48's outcome rule)
+    assert code == 5 and "verdict: inconclusive: the runs part at step 1 in fc2, as their precisions can explain" in " ".join(out.split()) and err == ""
     header, rows = rows_of(tmp_path / "layers.csv")
     assert (tmp_path / "layers.csv").read_text().splitlines()[0] == (
         "step,layer,dtype_a,dtype_b,max_abs_a,max_abs_b,max_abs_rel,mean_rel,std_rel,zeros_rel,min_nonzero_rel,"
@@ -121,7 +122,7 @@ def test_csv_never_overwrites_without_force_nor_writes_through_anything_else(run
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "--csv" in err and "pass --force" in err and "Traceback" not in err
     assert mine.read_text() == "my own numbers\n"
-    assert cli(capsys, a, b, "--csv", mine, "--force")[0] == 1
+    assert cli(capsys, a, b, "--csv", mine, "--force")[0] == 5
     assert mine.read_text().startswith("step,layer,dtype_a,")
     link = tmp_path / "link.csv"
     link.symlink_to(tmp_path / "elsewhere.csv")
@@ -145,7 +146,7 @@ def test_csv_never_overwrites_without_force_nor_writes_through_anything_else(run
 def test_out_writes_the_tables_and_a_page(runs, tmp_path, capsys):
     rep = tmp_path / "rep"
     code, out, _ = cli(capsys, runs / "a", runs / "b", "--out", rep, "--csv", tmp_path / "t.csv")
-    assert code == 1
+    assert code == 5
     assert sorted(p.name for p in rep.iterdir()) == ["watch_diff.json", "watch_grads.csv", "watch_layers.csv",
                                                      "watch_report.html", "watch_snapshots.csv"]
     assert (rep / "watch_layers.csv").read_text() == (tmp_path / "t.csv").read_text()

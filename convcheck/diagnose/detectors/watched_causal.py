@@ -132,10 +132,12 @@ class Outcome:
     final: tuple = (None, None)
     noise: float = 0.0
     worse: str | None = None  # the side that ends worse beyond the noise
+    short: bool = False  # not judged because fewer than ``OUTCOME_MIN_STEPS`` aligned steps were recorded
 
     def text(self) -> str:
         if self.alike is None:
-            return "convergence not judged: too few steps"
+            return ("convergence not judged: too few steps" if self.short else
+                    "convergence not judged: a loss of the last steps is missing or not finite")
         ea, eb = self.final
         verb = "end alike" if self.alike else f"end apart ({self.worse} worse)"
         return (f"the losses {verb}: {ea:.4g} (A) and {eb:.4g} (B) over the last steps, against a noise of "
@@ -164,7 +166,7 @@ def outcome(a, b, steps: int, tol: float) -> Outcome:
     """Whether the runs end alike: final losses within ``NOISE_FACTOR`` x the quieter run's spread, plus ``tol`` of
     the larger final loss (the precision's own rounding)."""
     if steps < OUTCOME_MIN_STEPS:
-        return Outcome(None)
+        return Outcome(None, short=True)
     ta, tb = _tail(a, steps), _tail(b, steps)
     if ta is None or tb is None:
         return Outcome(None)

@@ -38,7 +38,9 @@ from convcheck.diagnose.detectors.watched import LOSS_SCALE, RECIPE
 from convcheck.diagnose.registry import verdict_rule
 from convcheck.diagnose.remedies import (PYTHON_ORDER, BISECT_BACKENDS, KERNEL_ZEROS, BF16_ZEROS, COMPILED_RANDOM, DATA_REMEDIES, DETERMINISM_REMEDIES, GRAD_SCALER_UNDERFLOW,
                                          SEED_RANDOM_LAYERS,
-                                         PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES, VERSION_REMEDIES)
+                                         OUTCOME_STEPS, PRECISION_PARTING, RECIPE_REMEDIES, SCALE_REMEDIES,
+                                         VERSION_REMEDIES)
+from convcheck.numerics.thresholds import DESTROYED_ERROR, OUTCOME_MIN_STEPS
 from convcheck.diagnose.rules.watched_lines import (layer_verdict, loss_scale_verdict, lost_updates_verdict,
                                                     nonfinite_cause, nonfinite_remedies, over, setup_remedies,
                                                     interrupted, stopped_verdict, training_problem)
@@ -249,10 +251,31 @@ def watched_precision(ev: PairEvidence) -> Verdict | None:
     part = _parting(ev)
     if part is None or ev.precision is None or _precision_explains(ev):
         return None
+    if ev.outcome is not None and ev.outcome.short and not any(ev.divergence) and not _destroyed(part):
+        return _precision_unjudged(ev, part)
     end = [ev.outcome.text()] if ev.outcome is not None and ev.outcome.alike is not None else []
     return watched_precision.verdict([f"{_where(part)}: {part.why}", ev.precision] + end + _own_divergence(ev),
                                      {"step": part.step, "layer": part.layer}, remedies=list(PRECISION_PARTING),
                                      layer=part.layer, sub_cause="precision")
+
+
+def _destroyed(part: Parting) -> bool:
+    """A parting the lower precision shows harmful by itself, outcome or none: the values differ by as much as they
+    are (``DESTROYED_ERROR``, relative, element by element) or are non-finite in one run only."""
+    return part.size is not None and part.size >= DESTROYED_ERROR
+
+
+def _precision_unjudged(ev: PairEvidence, part: Parting) -> Verdict:
+    """Runs at different precisions that part, no layer flagged, too few steps to see how they end: a precision is
+    judged by its outcome (does the parting change how the runs converge?), and without one the parting is neither a
+    fault nor shown harmless - ``inconclusive``, not a ``numerics`` finding (exit 1) nor an ``ok``."""
+    judged = [f"float64 judge on {side}: every replayed layer within its floor" for side, r in zip(SIDES, ev.replays)
+              if r is not None and r.rows and not r.flagged]
+    return Verdict("inconclusive", f"{_where(part)}, as their precisions can explain, but too few steps were recorded "
+                                   "to judge whether it changes how they end",
+                   evidence=[f"{_where(part)}: {part.why}", ev.precision, ev.outcome.text()] + judged,
+                   remedies=[OUTCOME_STEPS.remedy(steps=OUTCOME_MIN_STEPS)], layer=part.layer,
+                   sub_cause="precision unjudged")
 
 
 @verdict_rule("W009", "watched-stack", priority=85, category="version", reads=PairEvidence,
