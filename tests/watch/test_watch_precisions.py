@@ -176,4 +176,3 @@ def test_an_autocast_that_leaves_a_float64_model_alone_is_no_precision_of_the_ru
     d = diff_watched(tmp_path / "a", tmp_path / "b")
     assert d.verdict.category == "ok", d.verdict.headline
     assert d.policy == () and "bfloat16" not in " ".join(d.lines())
-
