@@ -64,9 +64,11 @@ def test_two_float32_runs_agree(runs, capsys):
     assert "verdict: ok: the two watched runs agree within rounding" in capsys.readouterr().out
 
 
-def test_float32_against_bf16_autocast_is_a_precision_finding(runs, capsys):
+def test_float32_against_bf16_autocast_over_four_steps_is_inconclusive(runs, capsys):
+    """The runs part by bfloat16's rounding and four steps are too few to see whether it changes how they end: a
+    precision is judged by its outcome, so the verdict says it could not be (exit 5) and how to get one."""
     tmp, _ = runs
-    assert main(["diff", str(tmp / "fp32"), str(tmp / "bf16"), "--no-save"]) == 1
-    out = capsys.readouterr().out
-    assert "verdict: numerics:" in out and "they compute at different precisions" in out
-    assert "A's layers output float32, B's bfloat16" in out
+    assert main(["diff", str(tmp / "fp32"), str(tmp / "bf16"), "--no-save"]) == 5
+    out = " ".join(capsys.readouterr().out.split())
+    assert "verdict: inconclusive: the runs part at step" in out and "as their precisions can explain" in out
+    assert "A's layers output float32, B's bfloat16" in out and "remedy: record at least 10 steps in each run" in out
