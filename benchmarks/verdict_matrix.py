@@ -1,7 +1,7 @@
 """The watched diff's fault matrix (issue 42): generated cases, each two watched runs and ``diff_watched``.
 
     python benchmarks/verdict_matrix.py [--set tuned|heldout] [--families mlp,cnn,...] [--faults no_zero_grad,...]
-                                        [--out benchmarks/results/verdict_matrix.md] [--jobs N] [--list]
+                                        [--out benchmarks/results/verdict_matrix.md] [--jobs N] [--list] [--steps N]
 
 ``--set heldout`` runs the held-out matrix instead (``matrix/heldout.py``: families, faults and a loop the diff's
 method was never tuned on; written to ``benchmarks/results/verdict_matrix-heldout.md`` unless ``--out`` says).
@@ -90,7 +90,8 @@ def run_all(cases, jobs: int = 1, progress=None, which: str = "tuned") -> list[d
     ctx = mp.get_context("spawn")
     out = []
     with ctx.Pool(processes=max(1, jobs), maxtasksperchild=1) as pool:
-        for r in pool.imap_unordered(_task, [(which, c.family, c.kind) for c in cases]):
+        check = not os.environ.get("CONVCHECK_MATRIX_STEPS")
+        for r in pool.imap_unordered(_task, [(which, c.family, c.kind, check) for c in cases]):
             out.append(r)
             if progress:
                 progress(r, len(out), len(cases))
@@ -218,7 +219,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write every case's result as JSON here")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--steps", type=int, default=None,
+                   help="every run this many steps (a short matrix: what the verdicts say with too few steps to judge "
+                        "the outcome); the plain-torch check that a fault shows is skipped (it assumes the full length)")
     args = p.parse_args(argv)
+    if args.steps is not None:
+        if args.steps < 1:
+            p.error("--steps must be a positive whole number")
+        os.environ["CONVCHECK_MATRIX_STEPS"] = str(args.steps)  # read by matrix/loop.py and matrix/heldout.py
     if args.which == "heldout":
         from matrix import heldout
 

@@ -19,6 +19,7 @@ and a plain-torch check (no convcheck imported) that the fault does what it clai
 
 from __future__ import annotations
 
+import os
 import contextlib
 import hashlib
 import math
@@ -33,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .cases import CaseInvalid, named  # noqa: F401  (named: the scoring, shared with the tuned matrix)
 
-STEPS = 30
+STEPS = int(os.environ.get("CONVCHECK_MATRIX_STEPS") or 30)  # verdict_matrix.py --steps: a short matrix
 WARMUP = 8
 
 

@@ -8,6 +8,7 @@ and weights, the parameters before and after).
 
 from __future__ import annotations
 
+import os
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .families import Family
 
-STEPS = 32
+STEPS = int(os.environ.get("CONVCHECK_MATRIX_STEPS") or 32)  # verdict_matrix.py --steps: a short matrix
 WARMUP = 8  # the LambdaLR warm-up every family's recipe uses: lr x min(1, (k+1)/WARMUP)
 AUX = 0.01  # the auxiliary logit penalty (a z-loss) of the classifiers and LMs
 
