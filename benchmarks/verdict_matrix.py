@@ -113,9 +113,10 @@ def summary(results) -> dict:
     right = [r for r in scored if r["right"]]
     cat = [r for r in scored if r["category"] == r["truth"]]
     healthy = [r for r in scored if r["truth"] == "ok"]
-    alarms = [r for r in healthy if r["category"] != "ok"]
+    alarms = [r for r in healthy if r["category"] not in ("ok", "inconclusive")]  # a finding (exit 1) or a crash
     return {"cases": len(scored), "right": len(right), "category_right": len(cat), "healthy": len(healthy),
             "false_alarms": len(alarms), "invalid": len(results) - len(scored),
+            "inconclusive_healthy": sum(r["category"] == "inconclusive" for r in healthy),
             "wrong": [r for r in scored if not r["right"]], "invalid_cases": [r for r in results
                                                                             if r["status"] == "invalid"]}
 
@@ -130,7 +131,9 @@ def _short(s, n=150):
 
 
 def report(results, command: str, seconds: float, jobs: int, kinds=None, families=None,
-           title: str = "# The watched diff's verdict matrix (issue 42)") -> str:
+           title: str = "# The watched diff's verdict matrix (issue 42)", date: str | None = None,
+           commit: str | None = None) -> str:
+    """The matrix's page; ``date`` and ``commit`` where it is written again from a run's JSON (default: now, HEAD)."""
     kinds = KINDS if kinds is None else kinds
     families = FAMILIES if families is None else families
     s = summary(results)
@@ -138,14 +141,16 @@ def report(results, command: str, seconds: float, jobs: int, kinds=None, familie
     cols = [c for c in COLUMNS if any(table[t][c] for t in ROWS) or c in ("ok", "setup", "numerics")]
     lines = [title, "",
              f"- command: `{command}`",
-             f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-             f"- commit: {_git('rev-parse', '--short', 'HEAD')}"
+             f"- date: {date or _dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+             f"- commit: {commit}" if commit else f"- commit: {_git('rev-parse', '--short', 'HEAD')}"
              + (" (+ uncommitted changes under convcheck/)" if _git('status', '--porcelain', 'convcheck') else ""),
              f"- machine: {platform.machine()}, {os.cpu_count()} cpus, torch {_torch_version()}, --jobs {jobs}, "
              f"{seconds:.0f} s wall", "",
              f"**Right (category right and cause named): {s['right']}/{s['cases']} = {_pct(s['right'], s['cases'])}**; "
              f"category right: {s['category_right']}/{s['cases']} = {_pct(s['category_right'], s['cases'])}; "
              f"**false alarms on healthy cases: {s['false_alarms']}/{s['healthy']}**"
+             + (f" (a finding, exit 1; `inconclusive`, exit 5, on {s['inconclusive_healthy']} more)"
+                if s["inconclusive_healthy"] else "")
              + (f"; INVALID cases (fault did not manifest — a matrix bug): {s['invalid']}" if s["invalid"] else ""),
              "", "## Confusion (truth rows × diagnosed columns)", "",
              "| truth \\ diagnosed | " + " | ".join(cols) + " | total |",
