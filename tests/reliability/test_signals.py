@@ -24,6 +24,14 @@ STOPPABLE = Path(__file__).parent / "user" / "stoppable.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _default_stop_signals() -> None:
+    """The child's stop signals as a terminal's foreground command has them. A test runner started with ``nohup`` or
+    in the background of a script inherits SIGHUP or SIGINT ignored, and passes that on to the child - which then,
+    as convcheck should (``cli/signals.py`` keeps a signal its caller ignores), does not stop on it."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def _start(tmp_path: Path, at: str, *extra: str) -> tuple[subprocess.Popen, Path]:
     mark = tmp_path / "mark"
     env = {**os.environ, "CC_MARK": str(mark), "CC_AT": at, "CONVCHECK_NO_PROGRESS": "1", "NO_COLOR": "1",
@@ -32,7 +40,8 @@ def _start(tmp_path: Path, at: str, *extra: str) -> tuple[subprocess.Popen, Path
     # move the model's forward calls, and with them the point it waits at, out of training
     argv = [sys.executable, "-m", "convcheck", "compare", "--model", f"{STOPPABLE}:make", *TINY,
             "--steps", "3", "--threads", "1", *extra]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_stop_signals)
     while not mark.exists():  # the model reached its point (or the run ended without reaching it)
         if proc.poll() is not None:
             out, err = proc.communicate()
