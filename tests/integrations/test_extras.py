@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 CHILD = r"""
 import json, sys
 import convcheck, convcheck.watch, convcheck.integrations
@@ -29,6 +31,7 @@ print(json.dumps({"imported": seen, "errors": errors}))
 """
 
 
+@pytest.mark.slow  # ~3 s: fresh interpreters importing convcheck
 def test_no_framework_is_imported_and_a_missing_extra_is_one_line():
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

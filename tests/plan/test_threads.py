@@ -165,6 +165,7 @@ def test_the_probe_changes_no_figure(measured, monkeypatch):
     assert probed.training.layer_grads.equals(told.training.layer_grads)
 
 
+@pytest.mark.slow  # ~2 s of timed rounds
 def test_measure_choice_takes_more_rounds_where_one_step_does_not_settle_it():
     """0.25 s at the default against 0.2 s at one thread (not 1.5x apart): the alternating rounds run
     (three: the budget allows them), and the faster median is kept."""

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.reliability.conftest import TINY, run_cli
 
 ROOT = Path(__file__).parents[2]
@@ -25,6 +27,7 @@ def build():
 """
 
 
+@pytest.mark.slow  # ~3 s: a whole compare in a subprocess
 def test_a_thread_the_users_code_leaves_running_does_not_keep_convcheck_alive(tmp_path):
     (tmp_path / "threaded.py").write_text(_THREADED)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CONVCHECK_NO_PROGRESS": "1", "NO_COLOR": "1"}
